@@ -1,0 +1,153 @@
+"""Configuration dataclasses, one per concern.
+
+Every field carries its help text in ``metadata``; ``megatron_streaming.arguments`` turns the
+fields into argparse flags (``tensor_model_parallel_size`` -> ``--tensor-model-parallel-size``,
+Megatron-LM's names wherever Megatron has the flag) and ``validate`` checks them together.
+The library takes these objects; nothing reads a global ``args``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+
+def arg(default: Any, help: str, **extra: Any) -> Any:
+    """A dataclass field whose metadata feeds the flag generator (``choices``, ``flag``...)."""
+    meta = {"help": help, **extra}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class ModelConfig:
+    """The GPT architecture (megatron.core.models.gpt.GPTModel)."""
+
+    num_layers: int = arg(2, "Number of transformer layers.")
+    hidden_size: int = arg(64, "Transformer hidden size.")
+    num_attention_heads: int = arg(4, "Number of attention heads.")
+    ffn_hidden_size: Optional[int] = arg(None, "MLP hidden size (default 4 x hidden size).")
+    seq_length: int = arg(64, "Tokens per sample.")
+    max_position_embeddings: Optional[int] = arg(
+        None, "Learned position table size (default: --seq-length).")
+    position_embedding_type: str = arg(
+        "learned_absolute", "Position embedding.", choices=["learned_absolute", "rope"])
+    normalization: str = arg("LayerNorm", "Norm layer.", choices=["LayerNorm", "RMSNorm"])
+    untie_embeddings_and_output_weights: bool = arg(
+        False, "Give the output layer its own weight instead of the input embedding's.")
+    hidden_dropout: float = arg(0.0, "Dropout on the residual branches.")
+    attention_dropout: float = arg(0.0, "Dropout on the attention probabilities.")
+    init_method_std: float = arg(0.02, "Std of the normal weight initialisation.")
+    make_vocab_size_divisible_by: int = arg(
+        128, "Pad the vocabulary to a multiple of this times the tensor-parallel size.")
+    transformer_impl: str = arg(
+        "auto", "Layer implementation: Transformer Engine when importable on a GPU (auto), "
+        "or megatron-core's local spec.", choices=["auto", "local", "transformer_engine"])
+    bf16: bool = arg(False, "Train in bf16 (fp32 master weights in ZeRO).")
+
+
+@dataclass
+class ParallelConfig:
+    """Parallelism inside one worker, and the number of workers."""
+
+    tensor_model_parallel_size: int = arg(1, "Tensor-parallel size (inside a worker).")
+    pipeline_model_parallel_size: int = arg(1, "Pipeline-parallel size (inside a worker).")
+    sequence_parallel: bool = arg(
+        False, "Megatron sequence parallelism over the tensor-parallel group.")
+    zero_stage: int = arg(1, "DeepSpeed ZeRO stage over the worker's data-parallel group.",
+                          choices=[0, 1, 2])
+    diloco_workers: int = arg(
+        1, "Number of DiLoCo workers; each is a contiguous block of WORLD/M ranks.")
+    distributed_backend: str = arg(
+        "auto", "torch.distributed backend (auto: nccl with CUDA, else gloo).",
+        choices=["auto", "gloo", "nccl"])
+    distributed_timeout_minutes: float = arg(10.0, "Timeout of in-worker collectives.")
+
+
+@dataclass
+class OptimizerConfig:
+    """Inner AdamW and its learning-rate schedule."""
+
+    lr: float = arg(1e-3, "Peak learning rate.")
+    min_lr: float = arg(0.0, "Learning rate at the end of the decay.")
+    lr_decay_style: str = arg("cosine", "Decay after warmup.",
+                              choices=["constant", "linear", "cosine"])
+    lr_warmup_iters: int = arg(0, "Linear warmup iterations.")
+    lr_decay_iters: Optional[int] = arg(None, "Decay iterations (default: --train-iters).")
+    weight_decay: float = arg(0.01, "AdamW weight decay (not on biases and norms).")
+    adam_beta1: float = arg(0.9, "AdamW beta1.")
+    adam_beta2: float = arg(0.95, "AdamW beta2.")
+    adam_eps: float = arg(1e-8, "AdamW epsilon.")
+    clip_grad: float = arg(1.0, "Clip the global gradient norm to this (0 = off).")
+
+
+@dataclass
+class TrainingConfig:
+    """Batches, iterations and evaluation."""
+
+    micro_batch_size: int = arg(2, "Samples per micro-batch per data-parallel rank.")
+    global_batch_size: Optional[int] = arg(
+        None, "Samples per step in one worker (micro batch x data-parallel size x "
+        "accumulation); default one micro-batch per data-parallel rank.")
+    train_iters: int = arg(20, "Training iterations.")
+    eval_interval: int = arg(0, "Evaluate every this many iterations (0 = only at the end).")
+    eval_iters: int = arg(2, "Global batches per evaluation (0 = no evaluation).")
+    seed: int = arg(1234, "Random seed (model init and data order).")
+    skip_train: bool = arg(False, "Do not train; with --load, only evaluate.")
+
+
+@dataclass
+class DataConfig:
+    """Where samples come from."""
+
+    data_path: List[str] = arg([], "Indexed dataset prefix(es), optionally weighted "
+                               "('0.7 a 0.3 b'), split by --split.", nargs="*")
+    split: str = arg("969,30,1", "Train/valid/test proportions of --data-path.")
+    train_data_path: List[str] = arg([], "Training dataset prefix(es).", nargs="*")
+    valid_data_path: List[str] = arg([], "Validation dataset prefix(es).", nargs="*")
+    test_data_path: List[str] = arg([], "Test dataset prefix(es).", nargs="*")
+    mock_data: bool = arg(False, "Synthetic data (megatron MockGPTDataset); no files needed.")
+    tokenizer_model: Optional[str] = arg(None, "SentencePiece model of the dataset.")
+    vocab_size: int = arg(256, "Vocabulary size with --mock-data.")
+    data_cache_path: Optional[str] = arg(None, "Where dataset index caches are written.")
+
+
+@dataclass
+class LoggingConfig:
+    """What the run reports and where."""
+
+    log_interval: int = arg(1, "Print a progress line every this many iterations.")
+    tensorboard_dir: Optional[str] = arg(None, "Write TensorBoard scalars here.")
+    summary_json: Optional[str] = arg(None, "Write a JSON summary of the run here at the end.")
+    log_jsonl: Optional[str] = arg(
+        None, "Append one JSON line per logged iteration and evaluation to this file.")
+
+
+@dataclass
+class CheckpointConfig:
+    """Saving and resuming."""
+
+    save: Optional[str] = arg(None, "Directory to save checkpoints to.")
+    save_interval: int = arg(0, "Save every this many iterations (0 = only at the end).")
+    load: Optional[str] = arg(None, "Directory to resume from (its latest checkpoint).")
+
+
+@dataclass
+class Config:
+    """Everything a run needs, grouped by concern."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def sections(self):
+        return [(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)]
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)

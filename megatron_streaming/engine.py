@@ -1,0 +1,182 @@
+"""One worker's training step: Megatron-core's pipeline schedule inside DeepSpeed ZeRO.
+
+Data flow of a step: micro-batches -> Megatron's forward/backward schedule (TP/PP/SP inside
+the worker, plain autograd backward) -> model-parallel gradient fix-ups (``grads``) ->
+DeepSpeed ``engine.step()``: ZeRO reduces gradients over the worker's data-parallel group,
+clips, runs AdamW on each rank's fp32 partition and gathers the weights back.
+
+DeepSpeed runs with ``managed_gradient_accumulation: false``: the schedule owns the
+micro-batch loop and ``engine.step()`` is the accumulation boundary. The inner optimizer is
+exposed so that hooks (the streaming sync) can attach to its step without a forked loop.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import partial
+from typing import Iterator, List, Optional
+
+import torch
+
+from . import grads
+from .config import Config
+from .topology import Topology
+
+
+def lr_at(iteration: int, cfg: Config) -> float:
+    """Linear warmup, then constant, linear or cosine decay to ``--min-lr``."""
+    o = cfg.optimizer
+    if o.lr_warmup_iters and iteration < o.lr_warmup_iters:
+        return o.lr * (iteration + 1) / o.lr_warmup_iters
+    if o.lr_decay_style == "constant":
+        return o.lr
+    decay_iters = (o.lr_decay_iters or cfg.training.train_iters) - o.lr_warmup_iters
+    progress = min(max(iteration - o.lr_warmup_iters, 0) / max(decay_iters, 1), 1.0)
+    if o.lr_decay_style == "linear":
+        coeff = 1.0 - progress
+    else:
+        coeff = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return o.min_lr + coeff * (o.lr - o.min_lr)
+
+
+def num_microbatches(cfg: Config, dp: int) -> int:
+    t = cfg.training
+    return (t.global_batch_size or t.micro_batch_size * dp) // (t.micro_batch_size * dp)
+
+
+def deepspeed_config(cfg: Config, dp: int) -> dict:
+    """The DeepSpeed JSON, generated from the dataclasses (never from a template)."""
+    o = cfg.optimizer
+    ds = {
+        "train_micro_batch_size_per_gpu": cfg.training.micro_batch_size,
+        # The schedule accumulates micro-batches itself and already divides the loss by
+        # their number; DeepSpeed must not divide again.
+        "gradient_accumulation_steps": 1,
+        "managed_gradient_accumulation": False,
+        "zero_optimization": {"stage": cfg.parallel.zero_stage},
+        "optimizer": {"type": "AdamW", "params": {
+            "lr": o.lr, "betas": [o.adam_beta1, o.adam_beta2], "eps": o.adam_eps,
+            "weight_decay": o.weight_decay, "torch_adam": not torch.cuda.is_available()}},
+        # DeepSpeed's default is 1.0: always say what we mean.
+        "gradient_clipping": o.clip_grad,
+        "steps_per_print": 2**62,
+        "wall_clock_breakdown": False,
+        "zero_allow_untested_optimizer": True,
+    }
+    if cfg.model.bf16:
+        ds["bf16"] = {"enabled": True}
+    return ds
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> List[dict]:
+    """AdamW groups: no decay on biases and norm weights (Megatron's rule)."""
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        (no_decay if param.ndim == 1 or name.endswith(".bias") else decay).append(param)
+    groups = [{"params": decay, "weight_decay": weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+@dataclass
+class StepResult:
+    loss: Optional[float]  # mean over micro-batches; None off the last pipeline stage
+    grad_norm: Optional[float]
+    lr: float
+
+
+def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask) / mask.sum()
+    # The schedule divides the returned loss in place: report a copy.
+    return loss, {"lm loss": loss.detach().clone()}
+
+
+def _forward_step(forward, data_iterator, model):
+    # The schedule hands over the bare Megatron model (it reads ``model.config`` and calls
+    # ``set_input_tensor`` on it); under ZeRO the forward goes through the DeepSpeed engine
+    # so that the ZeRO optimizer sees the backward begin and end.
+    del model
+    batch = next(data_iterator)
+    output = forward(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
+                   labels=batch["labels"])
+    return output, partial(_loss_func, batch["loss_mask"])
+
+
+class WorkerEngine:
+    """The model wrapped by DeepSpeed, and the train / eval steps of one worker."""
+
+    def __init__(self, cfg: Config, topology: Topology, model: torch.nn.Module):
+        import deepspeed
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+        from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+        self.cfg, self.topology, self.model = cfg, topology, model
+        dp = topology.layout.dp
+        self.num_microbatches = num_microbatches(cfg, dp)
+        grads.mark_pipeline_replicas(model, topology)
+        self._hooks = grads.register_sequence_parallel_grad_hooks(model, topology.groups["tp"])
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(
+            model=model,
+            model_parameters=param_groups(model, cfg.optimizer.weight_decay),
+            config=deepspeed_config(cfg, dp),
+            mpu=topology.mpu(),
+            dist_init_required=False,
+        )
+        # Without ZeRO, DeepSpeed refuses a backward it did not start; its step() then does
+        # the plain data-parallel all-reduce of the accumulated gradients itself.
+        self._forward = self.engine if cfg.parallel.zero_stage > 0 else model
+        self.pg_collection = topology.pg_collection()
+        self.p2p = P2PCommunicator(pp_group=topology.groups["pp"], config=model.config)
+        self.forward_backward = get_forward_backward_func(pp_size=topology.layout.pp,
+                                                          vp_size=None)
+
+    @property
+    def inner_optimizer(self) -> torch.optim.Optimizer:
+        """The torch optimizer that steps each rank's fp32 partition (hook point)."""
+        return getattr(self.optimizer, "optimizer", self.optimizer)
+
+    def _run_schedule(self, data_iterator: Iterator, forward_only: bool,
+                      num_microbatches: int):
+        t = self.cfg.training
+        return self.forward_backward(
+            forward_step_func=partial(_forward_step, self._forward),
+            data_iterator=data_iterator,
+            model=self.model,
+            num_microbatches=num_microbatches,
+            seq_length=self.cfg.model.seq_length,
+            micro_batch_size=t.micro_batch_size,
+            forward_only=forward_only,
+            p2p_communicator=self.p2p,
+            pg_collection=self.pg_collection,
+        )
+
+    def _mean_loss(self, outputs) -> Optional[float]:
+        """The worker's loss: mean over micro-batches and data-parallel ranks (last stage)."""
+        if not self.topology.is_last_stage or not outputs:
+            return None
+        loss = torch.stack([o["lm loss"] for o in outputs]).mean().double()
+        torch.distributed.all_reduce(loss, group=self.topology.groups["dp"])
+        return float(loss) / self.topology.layout.dp
+
+    def train_step(self, data_iterator: Iterator, iteration: int) -> StepResult:
+        lr = lr_at(iteration, self.cfg)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.engine.train()
+        outputs = self._run_schedule(data_iterator, False, self.num_microbatches)
+        grads.allreduce_tied_embedding_grads(self.model, self.topology)
+        self.engine.step()
+        norm = self.engine.get_global_grad_norm()
+        norm = float(norm) if norm is not None else None
+        return StepResult(self._mean_loss(outputs), norm, lr)
+
+    @torch.no_grad()
+    def eval_step(self, data_iterator: Iterator) -> Optional[float]:
+        self.engine.eval()
+        outputs = self._run_schedule(data_iterator, True, self.num_microbatches)
+        return self._mean_loss(outputs)

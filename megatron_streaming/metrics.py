@@ -1,0 +1,128 @@
+"""What a run reports: progress lines, TensorBoard scalars and the end-of-run summary.
+
+Exactly one rule picks the rank that writes (``Topology.is_logging_rank``); everything here is
+a no-op elsewhere. TensorBoard is imported only when a directory is given.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from typing import Dict, Optional
+
+log = logging.getLogger("megatron_streaming")
+
+
+class ScalarWriter:
+    """Interface: scalars by name and step. The base class drops them."""
+
+    def scalars(self, step: int, values: Dict[str, float]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class TensorBoardWriter(ScalarWriter):
+    def __init__(self, log_dir: str):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._writer = SummaryWriter(log_dir=log_dir)
+
+    def scalars(self, step: int, values: Dict[str, float]) -> None:
+        for name, value in values.items():
+            if value is not None:
+                self._writer.add_scalar(name, value, step)
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+class JsonLinesWriter(ScalarWriter):
+    """One JSON object per call: machine-readable progress for scripts and tests."""
+
+    def __init__(self, path: str):
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        self._file = open(path, "a")
+
+    def scalars(self, step: int, values: Dict[str, float]) -> None:
+        self._file.write(json.dumps({"iteration": step, **values}) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class Writers(ScalarWriter):
+    def __init__(self, writers):
+        self._writers = writers
+
+    def scalars(self, step: int, values: Dict[str, float]) -> None:
+        for w in self._writers:
+            w.scalars(step, values)
+
+    def close(self) -> None:
+        for w in self._writers:
+            w.close()
+
+
+def make_writer(logging_cfg, is_writer: bool) -> ScalarWriter:
+    writers = []
+    if is_writer and logging_cfg.tensorboard_dir:
+        writers.append(TensorBoardWriter(logging_cfg.tensorboard_dir))
+    if is_writer and logging_cfg.log_jsonl:
+        writers.append(JsonLinesWriter(logging_cfg.log_jsonl))
+    return Writers(writers)
+
+
+def setup_logging(is_logging_rank: bool) -> None:
+    level = logging.INFO if is_logging_rank else logging.WARNING
+    logging.basicConfig(level=level, format="%(message)s", force=True)
+    # Megatron's dataset builder and DeepSpeed narrate every step of their set-up at INFO.
+    for name in ("megatron", "DeepSpeed", "deepspeed"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+class Throughput:
+    """Tokens per second over the iterations since the last report."""
+
+    def __init__(self, tokens_per_iteration: int, start_iteration: int = 0):
+        self.tokens_per_iteration = tokens_per_iteration
+        self.start = time.perf_counter()
+        self._last_time = self.start
+        self._last_iteration = start_iteration
+
+    def rate(self, iteration: int) -> float:
+        now = time.perf_counter()
+        done = iteration - self._last_iteration
+        elapsed = now - self._last_time
+        self._last_time, self._last_iteration = now, iteration
+        return done * self.tokens_per_iteration / max(elapsed, 1e-9)
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+
+def _fmt(value: Optional[float], spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def progress_line(iteration: int, train_iters: int, loss: Optional[float], lr: float,
+                  grad_norm: Optional[float], tokens_per_s: float, elapsed: float,
+                  extra: str = "") -> str:
+    return (f"iteration {iteration:>6}/{train_iters} | loss {_fmt(loss, '.6f')} | "
+            f"lr {lr:.3e} | grad norm {_fmt(grad_norm, '.4f')} | tokens/s {tokens_per_s:,.0f} "
+            f"| elapsed {elapsed:.1f}s{extra}")
+
+
+def write_summary(path: str, summary: dict) -> None:
+    """Write atomically, so a reader never sees half a file."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(summary, f, indent=2, sort_keys=True)
+        f.write("\n")
+    os.replace(tmp, path)

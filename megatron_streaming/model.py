@@ -1,0 +1,105 @@
+"""Builds one worker's slice of the GPT: megatron-core ``GPTModel`` with explicit groups.
+
+Sits between the topology (which stage and TP rank this is) and the engine (which wraps the
+model in DeepSpeed). ``layer_spec`` is the seam where later layer kinds (Ulysses attention,
+Ladder residual) plug in; nothing here forks Megatron's files.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+
+import torch
+
+from .config import ModelConfig, ParallelConfig
+from .topology import Topology
+
+log = logging.getLogger(__name__)
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
+    """Megatron's padding: a multiple of ``divisible_by x TP`` so every TP shard is equal."""
+    multiple = divisible_by * tp
+    return ((vocab_size + multiple - 1) // multiple) * multiple
+
+
+def have_transformer_engine() -> bool:
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def resolve_transformer_impl(requested: str) -> str:
+    """``auto`` takes Transformer Engine only where it can run (importable, and a GPU)."""
+    if requested == "local":
+        return "local"
+    usable = have_transformer_engine() and torch.cuda.is_available()
+    if requested == "transformer_engine" and not usable:
+        raise ValueError(
+            "--transformer-impl transformer_engine needs the transformer_engine package and a "
+            "GPU; use --transformer-impl local (or auto) on this machine")
+    return "transformer_engine" if usable else "local"
+
+
+def layer_spec(model_cfg: ModelConfig):
+    """The transformer layer spec: the one place that chooses layer implementations."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if resolve_transformer_impl(model_cfg.transformer_impl) == "transformer_engine":
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+    return gpt_layer_specs.get_gpt_layer_local_spec(normalization=model_cfg.normalization)
+
+
+def transformer_config(model_cfg: ModelConfig, parallel_cfg: ParallelConfig):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    dtype = torch.bfloat16 if model_cfg.bf16 else torch.float32
+    on_gpu = torch.cuda.is_available()
+    return TransformerConfig(
+        num_layers=model_cfg.num_layers,
+        hidden_size=model_cfg.hidden_size,
+        num_attention_heads=model_cfg.num_attention_heads,
+        ffn_hidden_size=model_cfg.ffn_hidden_size or 4 * model_cfg.hidden_size,
+        normalization=model_cfg.normalization,
+        hidden_dropout=model_cfg.hidden_dropout,
+        attention_dropout=model_cfg.attention_dropout,
+        init_method_std=model_cfg.init_method_std,
+        tensor_model_parallel_size=parallel_cfg.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parallel_cfg.pipeline_model_parallel_size,
+        sequence_parallel=parallel_cfg.sequence_parallel,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=model_cfg.bf16,
+        # Deterministic CPU initialisation: the same weights whatever the TP layout, which
+        # is what lets TP=2 be compared with TP=1 exactly.
+        use_cpu_initialization=True,
+        # Fused kernels exist only for CUDA; on CPU the unfused paths compute the same thing.
+        gradient_accumulation_fusion=False,
+        bias_activation_fusion=on_gpu,
+        bias_dropout_fusion=on_gpu,
+        masked_softmax_fusion=on_gpu,
+        persist_layer_norm=on_gpu,
+        apply_rope_fusion=False,
+    )
+
+
+def build_model(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, topology: Topology,
+                vocab_size: int):
+    """This rank's pipeline stage of the GPT, its TP shard, on this rank's device."""
+    from megatron.core.models.gpt import GPTModel
+
+    config = transformer_config(model_cfg, parallel_cfg)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(model_cfg),
+        vocab_size=padded_vocab_size(vocab_size, model_cfg.make_vocab_size_divisible_by,
+                                     parallel_cfg.tensor_model_parallel_size),
+        max_sequence_length=model_cfg.max_position_embeddings or model_cfg.seq_length,
+        pre_process=topology.is_first_stage,
+        post_process=topology.is_last_stage,
+        share_embeddings_and_output_weights=not model_cfg.untie_embeddings_and_output_weights,
+        position_embedding_type=model_cfg.position_embedding_type,
+        pg_collection=topology.pg_collection(),
+    )
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    return model

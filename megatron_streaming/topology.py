@@ -1,0 +1,325 @@
+"""The rank layout, and the one object that owns every process group.
+
+``WORLD = M workers x R ranks per worker`` with ``R = TP x PP x DP`` (DESIGN.md, "Rank
+layout"). A worker is a contiguous block of R global ranks, so it maps onto one cluster's
+nodes. Inside a worker the order is Megatron's default (tensor-parallel rank fastest, then
+data-parallel, pipeline stage slowest), so a worker looks exactly like a Megatron job.
+
+Every Megatron/DeepSpeed group lives inside one worker. The only groups that span workers are
+the cross-worker groups ``{w*R + c : w < M}``, one per in-worker coordinate ``c``: the
+streaming sync's transport is the only user of those.
+
+``RankLayout`` is pure arithmetic (testable without processes); ``Topology`` creates the
+torch.distributed groups from it, in the same order on every rank as ``new_group`` requires.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+IN_WORKER_AXES = ("tp", "dp", "pp")  # fastest first
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """Sizes of every parallel axis; validates that they tile the world."""
+
+    world_size: int
+    workers: int = 1
+    tp: int = 1
+    pp: int = 1
+
+    def __post_init__(self):
+        for name, value in (("--diloco-workers", self.workers),
+                            ("--tensor-model-parallel-size", self.tp),
+                            ("--pipeline-model-parallel-size", self.pp)):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        denom = self.workers * self.tp * self.pp
+        if self.world_size % denom:
+            raise ValueError(
+                f"world size {self.world_size} is not divisible by --diloco-workers "
+                f"({self.workers}) x --tensor-model-parallel-size ({self.tp}) x "
+                f"--pipeline-model-parallel-size ({self.pp}) = {denom}")
+
+    @property
+    def ranks_per_worker(self) -> int:
+        return self.world_size // self.workers
+
+    @property
+    def dp(self) -> int:
+        return self.ranks_per_worker // (self.tp * self.pp)
+
+    def sizes(self) -> Dict[str, int]:
+        return {"tp": self.tp, "dp": self.dp, "pp": self.pp}
+
+    def coords(self, rank: int) -> Dict[str, int]:
+        """Worker and in-worker coordinates of a global rank."""
+        worker, local = divmod(rank, self.ranks_per_worker)
+        out = {"worker": worker, "local": local}
+        for axis in IN_WORKER_AXES:
+            local, out[axis] = divmod(local, self.sizes()[axis])
+        return out
+
+    def rank(self, worker: int, tp: int = 0, dp: int = 0, pp: int = 0) -> int:
+        local = tp + self.tp * (dp + self.dp * pp)
+        return worker * self.ranks_per_worker + local
+
+    def _groups_varying(self, axes) -> List[List[int]]:
+        """All groups of ranks that differ only along ``axes``, worker by worker."""
+        sizes = self.sizes()
+        fixed = [a for a in IN_WORKER_AXES if a not in axes]
+        groups = []
+        for worker in range(self.workers):
+            for fixed_vals in itertools.product(*(range(sizes[a]) for a in fixed)):
+                base = dict(zip(fixed, fixed_vals))
+                ranks = []
+                for vals in itertools.product(*(range(sizes[a]) for a in reversed(axes))):
+                    coords = {**base, **dict(zip(reversed(axes), vals))}
+                    ranks.append(self.rank(worker, **coords))
+                groups.append(sorted(ranks))
+        return groups
+
+    def embedding_groups(self) -> List[List[int]]:
+        """First and last stage of each pipeline: they share the tied embedding weight."""
+        return [sorted({g[0], g[-1]}) for g in self._groups_varying(("pp",))]
+
+    def position_embedding_groups(self) -> List[List[int]]:
+        return [[g[0]] for g in self._groups_varying(("pp",))]
+
+    def cross_worker_groups(self) -> List[List[int]]:
+        R = self.ranks_per_worker
+        return [[w * R + c for w in range(self.workers)] for c in range(R)]
+
+    def all_groups(self) -> Dict[str, List[List[int]]]:
+        """Every group by name, in a fixed order (the creation order on every rank)."""
+        return {
+            "tp": self._groups_varying(("tp",)),
+            "pp": self._groups_varying(("pp",)),
+            "dp": self._groups_varying(("dp",)),
+            "mp": self._groups_varying(("tp", "pp")),
+            "worker": self._groups_varying(("tp", "dp", "pp")),
+            "embd": self.embedding_groups(),
+            "pos_embd": self.position_embedding_groups(),
+            "single": [[r] for r in range(self.world_size)],
+            "cross_worker": self.cross_worker_groups(),
+        }
+
+    def data_shard(self, rank: int):
+        """(index, count) of this rank's data shard: disjoint across workers and DP ranks."""
+        c = self.coords(rank)
+        return c["worker"] * self.dp + c["dp"], self.workers * self.dp
+
+
+@dataclass
+class Topology:
+    """This rank's process groups, all of them, created once from a ``RankLayout``."""
+
+    layout: RankLayout
+    rank: int
+    groups: Dict[str, object] = field(default_factory=dict)
+    group_ranks: Dict[str, List[int]] = field(default_factory=dict)
+
+    @classmethod
+    def create(cls, layout: RankLayout, rank: int, timeout=None) -> "Topology":
+        import torch.distributed as dist
+
+        topo = cls(layout=layout, rank=rank)
+        for name, rank_lists in layout.all_groups().items():
+            for ranks in rank_lists:
+                group = dist.new_group(ranks, timeout=timeout)
+                if rank in ranks:
+                    topo.groups[name] = group
+                    topo.group_ranks[name] = ranks
+        return topo
+
+    # ---- coordinates -------------------------------------------------------------------
+    @property
+    def coords(self) -> Dict[str, int]:
+        return self.layout.coords(self.rank)
+
+    @property
+    def worker(self) -> int:
+        return self.coords["worker"]
+
+    @property
+    def tp_rank(self) -> int:
+        return self.coords["tp"]
+
+    @property
+    def pp_rank(self) -> int:
+        return self.coords["pp"]
+
+    @property
+    def dp_rank(self) -> int:
+        return self.coords["dp"]
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.layout.pp - 1
+
+    @property
+    def data_shard(self):
+        return self.layout.data_shard(self.rank)
+
+    def is_logging_rank(self) -> bool:
+        """Rank that prints and writes TensorBoard: worker 0's last stage, TP/DP rank 0."""
+        c = self.coords
+        return c["worker"] == 0 and c["tp"] == 0 and c["dp"] == 0 and self.is_last_stage
+
+    def is_worker_reporter(self) -> bool:
+        """One rank per worker that holds the worker's loss (last stage, TP/DP rank 0)."""
+        c = self.coords
+        return c["tp"] == 0 and c["dp"] == 0 and self.is_last_stage
+
+    def describe(self) -> str:
+        return describe(self.layout, self.rank)
+
+    def barrier(self) -> None:
+        """Wait for every rank of every worker, without a world-spanning group: after the
+        in-worker barrier each rank of worker w knows w arrived; after the barrier over its
+        cross-worker group it knows every worker did."""
+        import torch.distributed as dist
+
+        dist.barrier(group=self.groups["worker"])
+        dist.barrier(group=self.groups["cross_worker"])
+
+    # ---- adapters ----------------------------------------------------------------------
+    def pg_collection(self):
+        """Megatron-core's ProcessGroupCollection for the model and the pipeline schedule."""
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+        pgs = ProcessGroupCollection()
+        g = self.groups
+        single = g["single"]  # context parallelism is not used: a group of one
+        # Middle pipeline stages belong to no embedding group: None, as in Megatron.
+        for name, group in (("tp", g["tp"]), ("pp", g["pp"]), ("mp", g["mp"]),
+                            ("embd", g.get("embd")), ("pos_embd", g.get("pos_embd")),
+                            ("cp", single), ("tp_cp", g["tp"]), ("dp", g["dp"]),
+                            ("dp_cp", g["dp"]), ("hcp", [single])):
+            setattr(pgs, name, group)
+        return pgs
+
+    def mpu(self) -> "WorkerMPU":
+        return WorkerMPU(self)
+
+    def install_into_megatron(self) -> None:
+        """Point megatron-core's ``parallel_state`` at this worker's groups.
+
+        The model and the schedule get their groups explicitly (``pg_collection``), but a few
+        megatron-core 0.16.1 paths still read module state (``vocab_parallel_cross_entropy``
+        takes the TP group from ``parallel_state``; attention takes its scratch buffer from
+        there). Installing our own in-worker groups keeps those paths inside the worker
+        without letting Megatron create any group of its own.
+        """
+        from megatron.core import parallel_state as ps
+
+        g, r = self.groups, self.group_ranks
+        ps._TENSOR_MODEL_PARALLEL_GROUP = g["tp"]
+        ps._TENSOR_MODEL_PARALLEL_GLOBAL_RANKS = r["tp"]
+        ps._PIPELINE_MODEL_PARALLEL_GROUP = g["pp"]
+        ps._PIPELINE_GLOBAL_RANKS = r["pp"]
+        ps._MODEL_PARALLEL_GROUP = g["mp"]
+        ps._MODEL_PARALLEL_GLOBAL_RANKS = r["mp"]
+        ps._EMBEDDING_GROUP = g.get("embd")
+        ps._EMBEDDING_GLOBAL_RANKS = r.get("embd")
+        ps._POSITION_EMBEDDING_GROUP = g.get("pos_embd")
+        ps._POSITION_EMBEDDING_GLOBAL_RANKS = r.get("pos_embd")
+        for name in ("_DATA_PARALLEL_GROUP", "_DATA_PARALLEL_GROUP_WITH_CP"):
+            setattr(ps, name, g["dp"])
+        ps._DATA_PARALLEL_GLOBAL_RANKS = r["dp"]
+        ps._DATA_PARALLEL_GLOBAL_RANKS_WITH_CP = r["dp"]
+        ps._CONTEXT_PARALLEL_GROUP = g["single"]
+        ps._CONTEXT_PARALLEL_GLOBAL_RANKS = r["single"]
+        ps._TENSOR_AND_CONTEXT_PARALLEL_GROUP = g["tp"]
+        if ps._GLOBAL_MEMORY_BUFFER is None:
+            ps._set_global_memory_buffer()
+
+
+class WorkerMPU:
+    """The Megatron-style ``mpu`` DeepSpeed queries, answering for this rank's worker only.
+
+    It deliberately has no ``initialize_sequence_parallel`` attribute: DeepSpeed would then
+    treat it as its own sequence-parallel module and ignore the data-parallel group.
+    """
+
+    def __init__(self, topology: Topology):
+        self._t = topology
+
+    def _size(self, name: str) -> int:
+        return len(self._t.group_ranks[name])
+
+    def _rank_in(self, name: str) -> int:
+        return self._t.group_ranks[name].index(self._t.rank)
+
+    def get_data_parallel_group(self):
+        return self._t.groups["dp"]
+
+    def get_data_parallel_world_size(self) -> int:
+        return self._size("dp")
+
+    def get_data_parallel_rank(self) -> int:
+        return self._rank_in("dp")
+
+    def get_data_parallel_group_ranks(self) -> List[int]:
+        return list(self._t.group_ranks["dp"])
+
+    def get_model_parallel_group(self):
+        return self._t.groups["mp"]
+
+    def get_model_parallel_world_size(self) -> int:
+        return self._size("mp")
+
+    def get_model_parallel_rank(self) -> int:
+        return self._rank_in("mp")
+
+    def get_tensor_model_parallel_group(self):
+        return self._t.groups["tp"]
+
+    def get_tensor_model_parallel_world_size(self) -> int:
+        return self._size("tp")
+
+    def get_tensor_model_parallel_rank(self) -> int:
+        return self._rank_in("tp")
+
+    def get_pipeline_model_parallel_group(self):
+        return self._t.groups["pp"]
+
+    def get_pipeline_model_parallel_world_size(self) -> int:
+        return self._size("pp")
+
+    def get_pipeline_model_parallel_rank(self) -> int:
+        return self._rank_in("pp")
+
+    # Ulysses is not in the layout yet: the sequence axis has size 1, so the
+    # sequence-data-parallel group is the data-parallel group.
+    def get_sequence_parallel_group(self):
+        return self._t.groups["single"]
+
+    def get_sequence_parallel_world_size(self) -> int:
+        return 1
+
+    def get_sequence_parallel_rank(self) -> int:
+        return 0
+
+    def get_sequence_data_parallel_group(self):
+        return self.get_data_parallel_group()
+
+    def get_sequence_data_parallel_world_size(self) -> int:
+        return self.get_data_parallel_world_size()
+
+    def get_sequence_data_parallel_rank(self) -> int:
+        return self.get_data_parallel_rank()
+
+
+def describe(layout: RankLayout, rank: Optional[int] = None) -> str:
+    c = layout.coords(rank) if rank is not None else None
+    text = (f"world={layout.world_size} workers={layout.workers} "
+            f"tp={layout.tp} pp={layout.pp} dp={layout.dp}")
+    return text if c is None else f"{text} rank={rank} {c}"

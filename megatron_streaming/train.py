@@ -1,0 +1,164 @@
+"""The run: set-up, the training loop, evaluation, checkpoints and the summary.
+
+``pretrain(cfg)`` is what ``pretrain_gpt.py`` calls. Order matters: everything that can be
+checked without other processes (flags, files, tokenizer) is checked before the first
+collective, so a bad flag fails fast on every rank with the same message.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Optional
+
+from .arguments import validate, world_size_from_env
+from .config import Config
+
+log = logging.getLogger("megatron_streaming")
+
+
+class Run:
+    """The objects of one rank's run, built once by ``setup``."""
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.start_time = time.perf_counter()
+
+    def setup(self) -> "Run":
+        import patches
+        from . import distributed, weights
+        from .checkpoint import Checkpointer
+        from .engine import WorkerEngine
+        from .inputs import RunData, load_run_tokenizer
+        from .metrics import make_writer, setup_logging
+        from .model import build_model
+        from .topology import RankLayout, Topology
+
+        cfg, p = self.cfg, self.cfg.parallel
+        validate(cfg, world_size_from_env())
+        tokenizer = load_run_tokenizer(cfg)
+        self.patches = patches.apply()
+        rank, world = distributed.init_distributed(p.distributed_backend,
+                                                   p.distributed_timeout_minutes)
+        distributed.cpu_threads()
+        layout = RankLayout(world, p.diloco_workers, p.tensor_model_parallel_size,
+                            p.pipeline_model_parallel_size)
+        self.topology = topo = Topology.create(layout, rank)
+        topo.install_into_megatron()
+        setup_logging(topo.is_logging_rank())
+        log.info("layout: %s; patches: %s", topo.describe(), ", ".join(self.patches) or "none")
+        distributed.seed_everything(cfg.training.seed, topo.tp_rank)
+        self.model = build_model(cfg.model, p, topo, tokenizer.vocab_size)
+        layers_per_stage = cfg.model.num_layers // layout.pp
+        tied = not cfg.model.untie_embeddings_and_output_weights
+        weights.initialize_weights(
+            self.model, seed=cfg.training.seed, std=cfg.model.init_method_std,
+            num_layers=cfg.model.num_layers, layer_offset=topo.pp_rank * layers_per_stage,
+            tp_rank=topo.tp_rank, tp_size=layout.tp,
+            tied_output_name="embedding.word_embeddings.weight" if tied else None)
+        self.engine = WorkerEngine(cfg, topo, self.model)
+        self.checkpointer = Checkpointer(topo, topo.barrier)
+        self.iteration = 0
+        self.last_valid = (None, None)  # (iteration, loss) of the latest evaluation
+        self.last_saved = None  # iteration of the latest checkpoint this run wrote
+        if cfg.checkpoint.load:
+            run_state = self.checkpointer.load(cfg.checkpoint.load, self.model,
+                                               self.engine.optimizer)
+            self.iteration = run_state["iteration"]
+            log.info("resumed from %s at iteration %d", cfg.checkpoint.load, self.iteration)
+        self.data = RunData(cfg, topo, tokenizer)
+        self.writer = make_writer(cfg.logging, topo.is_logging_rank())
+        return self
+
+    # ---- evaluation ----------------------------------------------------------------------
+    def evaluate(self, split: str) -> Optional[float]:
+        """Mean loss over ``--eval-iters`` fixed batches (on the last stage; else None)."""
+        iterator = self.data.eval_iterator(split)
+        if iterator is None:
+            return None
+        losses = [self.engine.eval_step(iterator) for _ in range(self.cfg.training.eval_iters)]
+        return None if losses[0] is None else sum(losses) / len(losses)
+
+    def _report_eval(self, split: str) -> Optional[float]:
+        loss = self.evaluate(split)
+        if loss is not None and self.topology.is_logging_rank():
+            log.info("%s loss at iteration %d: %.6f", split, self.iteration, loss)
+            self.writer.scalars(self.iteration, {f"{split}/loss": loss})
+        return loss
+
+    # ---- training -----------------------------------------------------------------------
+    def train(self) -> Optional[float]:
+        from .metrics import Throughput, progress_line
+
+        cfg, t = self.cfg, self.cfg.training
+        tokens_per_iteration = self.data.samples_per_iteration * cfg.model.seq_length
+        throughput = Throughput(tokens_per_iteration, self.iteration)
+        iterator = self.data.train_iterator(self.iteration)
+        loss = None
+        while self.iteration < t.train_iters:
+            result = self.engine.train_step(iterator, self.iteration)
+            self.iteration += 1
+            loss = result.loss
+            if self.topology.is_logging_rank():
+                self._log_step(result, throughput, progress_line)
+            if t.eval_interval and self.iteration % t.eval_interval == 0:
+                self.last_valid = (self.iteration, self._report_eval("valid"))
+            interval = cfg.checkpoint.save_interval
+            if interval and self.iteration % interval == 0:
+                self.save()
+        return loss
+
+    def _log_step(self, result, throughput, progress_line) -> None:
+        if self.iteration % self.cfg.logging.log_interval and \
+                self.iteration != self.cfg.training.train_iters:
+            return
+        rate = throughput.rate(self.iteration)
+        log.info(progress_line(self.iteration, self.cfg.training.train_iters, result.loss,
+                               result.lr, result.grad_norm, rate, throughput.elapsed()))
+        self.writer.scalars(self.iteration, {
+            "train/loss": result.loss, "train/lr": result.lr,
+            "train/grad_norm": result.grad_norm, "train/tokens_per_s": rate})
+
+    def save(self) -> None:
+        path = self.checkpointer.save(self.cfg.checkpoint.save, self.iteration, self.model,
+                                      self.engine.optimizer, {"iteration": self.iteration})
+        self.last_saved = self.iteration
+        log.info("saved checkpoint %s", path)
+
+    def summary(self, train_loss, valid_loss, test_loss) -> dict:
+        return {
+            "iteration": self.iteration,
+            "train_loss": train_loss,
+            "valid_loss": valid_loss,
+            "test_loss": test_loss,
+            "tokens": self.iteration * self.data.samples_per_iteration * self.cfg.model.seq_length,
+            "cross_worker_bytes": 0,
+            "wall_seconds": time.perf_counter() - self.start_time,
+            "workers": self.topology.layout.workers,
+            "world_size": self.topology.layout.world_size,
+        }
+
+
+def pretrain(cfg: Config) -> Optional[dict]:
+    """Train (unless --skip-train), evaluate, save; returns the summary on the logging rank."""
+    from .metrics import write_summary
+
+    run = Run(cfg).setup()
+    train_loss = None
+    if not cfg.training.skip_train:
+        train_loss = run.train()
+        if cfg.checkpoint.save and run.last_saved != run.iteration:
+            run.save()
+    evaluated_at, valid_loss = run.last_valid
+    if evaluated_at != run.iteration:
+        valid_loss = run._report_eval("valid")
+    test_loss = run._report_eval("test")
+    summary = None
+    if run.topology.is_logging_rank():
+        summary = run.summary(train_loss, valid_loss, test_loss)
+        if cfg.logging.summary_json:
+            write_summary(cfg.logging.summary_json, summary)
+        log.info("done: %s", summary)
+    run.writer.close()
+    run.topology.barrier()
+    return summary

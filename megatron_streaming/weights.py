@@ -1,0 +1,67 @@
+"""Deterministic weight initialisation, independent of the parallel layout.
+
+Megatron initialises a tensor-parallel weight by drawing the full matrix from the default
+generator and slicing it, so the draw depends on the order in which this rank builds its
+layers: a pipeline stage that starts at layer 2 draws different numbers than a single-stage
+model. Here every parameter is drawn from a generator seeded by (seed, its *global* name)
+and then sliced to this rank's TP shard, so any TP x PP layout starts from the very same
+model. That is what makes distributed runs comparable with a single-process reference.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import zlib
+
+import torch
+
+_LAYER = re.compile(r"(^|\.)layers\.(\d+)\.")
+
+
+def global_name(name: str, layer_offset: int) -> str:
+    """``decoder.layers.0.x`` on a stage starting at layer 4 -> ``decoder.layers.4.x``."""
+    return _LAYER.sub(lambda m: f"{m.group(1)}layers.{int(m.group(2)) + layer_offset}.", name)
+
+
+def _full_shape(param: torch.Tensor, tp_size: int):
+    shape = list(param.shape)
+    if getattr(param, "tensor_model_parallel", False):
+        shape[param.partition_dim] *= tp_size
+    return shape
+
+
+def _draw(name: str, shape, std: float, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+    return torch.empty(shape).normal_(0.0, std, generator=gen)
+
+
+def init_value(name: str, shape, std: float, num_layers: int, seed: int) -> torch.Tensor:
+    """Megatron's scheme: N(0, std); std/sqrt(2L) for residual-branch outputs; norms 1, 0."""
+    leaf = name.rsplit(".", 1)[-1]
+    is_norm = "norm" in name
+    if leaf == "bias":
+        return torch.zeros(shape)
+    if is_norm:
+        return torch.ones(shape)
+    if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
+        std = std / math.sqrt(2.0 * num_layers)
+    return _draw(name, shape, std, seed)
+
+
+@torch.no_grad()
+def initialize_weights(model, *, seed: int, std: float, num_layers: int, layer_offset: int,
+                       tp_rank: int, tp_size: int, tied_output_name: str = None) -> None:
+    """Overwrite every parameter of this rank's model chunk with its layout-free value.
+
+    ``tied_output_name``: on a last stage that holds its own copy of the tied embedding,
+    the copy gets the embedding's value, as Megatron's embedding-group all-reduce would do.
+    """
+    for name, param in model.named_parameters():
+        gname = global_name(name, layer_offset)
+        if tied_output_name and name == "output_layer.weight":
+            gname = tied_output_name
+        full = init_value(gname, _full_shape(param, tp_size), std, num_layers, seed)
+        if getattr(param, "tensor_model_parallel", False):
+            full = full.chunk(tp_size, dim=param.partition_dim)[tp_rank]
+        param.copy_(full.to(param.dtype))

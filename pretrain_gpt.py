@@ -1,0 +1,28 @@
+"""Train a GPT with Megatron-core inside DeepSpeed ZeRO, as one or more DiLoCo workers.
+
+    deepspeed --num_gpus 4 pretrain_gpt.py --mock-data --tensor-model-parallel-size 2 \\
+        --diloco-workers 2 --train-iters 50
+    torchrun --nproc_per_node 4 pretrain_gpt.py --mock-data --pipeline-model-parallel-size 2
+
+Flags: ``python pretrain_gpt.py --help``. This file only parses flags and calls the library.
+"""
+
+import sys
+
+
+def main(argv=None) -> int:
+    from megatron_streaming.arguments import ConfigError, parse_args
+    from megatron_streaming.checkpoint import CheckpointError
+    from megatron_streaming.train import pretrain
+
+    cfg = parse_args(argv)
+    try:
+        pretrain(cfg)
+    except (ConfigError, CheckpointError) as e:
+        print(f"pretrain_gpt.py: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""Runs ``pretrain_gpt.py`` the way a user does (torchrun, CPU, gloo) and reads its output."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
+
+# A model small enough for 2 cores, big enough that every parallel axis has work to split.
+TINY = ["--mock-data", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4",
+        "--lr", "1e-3", "--lr-warmup-iters", "1", "--clip-grad", "0.5", "--log-interval", "1"]
+
+
+def env() -> dict:
+    e = dict(os.environ)
+    e.setdefault("OMP_NUM_THREADS", "1")
+    e["PYTHONUNBUFFERED"] = "1"
+    return e
+
+
+def run(nproc: int, args, timeout: float = 240, check: bool = True):
+    """Launch ``nproc`` ranks of pretrain_gpt.py; returns the CompletedProcess."""
+    if nproc == 1:
+        cmd = [sys.executable, "pretrain_gpt.py", *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={nproc}", "pretrain_gpt.py", *args]
+    proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True,
+                          timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n"
+                             f"{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def read_jsonl(path) -> list:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def train_losses(nproc: int, args, tmp_path, name: str = "run") -> list:
+    """Per-iteration training losses of a run (logged every iteration)."""
+    log = tmp_path / f"{name}.jsonl"
+    run(nproc, [*args, "--log-jsonl", str(log)])
+    return [r["train/loss"] for r in read_jsonl(log) if "train/loss" in r]
