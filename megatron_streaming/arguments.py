@@ -160,6 +160,7 @@ def _validate_batches(cfg: Config, dp: int) -> None:
     _require(t.skip_train or t.train_iters > 0,
              f"--train-iters must be > 0, got {t.train_iters}")
     _require(t.eval_interval >= 0, f"--eval-interval must be >= 0, got {t.eval_interval}")
+    _require(t.exit_interval >= 0, f"--exit-interval must be >= 0, got {t.exit_interval}")
     _require(t.eval_iters >= 0, f"--eval-iters must be >= 0, got {t.eval_iters}")
 
 
@@ -200,7 +201,7 @@ def _validate_checkpoint(cfg: Config) -> None:
     _require(c.save_interval >= 0, f"--save-interval must be >= 0, got {c.save_interval}")
     _require(not c.save_interval or c.save,
              f"--save-interval {c.save_interval} needs --save DIR")
-    if c.load is not None:
+    if c.load is not None and c.load != c.save:
         _require(os.path.isdir(c.load), f"--load {c.load}: no such directory")
     _require(not t.skip_train or c.load is not None or t.eval_iters > 0,
              "--skip-train with no --load and --eval-iters 0 does nothing")

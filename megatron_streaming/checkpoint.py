@@ -131,15 +131,7 @@ class Checkpointer:
 
     def load(self, root: str, model, optimizer) -> dict:
         """Restore everything; returns the run state saved with it (iteration, ...)."""
-        directory, meta = find_checkpoint(root)
-        expected = _layout_dict(self.topology.layout)
-        if meta["layout"] != expected:
-            raise CheckpointError(f"--load {root}: checkpoint was written by layout "
-                                  f"{meta['layout']}, this run is {expected}")
-        path = rank_file(directory, self.rank)
-        size = meta["files"].get(os.path.basename(path))
-        if size is None or not os.path.isfile(path) or os.path.getsize(path) != size:
-            raise CheckpointError(f"--load {root}: {path} is missing or truncated")
+        path = check_loadable(root, self.topology.layout, self.rank)
         try:
             payload = torch.load(path, map_location="cpu", weights_only=False)
         except Exception as e:  # any unpickling failure means a corrupt file
@@ -178,6 +170,22 @@ def find_checkpoint(root: str):
         raise CheckpointError(f"--load {root}: {meta_path} does not describe iteration "
                               f"{iteration} in format {FORMAT_VERSION}")
     return directory, meta
+
+
+def check_loadable(root: str, layout, rank: int) -> str:
+    """This rank's file of the latest checkpoint, after checking it fits this run.
+
+    Needs no process group, so a wrong --load fails before any collective."""
+    directory, meta = find_checkpoint(root)
+    expected = _layout_dict(layout)
+    if meta.get("layout") != expected:
+        raise CheckpointError(f"--load {root}: checkpoint was written by layout "
+                              f"{meta.get('layout')}, this run is {expected}")
+    path = rank_file(directory, rank)
+    size = meta.get("files", {}).get(os.path.basename(path))
+    if size is None or not os.path.isfile(path) or os.path.getsize(path) != size:
+        raise CheckpointError(f"--load {root}: {path} is missing or truncated")
+    return path
 
 
 def has_checkpoint(root: Optional[str]) -> bool:

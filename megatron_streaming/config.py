@@ -96,6 +96,9 @@ class TrainingConfig:
     eval_iters: int = arg(2, "Global batches per evaluation (0 = no evaluation).")
     seed: int = arg(1234, "Random seed (model init and data order).")
     skip_train: bool = arg(False, "Do not train; with --load, only evaluate.")
+    exit_interval: int = arg(
+        0, "Stop once the iteration is a multiple of this (saving first with --save); "
+        "the schedule still runs to --train-iters on resume.")
 
 
 @dataclass

@@ -7,7 +7,6 @@ Ladder residual) plug in; nothing here forks Megatron's files.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 
 import torch
@@ -25,7 +24,9 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
 
 
 def have_transformer_engine() -> bool:
-    return importlib.util.find_spec("transformer_engine") is not None
+    from patches.optional import have_te
+
+    return have_te()
 
 
 def resolve_transformer_impl(requested: str) -> str:

@@ -35,14 +35,16 @@ class Run:
         from .topology import RankLayout, Topology
 
         cfg, p = self.cfg, self.cfg.parallel
-        validate(cfg, world_size_from_env())
-        tokenizer = load_run_tokenizer(cfg)
-        self.patches = patches.apply()
-        rank, world = distributed.init_distributed(p.distributed_backend,
-                                                   p.distributed_timeout_minutes)
-        distributed.cpu_threads()
+        world = world_size_from_env()
+        validate(cfg, world)
         layout = RankLayout(world, p.diloco_workers, p.tensor_model_parallel_size,
                             p.pipeline_model_parallel_size)
+        self.resume = self._resume_source(layout)
+        tokenizer = load_run_tokenizer(cfg)
+        self.patches = patches.apply()
+        rank, _ = distributed.init_distributed(p.distributed_backend,
+                                               p.distributed_timeout_minutes)
+        distributed.cpu_threads()
         self.topology = topo = Topology.create(layout, rank)
         topo.install_into_megatron()
         setup_logging(topo.is_logging_rank())
@@ -61,14 +63,33 @@ class Run:
         self.iteration = 0
         self.last_valid = (None, None)  # (iteration, loss) of the latest evaluation
         self.last_saved = None  # iteration of the latest checkpoint this run wrote
-        if cfg.checkpoint.load:
-            run_state = self.checkpointer.load(cfg.checkpoint.load, self.model,
-                                               self.engine.optimizer)
+        self.step_seconds = []
+        if self.resume:
+            run_state = self.checkpointer.load(self.resume, self.model, self.engine.optimizer)
             self.iteration = run_state["iteration"]
             log.info("resumed from %s at iteration %d", cfg.checkpoint.load, self.iteration)
         self.data = RunData(cfg, topo, tokenizer)
         self.writer = make_writer(cfg.logging, topo.is_logging_rank())
         return self
+
+    def _resume_source(self, layout) -> Optional[str]:
+        """The directory to resume from, checked before any process group exists.
+
+        ``--load`` equal to ``--save`` with nothing saved yet is the first launch of a job
+        that requeues itself: it starts from scratch. Any other missing checkpoint is an error.
+        """
+        import os
+
+        from .checkpoint import check_loadable, has_checkpoint
+
+        c = self.cfg.checkpoint
+        if not c.load:
+            return None
+        if c.save and os.path.abspath(c.load) == os.path.abspath(c.save) and \
+                not has_checkpoint(c.load):
+            return None
+        check_loadable(c.load, layout, int(os.environ.get("RANK", "0")))
+        return c.load
 
     # ---- evaluation ----------------------------------------------------------------------
     def evaluate(self, split: str) -> Optional[float]:
@@ -96,7 +117,9 @@ class Run:
         iterator = self.data.train_iterator(self.iteration)
         loss = None
         while self.iteration < t.train_iters:
+            started = time.perf_counter()
             result = self.engine.train_step(iterator, self.iteration)
+            self.step_seconds.append(time.perf_counter() - started)
             self.iteration += 1
             loss = result.loss
             if self.topology.is_logging_rank():
@@ -106,6 +129,10 @@ class Run:
             interval = cfg.checkpoint.save_interval
             if interval and self.iteration % interval == 0:
                 self.save()
+            if t.exit_interval and self.iteration % t.exit_interval == 0:
+                log.info("exiting at iteration %d (--exit-interval %d)", self.iteration,
+                         t.exit_interval)
+                break
         return loss
 
     def _log_step(self, result, throughput, progress_line) -> None:
@@ -125,7 +152,21 @@ class Run:
         self.last_saved = self.iteration
         log.info("saved checkpoint %s", path)
 
-    def summary(self, train_loss, valid_loss, test_loss) -> dict:
+    def peak_rss_mib(self) -> list:
+        """Peak resident memory of every rank of this worker (collective over the worker)."""
+        import resource
+
+        import torch
+        import torch.distributed as dist
+
+        mine = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0])
+        group = self.topology.groups["worker"]
+        gathered = [torch.zeros(1) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(gathered, mine, group=group)
+        return [round(float(x), 1) for x in gathered]
+
+    def summary(self, train_loss, valid_loss, test_loss, peak_rss) -> dict:
+        steady = self.step_seconds[1:] or self.step_seconds
         return {
             "iteration": self.iteration,
             "train_loss": train_loss,
@@ -136,6 +177,9 @@ class Run:
             "wall_seconds": time.perf_counter() - self.start_time,
             "workers": self.topology.layout.workers,
             "world_size": self.topology.layout.world_size,
+            # Mean step time after the first step (which pays one-off set-up costs).
+            "seconds_per_iteration": sum(steady) / len(steady) if steady else None,
+            "peak_rss_mib_per_rank": peak_rss,  # ranks of worker 0, in-worker rank order
         }
 
 
@@ -153,9 +197,10 @@ def pretrain(cfg: Config) -> Optional[dict]:
     if evaluated_at != run.iteration:
         valid_loss = run._report_eval("valid")
     test_loss = run._report_eval("test")
+    peak_rss = run.peak_rss_mib()
     summary = None
     if run.topology.is_logging_rank():
-        summary = run.summary(train_loss, valid_loss, test_loss)
+        summary = run.summary(train_loss, valid_loss, test_loss, peak_rss)
         if cfg.logging.summary_json:
             write_summary(cfg.logging.summary_json, summary)
         log.info("done: %s", summary)

@@ -9,7 +9,7 @@ that double-counts or misses a shard changes the losses too.
 
 import pytest
 
-from launch import TINY, train_losses
+from harness import TINY, train_losses
 
 ITERS = ["--train-iters", "4", "--eval-iters", "0"]
 

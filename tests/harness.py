@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
@@ -15,21 +16,26 @@ TINY = ["--mock-data", "--num-layers", "4", "--hidden-size", "64", "--num-attent
         "--lr", "1e-3", "--lr-warmup-iters", "1", "--clip-grad", "0.5", "--log-interval", "1"]
 
 
-def env() -> dict:
+def env(extra: Optional[dict] = None) -> dict:
     e = dict(os.environ)
     e.setdefault("OMP_NUM_THREADS", "1")
     e["PYTHONUNBUFFERED"] = "1"
+    e.update(extra or {})
     return e
 
 
-def run(nproc: int, args, timeout: float = 240, check: bool = True):
-    """Launch ``nproc`` ranks of pretrain_gpt.py; returns the CompletedProcess."""
+def run(nproc: int, args, timeout: float = 240, check: bool = True,
+        extra_env: Optional[dict] = None):
+    """Launch ``nproc`` ranks of pretrain_gpt.py; returns the CompletedProcess.
+
+    ``extra_env`` is added to the environment, e.g. ``WORLD_SIZE`` to make a single process
+    validate its flags against a larger world."""
     if nproc == 1:
         cmd = [sys.executable, "pretrain_gpt.py", *args]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc-per-node={nproc}", "pretrain_gpt.py", *args]
-    proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True,
+    proc = subprocess.run(cmd, cwd=REPO, env=env(extra_env), capture_output=True, text=True,
                           timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n"

@@ -1,0 +1,63 @@
+"""Model building pieces that need no processes: optional packages, vocab, initialisation."""
+
+import pytest
+import torch
+
+from megatron_streaming import model, weights
+from megatron_streaming.config import ModelConfig
+
+
+def test_transformer_engine_is_optional(monkeypatch):
+    monkeypatch.setattr(model, "have_transformer_engine", lambda: False)
+    assert model.resolve_transformer_impl("auto") == "local"
+    assert model.resolve_transformer_impl("local") == "local"
+    with pytest.raises(ValueError, match="--transformer-impl transformer_engine"):
+        model.resolve_transformer_impl("transformer_engine")
+    # Importable but no GPU: still the local spec.
+    monkeypatch.setattr(model, "have_transformer_engine", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert model.resolve_transformer_impl("auto") == "local"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert model.resolve_transformer_impl("auto") == "transformer_engine"
+
+
+def test_local_spec_falls_back_to_torch_norm_without_apex():
+    import patches
+    from patches import optional
+
+    spec = model.layer_spec(ModelConfig(transformer_impl="local"))
+    norm = spec.submodules.input_layernorm
+    if optional.have_apex():
+        pytest.skip("apex is installed: megatron uses its fused norm")
+    assert norm.__name__ == "WrappedTorchNorm"
+    assert "megatron_norm" in patches.apply()
+
+
+def test_padded_vocab_is_a_multiple_of_divisor_times_tp():
+    assert model.padded_vocab_size(1000, 128, 1) == 1024
+    assert model.padded_vocab_size(1000, 128, 2) == 1024
+    assert model.padded_vocab_size(1025, 128, 4) == 1536
+
+
+def test_global_names_shift_by_the_stage_offset():
+    assert weights.global_name("decoder.layers.0.mlp.linear_fc1.weight", 4) == \
+        "decoder.layers.4.mlp.linear_fc1.weight"
+    assert weights.global_name("embedding.word_embeddings.weight", 4) == \
+        "embedding.word_embeddings.weight"
+
+
+def test_initial_values_follow_megatron_scheme():
+    std, layers = 0.02, 8
+    w = weights.init_value("decoder.layers.1.mlp.linear_fc2.weight", [256, 256], std, layers, 1)
+    assert w.std().item() == pytest.approx(std / (2 * layers) ** 0.5, rel=0.05)
+    w = weights.init_value("decoder.layers.1.mlp.linear_fc1.weight", [256, 256], std, layers, 1)
+    assert w.std().item() == pytest.approx(std, rel=0.05)
+    assert torch.equal(weights.init_value("decoder.final_layernorm.weight", [4], std, layers, 1),
+                       torch.ones(4))
+    assert torch.equal(weights.init_value("decoder.layers.0.self_attention.linear_qkv.bias",
+                                          [4], std, layers, 1), torch.zeros(4))
+    # Same name and seed, same draw; another layer, another draw.
+    a = weights.init_value("decoder.layers.1.mlp.linear_fc1.weight", [4, 4], std, layers, 1)
+    b = weights.init_value("decoder.layers.1.mlp.linear_fc1.weight", [4, 4], std, layers, 1)
+    c = weights.init_value("decoder.layers.2.mlp.linear_fc1.weight", [4, 4], std, layers, 1)
+    assert torch.equal(a, b) and not torch.equal(a, c)
