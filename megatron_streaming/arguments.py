@@ -14,9 +14,10 @@ import typing
 from typing import List, Optional, Sequence
 
 from .config import Config
+from .errors import UsageError
 
 
-class ConfigError(ValueError):
+class ConfigError(UsageError):
     """A flag value that cannot work; the message names the flag and the value."""
 
 

@@ -26,11 +26,13 @@ from typing import Callable, Dict, Optional
 
 import torch
 
+from .errors import UsageError
+
 TRACKER = "latest_checkpointed_iteration.txt"
 FORMAT_VERSION = 1
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UsageError):
     """A checkpoint that cannot be loaded; the message names --load and the path."""
 
 

@@ -25,7 +25,8 @@ def init_distributed(backend: str, timeout_minutes: float) -> tuple:
 
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29500")
+        if "MASTER_PORT" not in os.environ:  # a lone process, started without a launcher
+            os.environ["MASTER_PORT"] = str(_free_port())
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
         os.environ.setdefault("LOCAL_RANK", "0")
@@ -39,6 +40,14 @@ def init_distributed(backend: str, timeout_minutes: float) -> tuple:
 
     deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
     return dist.get_rank(), dist.get_world_size()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def seed_everything(seed: int, tp_rank: int) -> None:

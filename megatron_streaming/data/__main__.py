@@ -11,6 +11,7 @@ separated by blank lines (``--document-boundary line`` for one document per line
 end with a one-line error naming the flag and exit status 2.
 """
 
+from megatron_streaming.errors import UsageError
 import argparse
 import os
 import sys
@@ -52,15 +53,15 @@ def check_paths(args: argparse.Namespace) -> None:
     """Fail on bad paths before spending minutes on tokenizer training."""
     for path in args.input:
         if not os.path.exists(path):
-            raise ValueError(f"--input {path!r}: file not found")
+            raise UsageError(f"--input {path!r}: file not found")
         if not os.path.isfile(path):
-            raise ValueError(f"--input {path!r}: not a regular file")
+            raise UsageError(f"--input {path!r}: not a regular file")
     out_dir = os.path.dirname(os.path.abspath(args.output_prefix))
     if not os.path.isdir(out_dir):
-        raise ValueError(f"--output-prefix {args.output_prefix!r}: directory {out_dir!r} "
+        raise UsageError(f"--output-prefix {args.output_prefix!r}: directory {out_dir!r} "
                          "does not exist")
     if args.vocab_size is not None and args.vocab_size < 8:
-        raise ValueError(f"--vocab-size {args.vocab_size}: must be at least 8 (4 special "
+        raise UsageError(f"--vocab-size {args.vocab_size}: must be at least 8 (4 special "
                          "pieces, the newline piece and some text)")
 
 

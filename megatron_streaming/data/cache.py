@@ -11,6 +11,7 @@ megatron does when the cache path is the empty string; the indices are a pure fu
 seed, so every rank still gets the same ones.
 """
 
+from megatron_streaming.errors import UsageError
 import logging
 import os
 import tempfile
@@ -41,7 +42,7 @@ def pick_cache_dir(data_cache_path: Optional[str], prefixes: Sequence[str]) -> s
     if data_cache_path is not None:
         if data_cache_path == NO_CACHE or _writable_dir(data_cache_path):
             return data_cache_path
-        raise ValueError(f"--data-cache-path {data_cache_path!r}: cannot create or write to it")
+        raise UsageError(f"--data-cache-path {data_cache_path!r}: cannot create or write to it")
     candidates = [os.path.join(os.path.dirname(prefix), "cache") for prefix in prefixes[:1]]
     candidates.append(os.path.join(tempfile.gettempdir(), f"megatron_streaming_cache_{os.getuid()}"))
     for candidate in candidates:
@@ -79,7 +80,7 @@ def resolve_cache_path(data_cache_path: Optional[str], prefixes: Sequence[str]) 
     dist.broadcast_object_list(message, src=0)
     path, probe, error = message
     if error is not None:
-        raise ValueError(error)
+        raise UsageError(error)
     if not probe:
         return NO_CACHE
     seen = [None] * dist.get_world_size()

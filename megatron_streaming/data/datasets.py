@@ -11,6 +11,7 @@ while counting epochs, and ``BlendedDataset`` calls ``torch.distributed.get_rank
 process group when it misses its cache.
 """
 
+from megatron_streaming.errors import UsageError
 import os
 import re
 import struct
@@ -33,10 +34,10 @@ def parse_blend(spec: Optional[Sequence[str]], flag: str) -> Optional[Blend]:
         weights = [_as_float(item) for item in spec[::2]]
         if all(w is not None for w in weights):
             if any(w <= 0 for w in weights):
-                raise ValueError(f"{flag} {' '.join(spec)}: weights must be positive")
+                raise UsageError(f"{flag} {' '.join(spec)}: weights must be positive")
             return list(spec[1::2]), weights
         if any(w is not None for w in weights):
-            raise ValueError(f"{flag} {' '.join(spec)}: give a weight before every prefix "
+            raise UsageError(f"{flag} {' '.join(spec)}: give a weight before every prefix "
                              "or before none")
     return list(spec), None
 
@@ -53,7 +54,7 @@ def parse_split(split: str) -> List[float]:
     parts = [p for p in re.split(r"[,/\s]+", split.strip()) if p]
     values = [_as_float(p) for p in parts]
     if not 1 <= len(values) <= 3 or any(v is None or v < 0 for v in values) or not sum(values):
-        raise ValueError(f"--split {split!r}: expected up to three non-negative numbers "
+        raise UsageError(f"--split {split!r}: expected up to three non-negative numbers "
                          "with a positive sum, e.g. '969,30,1'")
     values += [0.0] * (3 - len(values))
     return [v / sum(values) for v in values]
@@ -63,11 +64,11 @@ def document_count(prefix: str, flag: str) -> int:
     """Documents (sequences) in an indexed dataset, read from the .idx header alone."""
     for suffix in (".bin", ".idx"):
         if not os.path.isfile(prefix + suffix):
-            raise ValueError(f"{flag} {prefix!r}: {prefix + suffix} not found")
+            raise UsageError(f"{flag} {prefix!r}: {prefix + suffix} not found")
     with open(prefix + ".idx", "rb") as f:
         header = f.read(34)  # magic, version, dtype code, sequence count, document count
     if len(header) < 34 or not header.startswith(_IDX_MAGIC):
-        raise ValueError(f"{flag} {prefix!r}: {prefix}.idx is not a megatron index file")
+        raise UsageError(f"{flag} {prefix!r}: {prefix}.idx is not a megatron index file")
     return struct.unpack("<Q", header[18:26])[0]
 
 
@@ -85,17 +86,17 @@ def _check_split_documents(prefixes: Sequence[str], split: str,
             if sizes[i] == 0 or fractions[i] == 0:
                 continue
             if int(round(bounds[i + 1] * n)) <= int(round(bounds[i] * n)):
-                raise ValueError(f"--split {split!r}: the {name} split of --data-path "
+                raise UsageError(f"--split {split!r}: the {name} split of --data-path "
                                  f"{prefix!r} gets none of its {n} documents; use more "
                                  "documents or a larger share for that split")
 
 
 def _check_sizes(seq_length: int, sizes: Sequence[Optional[int]]) -> None:
     if seq_length <= 0:
-        raise ValueError(f"--seq-length {seq_length}: must be positive")
+        raise UsageError(f"--seq-length {seq_length}: must be positive")
     for name, size in zip(SPLIT_NAMES, sizes):
         if size is not None and size < 0:
-            raise ValueError(f"{name}_samples={size}: must be >= 0 (or None for one epoch)")
+            raise UsageError(f"{name}_samples={size}: must be >= 0 (or None for one epoch)")
 
 
 def _blends(data_path, split, per_split, sizes) -> Tuple[Optional[Blend], Optional[list]]:
@@ -103,26 +104,26 @@ def _blends(data_path, split, per_split, sizes) -> Tuple[Optional[Blend], Option
     blend = parse_blend(data_path, "--data-path")
     per_split_blends = [parse_blend(p, f) for p, f in zip(per_split, SPLIT_FLAGS)]
     if blend and any(per_split_blends):
-        raise ValueError(f"--data-path {' '.join(data_path)}: not together with "
+        raise UsageError(f"--data-path {' '.join(data_path)}: not together with "
                          "--train-data-path/--valid-data-path/--test-data-path")
     if blend:
         _check_split_documents(blend[0], split, sizes)
         if blend[1] is not None and None in sizes:
-            raise ValueError(f"--data-path {' '.join(data_path)}: weighted blends need a "
+            raise UsageError(f"--data-path {' '.join(data_path)}: weighted blends need a "
                              "number of samples for every split")
         return blend, None
     if not any(per_split_blends):
         values = [data_path] + list(per_split)
-        raise ValueError(f"no data: --data-path / --train-data-path / --valid-data-path / "
+        raise UsageError(f"no data: --data-path / --train-data-path / --valid-data-path / "
                          f"--test-data-path are {values}; give one, or use --mock-data")
     for i, (b, flag) in enumerate(zip(per_split_blends, SPLIT_FLAGS)):
         if b is None:
             continue
         for prefix in b[0]:
             if document_count(prefix, flag) == 0:
-                raise ValueError(f"{flag} {prefix!r}: the dataset has no documents")
+                raise UsageError(f"{flag} {prefix!r}: the dataset has no documents")
         if b[1] is not None and sizes[i] is None:
-            raise ValueError(f"{flag} {' '.join(per_split[i])}: weighted blends need a "
+            raise UsageError(f"{flag} {' '.join(per_split[i])}: weighted blends need a "
                              "number of samples")
     return None, [b if sizes[i] != 0 else None for i, b in enumerate(per_split_blends)]
 

@@ -9,6 +9,7 @@ Corpora with one document per line use ``boundary="line"``. Each document is sto
 sequence (Megatron's ``GPTDataset`` splits by sequence), its line breaks kept inside it.
 """
 
+from megatron_streaming.errors import UsageError
 import os
 import time
 from dataclasses import dataclass
@@ -24,16 +25,16 @@ def _lines(path: str) -> Iterator[str]:
         with open(path, "r", encoding="utf-8") as f:
             yield from f
     except UnicodeDecodeError as err:
-        raise ValueError(f"--input {path!r}: not UTF-8 text ({err.reason} at byte "
+        raise UsageError(f"--input {path!r}: not UTF-8 text ({err.reason} at byte "
                          f"{err.start})") from None
     except OSError as err:
-        raise ValueError(f"--input {path!r}: cannot read it ({err.strerror or err})") from None
+        raise UsageError(f"--input {path!r}: cannot read it ({err.strerror or err})") from None
 
 
 def iter_documents(paths: Sequence[str], boundary: str = "blank-line") -> Iterator[str]:
     """Yield the documents of ``paths`` in order, without their trailing newline."""
     if boundary not in BOUNDARIES:
-        raise ValueError(f"--document-boundary {boundary!r}: expected one of {BOUNDARIES}")
+        raise UsageError(f"--document-boundary {boundary!r}: expected one of {BOUNDARIES}")
     for path in paths:
         paragraph: List[str] = []
         for line in _lines(path):
@@ -107,7 +108,7 @@ def write_indexed_dataset(documents: Iterator[str], tokenizer, output_prefix: st
                 n_docs += 1
                 n_tokens += len(ids)
         if n_docs == 0:
-            raise ValueError("--input: the files hold no text, so there are no documents")
+            raise UsageError("--input: the files hold no text, so there are no documents")
         builder.finalize(tmp_idx)
         os.replace(tmp_bin, output_prefix + ".bin")
         os.replace(tmp_idx, output_prefix + ".idx")

@@ -13,6 +13,7 @@ For Streaming DiLoCo the data-parallel axis spans the workers: pass
 read disjoint samples while each global micro-step still covers one contiguous index block.
 """
 
+from megatron_streaming.errors import UsageError
 from typing import Dict, Iterator, List, Optional
 
 
@@ -26,14 +27,14 @@ class MicroBatchSampler:
     def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
                  data_parallel_rank: int, data_parallel_size: int):
         if total_samples <= 0:
-            raise ValueError(f"total_samples={total_samples}: must be positive")
+            raise UsageError(f"total_samples={total_samples}: must be positive")
         if not 0 <= consumed_samples <= total_samples:
-            raise ValueError(f"consumed_samples={consumed_samples}: must be in "
+            raise UsageError(f"consumed_samples={consumed_samples}: must be in "
                              f"[0, total_samples={total_samples}]")
         if micro_batch_size <= 0:
-            raise ValueError(f"--micro-batch-size {micro_batch_size}: must be positive")
+            raise UsageError(f"--micro-batch-size {micro_batch_size}: must be positive")
         if data_parallel_size <= 0 or not 0 <= data_parallel_rank < data_parallel_size:
-            raise ValueError(f"data_parallel_rank={data_parallel_rank}, data_parallel_size="
+            raise UsageError(f"data_parallel_rank={data_parallel_rank}, data_parallel_size="
                              f"{data_parallel_size}: need 0 <= rank < size")
         self.total_samples = total_samples
         self.consumed_samples = consumed_samples
@@ -80,7 +81,7 @@ def build_iterator(dataset, sampler: MicroBatchSampler) -> Iterator[Dict]:
     import torch
 
     if sampler.total_samples > len(dataset):
-        raise ValueError(f"total_samples={sampler.total_samples}: the dataset has only "
+        raise UsageError(f"total_samples={sampler.total_samples}: the dataset has only "
                          f"{len(dataset)} samples")
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=0,
                                          collate_fn=collate_micro_batch)

@@ -10,6 +10,7 @@ that plus ``tokenize``/``detokenize``, without inheriting from megatron's deprec
 class, so importing this module does not import megatron.
 """
 
+from megatron_streaming.errors import UsageError
 import hashlib
 import io
 from collections import OrderedDict
@@ -94,7 +95,7 @@ class MockTokenizer:
 
     def __init__(self, vocab_size: int):
         if vocab_size < 2:
-            raise ValueError(f"--vocab-size {vocab_size}: the mock tokenizer needs at least 2 "
+            raise UsageError(f"--vocab-size {vocab_size}: the mock tokenizer needs at least 2 "
                              "ids (one of them is the end-of-document token)")
         self._vocab_size = vocab_size
         self.unique_identifiers = OrderedDict(
@@ -136,16 +137,16 @@ def load_tokenizer(path: str) -> SentencePieceTokenizer:
         with open(path, "rb") as f:
             proto = f.read()
     except FileNotFoundError:
-        raise ValueError(f"{flag}: file not found") from None
+        raise UsageError(f"{flag}: file not found") from None
     except OSError as err:
-        raise ValueError(f"{flag}: cannot read it ({err.strerror or err})") from None
+        raise UsageError(f"{flag}: cannot read it ({err.strerror or err})") from None
     try:
         tokenizer = SentencePieceTokenizer(proto, path)
     except Exception as err:  # sentencepiece raises RuntimeError/OSError/TypeError by version
-        raise ValueError(
+        raise UsageError(
             f"{flag}: not a valid sentencepiece model ({_first_line(err)})") from None
     if tokenizer.eod < 0:
-        raise ValueError(f"{flag}: the model has no end-of-sentence piece, which is needed as "
+        raise UsageError(f"{flag}: the model has no end-of-sentence piece, which is needed as "
                          "the end-of-document token")
     return tokenizer
 
@@ -171,7 +172,7 @@ def train_tokenizer(lines: Iterable[str], model_path: str, vocab_size: int,
             pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID,
             input_sentence_size=2_000_000, shuffle_input_sentence=True, minloglevel=2)
     except RuntimeError as err:
-        raise ValueError(f"--vocab-size {vocab_size}: sentencepiece could not train a "
+        raise UsageError(f"--vocab-size {vocab_size}: sentencepiece could not train a "
                          f"tokenizer ({_first_line(err)})") from None
     proto = model.getvalue()
     with open(model_path, "wb") as f:

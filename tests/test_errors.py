@@ -1,0 +1,236 @@
+"""Bad input ends with one clear error naming the flag and the value: exit status 2, no
+Python traceback, and, where the input can be checked alone, before any process-group work.
+
+Pure validation is checked in-process (``parse_args`` + ``validate``); one subprocess per
+kind of error (layout, tokenizer, ``--load``) proves the path a user sees. A single process
+told ``WORLD_SIZE=N > 1`` would wait forever in ``init_process_group`` for the other ranks,
+so such a run exiting at once shows the error came before any collective.
+"""
+
+import importlib.util
+import shutil
+import socket
+from pathlib import Path
+
+import pytest
+
+from harness import REPO, SHARED_DATA, run
+from megatron_streaming.arguments import ConfigError, parse_args, validate
+
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:Transformer Engine and Apex are not installed:UserWarning")
+
+# Default model (2 layers, hidden 64): cheap enough to save a real checkpoint.
+MOCK = ["--mock-data", "--eval-iters", "0"]
+SUBPROCESS_TIMEOUT = 120  # far below the 10-minute rendezvous wait of a stuck rank
+
+
+def _free_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def _one_process_env() -> dict:
+    """A world of one on its own port: runs of other tests may hold the default 29500."""
+    return {"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0", "MASTER_PORT": _free_port()}
+
+
+def _fails_cleanly(args, *expected, world_size=None):
+    """Run pretrain_gpt.py as one process; assert exit 2 and one error line with ``expected``."""
+    extra = _one_process_env()
+    if world_size is not None:
+        extra["WORLD_SIZE"] = str(world_size)
+    proc = run(1, args, timeout=SUBPROCESS_TIMEOUT, check=False, extra_env=extra)
+    output = f"--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-6000:]}"
+    assert proc.returncode == 2, output
+    assert "Traceback" not in proc.stderr, output
+    errors = [line for line in proc.stderr.splitlines()
+              if line.startswith("pretrain_gpt.py: error:")]
+    assert len(errors) == 1, output
+    for text in expected:
+        assert text in errors[0], output
+    return errors[0]
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    """A real tiny indexed dataset and its tokenizer: ~20 KB of tinyshakespeare, 256 pieces."""
+    from megatron_streaming.data.__main__ import main as preprocess
+
+    root = tmp_path_factory.mktemp("data")
+    text = (SHARED_DATA / "tinyshakespeare.txt").read_bytes()[:20_000].decode("utf-8", "ignore")
+    (root / "small.txt").write_text(text, encoding="utf-8")
+    prefix = str(root / "small")
+    assert preprocess(["--input", str(root / "small.txt"), "--output-prefix", prefix,
+                       "--vocab-size", "256"]) == 0
+    return {"prefix": prefix, "model": prefix + ".model"}
+
+
+# ---- pure validation, in-process -------------------------------------------------------------
+
+VALIDATION_CASES = {
+    # name: (flags, world size, texts the message must contain)
+    "world_not_divisible_by_tp": (
+        ["--mock-data", "--tensor-model-parallel-size", "4"], 6,
+        ["world size 6", "--tensor-model-parallel-size (4)"]),
+    "world_not_divisible_by_workers": (
+        ["--mock-data", "--diloco-workers", "4"], 2,
+        ["world size 2", "--diloco-workers (4)"]),
+    "heads_not_divisible_by_tp": (
+        ["--mock-data", "--hidden-size", "96", "--num-attention-heads", "6",
+         "--tensor-model-parallel-size", "4"], 4,
+        ["--num-attention-heads (6)", "--tensor-model-parallel-size (4)"]),
+    "layers_not_divisible_by_pp": (
+        ["--mock-data", "--num-layers", "3", "--pipeline-model-parallel-size", "2"], 2,
+        ["--num-layers (3)", "--pipeline-model-parallel-size (2)"]),
+    "zero2_with_pipeline": (
+        ["--mock-data", "--zero-stage", "2", "--pipeline-model-parallel-size", "2"], 2,
+        ["--zero-stage 2", "--pipeline-model-parallel-size 2"]),
+    "bf16_without_zero": (
+        ["--mock-data", "--bf16", "--zero-stage", "0"], 1, ["--bf16", "--zero-stage 0"]),
+    "sequence_parallel_without_tp": (
+        ["--mock-data", "--sequence-parallel"], 1,
+        ["--sequence-parallel", "--tensor-model-parallel-size > 1, got 1"]),
+    "no_data_source": (
+        [], 1, ["--data-path", "--train-data-path", "--mock-data"]),
+    "missing_data_path": (
+        ["--data-path", "/nonexistent/prefix", "--tokenizer-model", "TOKENIZER"], 1,
+        ["--data-path /nonexistent/prefix", "/nonexistent/prefix.bin does not exist"]),
+    "missing_tokenizer_file": (
+        ["--data-path", "PREFIX", "--tokenizer-model", "/nonexistent/tok.model"], 1,
+        ["--tokenizer-model /nonexistent/tok.model", "not a readable file"]),
+    "data_path_without_tokenizer": (
+        ["--data-path", "PREFIX"], 1, ["--tokenizer-model is required", "--data-path"]),
+    "load_missing_directory": (
+        ["--mock-data", "--load", "/nonexistent/ckpt"], 1,
+        ["--load /nonexistent/ckpt", "no such directory"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(VALIDATION_CASES))
+def test_validation_names_the_flag_and_the_value(name, dataset):
+    flags, world_size, expected = VALIDATION_CASES[name]
+    flags = [{"PREFIX": dataset["prefix"], "TOKENIZER": dataset["model"]}.get(f, f)
+             for f in flags]
+    cfg = parse_args(flags)
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, world_size)
+    for text in expected:
+        assert text in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_valid_flags_pass_validation(dataset):
+    """The cases above fail for the reason named, not because the base flags are bad."""
+    validate(parse_args(["--mock-data"]), 1)
+    validate(parse_args(["--mock-data", "--tensor-model-parallel-size", "2",
+                         "--pipeline-model-parallel-size", "2", "--diloco-workers", "2",
+                         "--sequence-parallel"]), 8)
+    validate(parse_args(["--data-path", dataset["prefix"], "--tokenizer-model",
+                         dataset["model"]]), 1)
+
+
+def _load_entry_point():
+    spec = importlib.util.spec_from_file_location("pretrain_gpt", REPO / "pretrain_gpt.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_entry_point_reports_data_errors_and_keeps_tracebacks_of_bugs(monkeypatch, capsys,
+                                                                      tmp_path):
+    """The data package's UsageErrors are user errors (exit 2); any other error is a bug."""
+    import megatron_streaming.train
+    from megatron_streaming.data import load_tokenizer
+
+    entry = _load_entry_point()
+    garbage = tmp_path / "garbage.model"
+    garbage.write_bytes(b"not a sentencepiece model" * 10)
+    monkeypatch.setattr(megatron_streaming.train, "pretrain",
+                        lambda cfg: load_tokenizer(str(garbage)))
+    assert entry.main(["--mock-data"]) == 2
+    assert f"pretrain_gpt.py: error: --tokenizer-model '{garbage}'" in capsys.readouterr().err
+
+    def bug(cfg):
+        raise ValueError("an internal bug")
+
+    monkeypatch.setattr(megatron_streaming.train, "pretrain", bug)
+    with pytest.raises(ValueError, match="an internal bug"):
+        entry.main(["--mock-data"])
+
+
+# ---- the user-facing path: one process of pretrain_gpt.py ------------------------------------
+
+@pytest.mark.timeout(180)
+def test_layout_error_exits_before_process_groups():
+    _fails_cleanly(["--mock-data", "--tensor-model-parallel-size", "4"],
+                   "world size 6", "--tensor-model-parallel-size (4)", world_size=6)
+
+
+@pytest.mark.timeout(180)
+def test_unreadable_tokenizer_exits_before_process_groups(dataset, tmp_path):
+    garbage = tmp_path / "garbage.model"
+    garbage.write_bytes(bytes(range(256)) * 16)
+    # WORLD_SIZE=2 is a valid layout (DP=2): only the tokenizer is wrong, and a rank that got
+    # as far as init_process_group would wait for a second rank that never comes.
+    _fails_cleanly(["--data-path", dataset["prefix"], "--tokenizer-model", str(garbage)],
+                   f"--tokenizer-model '{garbage}'", "not a valid sentencepiece model",
+                   world_size=2)
+
+
+@pytest.mark.timeout(180)
+def test_load_of_missing_directory(tmp_path):
+    missing = tmp_path / "no_such_dir"
+    _fails_cleanly([*MOCK, "--load", str(missing)], f"--load {missing}", "no such directory",
+                   world_size=2)
+
+
+@pytest.mark.timeout(180)
+def test_load_of_directory_without_checkpoint(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    _fails_cleanly([*MOCK, "--load", str(empty)], f"--load {empty}",
+                   "no checkpoint in this directory")
+
+
+@pytest.fixture(scope="module")
+def checkpoint_dir(tmp_path_factory):
+    """A real checkpoint of a 2-iteration single-process run."""
+    root = tmp_path_factory.mktemp("ckpt") / "saved"
+    run(1, [*MOCK, "--train-iters", "2", "--save", str(root)], timeout=SUBPROCESS_TIMEOUT,
+        extra_env=_one_process_env())
+    assert (root / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    return root
+
+
+def _truncate(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[:len(data) // 2])
+
+
+def _garbage_same_size(path: Path) -> None:
+    size = path.stat().st_size
+    path.write_bytes((bytes(range(256)) * (size // 256 + 1))[:size])
+
+
+CORRUPTIONS = {
+    "truncated_rank_file": ("iter_0000002/rank_00000.pt", _truncate,
+                            ["rank_00000.pt is missing or truncated"]),
+    "garbage_rank_file": ("iter_0000002/rank_00000.pt", _garbage_same_size,
+                          ["cannot read", "rank_00000.pt"]),
+    "missing_metadata": ("iter_0000002/metadata.json", Path.unlink,
+                         ["checkpoint of iteration 2 is incomplete or corrupt",
+                          "metadata.json"]),
+}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("name", sorted(CORRUPTIONS))
+def test_load_of_corrupt_checkpoint(name, checkpoint_dir, tmp_path):
+    relative, corrupt, expected = CORRUPTIONS[name]
+    root = tmp_path / "ckpt"
+    shutil.copytree(checkpoint_dir, root)
+    corrupt(root / relative)
+    _fails_cleanly([*MOCK, "--train-iters", "4", "--load", str(root)], f"--load {root}",
+                   *expected)
