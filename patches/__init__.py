@@ -1,0 +1,94 @@
+"""Run-time fixes that let megatron-core 0.16.1 and DeepSpeed 0.19.8 train on CPU with gloo.
+
+Nothing here edits installed files. One call applies every fix this process needs::
+
+    import patches
+    patches.apply()          # -> ["megatron_rng", "megatron_devices", ...]
+
+Each fix lives in its own module (``megatron_rng``, ``megatron_devices``, ``megatron_embedding``,
+``megatron_norm``, ``deepspeed_shm``) whose docstring names the upstream call sites it covers.
+Each is pinned to the exact upstream version it was verified on and refuses any other
+(``UpstreamVersionError``), and each applies only where needed: the CUDA-only fixes do nothing
+when ``torch.cuda.is_available()``, the norm fix only without apex, the DeepSpeed fix only on
+DeepSpeed's CPU accelerator.
+
+``apply()`` may run before or after megatron/deepspeed are imported, but must run before
+``deepspeed.init_distributed`` and before models are built. It is idempotent.
+
+Not handled here (not a CPU issue): without ``parallel_state.initialize_model_parallel`` the
+caller must create megatron's global memory buffer once, used by ``DotProductAttention`` and the
+sequence-parallel layers: ``parallel_state._set_global_memory_buffer()`` (it asserts it runs
+once; guard on ``parallel_state._GLOBAL_MEMORY_BUFFER is None``).
+"""
+
+import importlib
+import logging
+import os
+from typing import Iterable, List, Union
+
+from . import _pinning
+from ._pinning import UpstreamVersionError
+
+__all__ = ["PATCH_NAMES", "SKIP_ENV", "UpstreamVersionError", "applied", "apply"]
+
+PATCH_NAMES = (
+    "megatron_rng",
+    "megatron_devices",
+    "megatron_embedding",
+    "megatron_norm",
+    "deepspeed_shm",
+)
+
+SKIP_ENV = "MEGATRON_STREAMING_SKIP_PATCHES"
+"""Comma-separated patch names ``apply()`` leaves out (to check a patch is still needed)."""
+
+# The one piece of module state: names of the patches installed in this process, in order.
+_APPLIED: List[str] = []
+
+
+def _names(listed: str) -> set:
+    return {name.strip() for name in listed.split(",") if name.strip()}
+
+
+def _skipped(skip: Union[str, Iterable[str]]) -> set:
+    names = _names(skip) if isinstance(skip, str) else set(skip)
+    names |= _names(os.environ.get(SKIP_ENV, ""))
+    unknown = names - set(PATCH_NAMES)
+    if unknown:
+        raise ValueError(
+            f"unknown patch names {sorted(unknown)} (skip= or {SKIP_ENV}); "
+            f"known: {list(PATCH_NAMES)}"
+        )
+    return names
+
+
+def apply(skip: Union[str, Iterable[str]] = ()) -> List[str]:
+    """Install every needed patch not yet installed; return the names installed so far.
+
+    ``skip`` (names, or one comma-separated string) and the env var
+    ``MEGATRON_STREAMING_SKIP_PATCHES`` name patches to leave out.
+    All version pins are checked before anything is installed, so a refusal changes nothing.
+    """
+    skipped = _skipped(skip)
+    todo = []
+    for name in PATCH_NAMES:
+        if name in _APPLIED or name in skipped:
+            continue
+        patch = importlib.import_module(f"{__name__}.{name}").PATCH
+        if _pinning.installed_version(patch.package) is None:
+            continue  # nothing to patch
+        if patch.is_needed():
+            todo.append(patch)
+    for patch in todo:
+        _pinning.require_version(patch.package, patch.version, patch.name)
+    for patch in todo:
+        patch.install()
+        _APPLIED.append(patch.name)
+    if todo:
+        logging.getLogger(__name__).info("applied %s", ", ".join(p.name for p in todo))
+    return list(_APPLIED)
+
+
+def applied() -> List[str]:
+    """Names of the patches installed in this process, in installation order."""
+    return list(_APPLIED)

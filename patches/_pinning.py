@@ -1,0 +1,31 @@
+"""Exact-version pins for the upstream packages the patches were written against.
+
+Every patch reaches into private names of one upstream release; on any other release those
+names may have moved or changed meaning, so a patch refuses to run rather than guess.
+"""
+
+from importlib import metadata
+from typing import Optional
+
+
+class UpstreamVersionError(RuntimeError):
+    """An installed upstream package is not the version a patch was written for."""
+
+
+def installed_version(package: str) -> Optional[str]:
+    """Version of the installed distribution ``package``, or None when it is not installed."""
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def require_version(package: str, expected: str, patch_name: str) -> None:
+    """Raise UpstreamVersionError unless ``package`` is installed at exactly ``expected``."""
+    found = installed_version(package)
+    if found != expected:
+        raise UpstreamVersionError(
+            f"patch {patch_name!r} was written for {package}=={expected} but found "
+            f"{package}=={found}; re-verify the call sites it covers against {package} {found} "
+            f"and update the pin in patches/{patch_name}.py"
+        )

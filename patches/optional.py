@@ -1,0 +1,38 @@
+"""Optional CUDA libraries megatron-core switches on when importable: apex and Transformer Engine.
+
+``HAVE_APEX`` / ``HAVE_TE`` are computed on first access by trying the same imports megatron-core
+tries (``import apex``, ``import transformer_engine``), so importing this module costs nothing.
+"""
+
+import functools
+import importlib
+
+__all__ = ["HAVE_APEX", "HAVE_TE", "have_apex", "have_te"]
+
+
+def _importable(module_name: str) -> bool:
+    try:
+        importlib.import_module(module_name)
+    except ImportError:
+        return False
+    return True
+
+
+@functools.cache
+def have_apex() -> bool:
+    """Whether apex imports (megatron then uses its FusedLayerNorm in the local spec)."""
+    return _importable("apex")
+
+
+@functools.cache
+def have_te() -> bool:
+    """Whether Transformer Engine imports."""
+    return _importable("transformer_engine")
+
+
+def __getattr__(name: str) -> bool:
+    if name == "HAVE_APEX":
+        return have_apex()
+    if name == "HAVE_TE":
+        return have_te()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,237 @@
+"""Tests for ``patches``: each fix is needed, works, applies once, and only where needed.
+
+Everything that depends on process-wide patch state runs in fresh interpreters
+(``tests/_patches_worker.py``, see its docstring), all started at once by the ``workers``
+fixture since imports dominate their run time:
+
+* ``single_rank`` once with every patch and once per patch with that patch skipped: a check
+  must fail exactly when a patch it needs is skipped, so each patch is shown necessary,
+  sufficient for its call sites, and independent of the others;
+* ``selection`` with CUDA faked on and apex faked present or blocked;
+* ``two_ranks``: a tiny GPT trained on 2 gloo ranks with TP=2 + SP, then PP=2.
+"""
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+WORKER_PATH = Path(__file__).resolve().with_name("_patches_worker.py")
+SKIP_ENV = "MEGATRON_STREAMING_SKIP_PATCHES"
+ALL_PATCHES = (
+    "megatron_rng",
+    "megatron_devices",
+    "megatron_embedding",
+    "megatron_norm",
+    "deepspeed_shm",
+)
+
+
+def _load_worker_module():
+    # By path, so this works under any pytest import mode; it imports nothing heavy.
+    spec = importlib.util.spec_from_file_location("_patches_worker", WORKER_PATH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+worker = _load_worker_module()
+
+
+# --------------------------------------------------------------------------------------------
+# Launching workers (pytest side)
+# --------------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(scenario: str, env: dict, log) -> subprocess.Popen:
+    full_env = {k: v for k, v in os.environ.items() if k != SKIP_ENV}
+    full_env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", TORCH_COMPILE_DISABLE="1", **env)
+    # Output goes to a file, not a pipe: nothing reads a pipe until the worker is collected,
+    # and a full pipe would block the worker.
+    return subprocess.Popen([sys.executable, str(WORKER_PATH), scenario], cwd=REPO,
+                            env=full_env, stdout=log, stderr=subprocess.STDOUT)
+
+
+class _Workers:
+    """Every worker process of this file, started together (imports dominate, 2 cores share
+    them) and collected one by one, so one failing worker fails only the tests that read it."""
+
+    def __init__(self, log_dir: Path, timeout: float = 110):
+        self._procs, self._results, self._timeout = {}, {}, timeout
+        self._log_dir = log_dir
+        self.shm_ports = []
+
+    def start(self, key, scenario: str, env: dict) -> None:
+        log_path = self._log_dir / f"worker{len(self._procs)}.log"
+        with open(log_path, "w") as log:
+            self._procs[key] = (_start(scenario, env, log), log_path)
+
+    def result(self, key) -> dict:
+        if key not in self._results:
+            self._results[key] = self._collect(*self._procs[key])
+        return self._results[key]
+
+    def _collect(self, proc: subprocess.Popen, log_path: Path) -> dict:
+        try:
+            proc.wait(timeout=self._timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            pytest.fail(f"worker timed out after {self._timeout}s:\n{log_path.read_text()[-6000:]}")
+        out = log_path.read_text()
+        lines = [line for line in out.splitlines() if line.startswith(worker.RESULT_PREFIX)]
+        assert proc.returncode == 0 and lines, f"worker rc={proc.returncode}:\n{out[-6000:]}"
+        return json.loads(lines[-1][len(worker.RESULT_PREFIX):])
+
+    def stop(self) -> None:
+        for proc, _ in self._procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for port in self.shm_ports:
+            for path in worker.shm_files(port):
+                os.remove(path)
+
+
+@pytest.fixture(scope="module")
+def workers(tmp_path_factory):
+    pool = _Workers(tmp_path_factory.mktemp("patch_workers"))
+    # single_rank with every patch (key None) and with each patch skipped (key: its name).
+    for skipped in (None, *ALL_PATCHES):
+        port = _free_port()
+        pool.shm_ports.append(port)
+        pool.start(skipped, "single_rank", {SKIP_ENV: skipped or "", "MASTER_PORT": str(port)})
+    for key, cuda, apex in (("cuda_with_apex", "1", "present"),
+                            ("cuda_without_apex", "1", "blocked"),
+                            ("cpu_without_apex", "0", "blocked")):
+        pool.start(key, "selection", {"FAKE_CUDA": cuda, "FAKE_APEX": apex})
+    two_ranks = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    for rank in range(2):
+        pool.start(("two_ranks", rank), "two_ranks", {**two_ranks, "RANK": str(rank)})
+    try:
+        yield pool
+    finally:
+        pool.stop()
+
+
+# --------------------------------------------------------------------------------------------
+# Tests
+# --------------------------------------------------------------------------------------------
+
+
+# What a check reports when a patch it needs is skipped: the upstream failure that patch fixes.
+_EXPECTED_FAILURE = {
+    "megatron_rng": "Torch not compiled with CUDA enabled",
+    "megatron_devices": "Torch not compiled with CUDA enabled",
+    "megatron_embedding": "Torch not compiled with CUDA enabled",
+    "megatron_norm": "sequence parallel not supported by torch LayerNorm",
+    "deepspeed_shm": "shm op build requested",
+}
+
+
+@pytest.mark.timeout(120)
+def test_all_patches_make_every_call_site_work(workers):
+    result = workers.result(None)
+    assert result["applied"] == list(ALL_PATCHES)
+    assert result["checks"] == {name: "ok" for name in worker.CHECK_NEEDS}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("skipped", ALL_PATCHES)
+def test_each_patch_is_needed_and_independent(workers, skipped):
+    result = workers.result(skipped)
+    assert result["applied"] == [p for p in ALL_PATCHES if p != skipped]
+    broken = {name for name, outcome in result["checks"].items() if outcome != "ok"}
+    needing = {name for name, needs in worker.CHECK_NEEDS.items() if skipped in needs}
+    assert broken == needing, result
+    for name in broken:  # failed for the reason the patch addresses, not something else
+        assert _EXPECTED_FAILURE[skipped] in result["checks"][name], result
+
+
+@pytest.mark.timeout(120)
+def test_apply_is_idempotent(workers):
+    result = workers.result(None)
+    assert result["second_apply"] == result["applied"]
+    assert result["patched_objects_unchanged"] is True
+
+
+@pytest.mark.timeout(120)
+def test_deepspeed_init_leaves_no_shm_files(workers):
+    # The worker asserts this itself; check from outside too, per worker port.
+    assert workers.result(None)["checks"]["deepspeed_init_no_shm"] == "ok"
+    assert workers.result(None)["shm_files"] == []
+
+
+@pytest.mark.timeout(120)
+def test_selection_cuda_untouched_and_norm_fallback(workers):
+    results = {key: workers.result(key)
+               for key in ("cuda_with_apex", "cuda_without_apex", "cpu_without_apex")}
+    # On a CUDA host with apex nothing at all is touched.
+    assert results["cuda_with_apex"]["applied"] == []
+    assert results["cuda_with_apex"]["touched"] == []
+    # Without apex only the norm fix applies on CUDA; the CUDA path stays upstream's.
+    assert results["cuda_without_apex"]["applied"] == ["megatron_norm"]
+    assert results["cuda_without_apex"]["touched"] == ["megatron_norm"]
+    # apex / TE not importable: flags false and the norm fallback active.
+    cpu = results["cpu_without_apex"]
+    assert cpu["have_apex"] is False and cpu["have_te"] is False
+    assert "megatron_norm" in cpu["applied"]
+    assert sorted(cpu["touched"]) == sorted(ALL_PATCHES)
+
+
+@pytest.mark.parametrize("package, found, skip", [
+    ("megatron-core", "0.17.0", ["deepspeed_shm"]),  # skip: keeps deepspeed out of pytest
+    ("deepspeed", "0.20.0", []),
+])
+def test_version_refusal_names_package_found_and_expected(monkeypatch, package, found, skip):
+    import patches
+    from patches import _pinning
+
+    versions = {"megatron-core": "0.16.1", "deepspeed": "0.19.8"}
+    expected = versions[package]
+    monkeypatch.setattr(_pinning, "installed_version", {**versions, package: found}.get)
+    monkeypatch.setattr(patches, "_APPLIED", [])  # as in a fresh process
+    with pytest.raises(patches.UpstreamVersionError) as err:
+        patches.apply(skip=skip)
+    assert f"{package}=={expected}" in str(err.value) and f"{package}=={found}" in str(err.value)
+    assert patches.applied() == []  # refused before installing anything
+
+
+def test_unknown_skip_name_is_rejected():
+    import patches
+
+    with pytest.raises(ValueError, match="megatron_typo"):
+        patches.apply(skip="megatron_rng,megatron_typo")
+
+
+def test_import_is_cheap():
+    code = "import sys, patches, patches.optional; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)
+
+
+@pytest.mark.timeout(120)
+def test_tiny_gpt_trains_with_tp_sp_and_pp_on_two_gloo_ranks(workers):
+    ranks = {rank: workers.result(("two_ranks", rank)) for rank in range(2)}
+    for rank, result in ranks.items():
+        assert result["applied"] == list(ALL_PATCHES), rank
+        for layout in ("tp2_sp_ddp", "pp2_shared_embedding"):
+            assert result[layout]["losses_finite"], (rank, result)
+    # SP norm grads were all-reduced over TP: the replicated norm weights stayed identical.
+    assert all(ranks[r]["tp2_sp_ddp"]["norm_params_tagged"] for r in range(2))
+    assert ranks[0]["tp2_sp_ddp"]["norm_checksum"] == ranks[1]["tp2_sp_ddp"]["norm_checksum"]
+    # Shared embedding: first and last stage hold the same weight after init and training.
+    assert ranks[0]["pp2_shared_embedding"]["shared_weight_max_diff"] == 0.0
+    assert ranks[1]["pp2_shared_embedding"]["last_stage_losses"]
+
