@@ -7,12 +7,14 @@
 Flags: ``python pretrain_gpt.py --help``. This file only parses flags and calls the library.
 """
 
+import os
 import sys
 
 
 def main(argv=None) -> int:
     from megatron_streaming.arguments import parse_args
     from megatron_streaming.errors import UsageError
+    from megatron_streaming.streaming.transport import SyncTimeout
     from megatron_streaming.train import pretrain
 
     cfg = parse_args(argv)
@@ -21,6 +23,12 @@ def main(argv=None) -> int:
     except UsageError as e:  # bad input: one line naming the flag; bugs keep their traceback
         print(f"pretrain_gpt.py: error: {e}", file=sys.stderr, flush=True)
         return 2
+    except SyncTimeout as e:
+        # Fatal for this job. The exchange thread may still sit in the dead collective, and
+        # interpreter shutdown would wait for it: leave at once, the launcher stops the rest.
+        print(f"pretrain_gpt.py: error: {e}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(3)
     return 0
 
 

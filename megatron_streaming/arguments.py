@@ -95,7 +95,7 @@ def validate(cfg: Config, world_size: int) -> None:
 
     m, p, t, o, d = cfg.model, cfg.parallel, cfg.training, cfg.optimizer, cfg.data
     try:
-        layout = RankLayout(world_size, p.diloco_workers, p.tensor_model_parallel_size,
+        layout = RankLayout(world_size, cfg.streaming.diloco_workers, p.tensor_model_parallel_size,
                             p.pipeline_model_parallel_size)
     except ValueError as e:
         raise ConfigError(str(e)) from None
@@ -125,6 +125,7 @@ def validate(cfg: Config, world_size: int) -> None:
     _require(m.position_embedding_type == "rope" or max_pos >= m.seq_length,
              f"--max-position-embeddings ({max_pos}) is smaller than --seq-length "
              f"({m.seq_length})")
+    _validate_streaming(cfg)
     _validate_zero(cfg, pp)
     _validate_batches(cfg, dp)
     _require(o.lr >= 0 and o.min_lr >= 0, f"--lr ({o.lr}) and --min-lr ({o.min_lr}) must be "
@@ -135,6 +136,28 @@ def validate(cfg: Config, world_size: int) -> None:
              f"--log-interval must be > 0, got {cfg.logging.log_interval}")
     _validate_data(d)
     _validate_checkpoint(cfg)
+
+
+def _validate_streaming(cfg: Config) -> None:
+    """The sync's own checks (schedule, fragments, outer optimizer, codec), as flag errors."""
+    from .streaming import builder
+    from .streaming.codec import make_codec
+
+    s, layers = cfg.streaming, cfg.model.num_layers
+    if s.diloco_fragment_layers is not None:
+        _require(s.diloco_fragment_layers > 0 and layers % s.diloco_fragment_layers == 0,
+                 f"--diloco-fragment-layers ({s.diloco_fragment_layers}) must divide "
+                 f"--num-layers ({layers})")
+    _require(0.0 <= s.diloco_alpha <= 1.0,
+             f"--diloco-alpha must be in [0, 1], got {s.diloco_alpha}")
+    _require(s.diloco_timeout > 0, f"--diloco-timeout must be > 0, got {s.diloco_timeout}")
+    try:
+        builder.fragment_plan(cfg)
+        builder.sync_schedule(cfg)
+        builder.outer_optimizer(cfg)
+        make_codec(s.diloco_quantize, s.diloco_quant_block)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _validate_zero(cfg: Config, pp: int) -> None:

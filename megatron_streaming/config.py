@@ -37,6 +37,7 @@ class ModelConfig:
     normalization: str = arg("LayerNorm", "Norm layer.", choices=["LayerNorm", "RMSNorm"])
     untie_embeddings_and_output_weights: bool = arg(
         False, "Give the output layer its own weight instead of the input embedding's.")
+    disable_bias_linear: bool = arg(False, "No biases in the linear layers.")
     hidden_dropout: float = arg(0.0, "Dropout on the residual branches.")
     attention_dropout: float = arg(0.0, "Dropout on the attention probabilities.")
     init_method_std: float = arg(0.02, "Std of the normal weight initialisation.")
@@ -58,8 +59,6 @@ class ParallelConfig:
         False, "Megatron sequence parallelism over the tensor-parallel group.")
     zero_stage: int = arg(1, "DeepSpeed ZeRO stage over the worker's data-parallel group.",
                           choices=[0, 1, 2])
-    diloco_workers: int = arg(
-        1, "Number of DiLoCo workers; each is a contiguous block of WORLD/M ranks.")
     distributed_backend: str = arg(
         "auto", "torch.distributed backend (auto: nccl with CUDA, else gloo).",
         choices=["auto", "gloo", "nccl"])
@@ -67,9 +66,53 @@ class ParallelConfig:
 
 
 @dataclass
-class OptimizerConfig:
-    """Inner AdamW and its learning-rate schedule."""
+class StreamingConfig:
+    """Streaming DiLoCo between workers (DESIGN.md "Streaming DiLoCo")."""
 
+    diloco_workers: int = arg(
+        1, "Number of DiLoCo workers; each is a contiguous block of WORLD/M ranks.")
+    diloco_sync: bool = arg(
+        True, "Synchronise workers with Streaming DiLoCo (when --diloco-workers > 1); off: "
+        "the workers train independently.")
+    diloco_inner_steps: int = arg(100, "H: inner steps between two syncs of one fragment.")
+    diloco_fragments: int = arg(1, "P: number of fragments (each syncs every H steps).")
+    diloco_fragment_layers: Optional[int] = arg(
+        None, "Layers per fragment; sets --diloco-fragments to num-layers / this.")
+    diloco_fragment_pattern: str = arg(
+        "strided", "Layers of fragment p: p, p+P, ... (strided) or a contiguous block.",
+        choices=["strided", "sequential"])
+    diloco_overlap_steps: int = arg(
+        0, "tau: inner steps that overlap a fragment's exchange before its merge (< H/P).")
+    diloco_alpha: float = arg(
+        0.0, "Merge: local = alpha * local + (1 - alpha) * global (0 = replace).")
+    diloco_outer_lr: float = arg(0.7, "Outer SGD learning rate.")
+    diloco_outer_momentum: float = arg(0.9, "Outer SGD momentum.")
+    diloco_nesterov: bool = arg(True, "Nesterov outer momentum.")
+    diloco_quantize: str = arg("fp4", "Outer-gradient wire format.",
+                               choices=["none", "bf16", "int8", "fp4"])
+    diloco_quant_block: int = arg(128, "Elements per quantization scale.")
+    diloco_error_feedback: bool = arg(
+        False, "Carry each rank's quantization error into its next send of the fragment.")
+    diloco_offload_outer_state: bool = arg(
+        False, "Keep the outer state (global copy, momentum, residual) in CPU memory.")
+    diloco_backend: str = arg("auto", "Backend of the cross-worker groups (auto: as in-worker).",
+                              choices=["auto", "gloo", "nccl"])
+    diloco_timeout: float = arg(
+        600.0, "Seconds to wait for a cross-worker exchange before failing.")
+    eval_params: str = arg("global", "Evaluate the global (outer) or the local parameters.",
+                           choices=["global", "local"])
+    co2_gap_penalty: float = arg(
+        1.0, "CO2 staleness-gap penalty lambda: the outer gradient is divided by it.")
+    co2_clip_threshold: float = arg(
+        0.0, "CO2: clamp the outer momentum element-wise to [-phi, phi] (0 = off).")
+
+
+@dataclass
+class OptimizerConfig:
+    """The inner optimizer and its learning-rate schedule."""
+
+    optimizer: str = arg("adam", "Inner optimizer: AdamW, or SGD (for exactness checks).",
+                         choices=["adam", "sgd"])
     lr: float = arg(1e-3, "Peak learning rate.")
     min_lr: float = arg(0.0, "Learning rate at the end of the decay.")
     lr_decay_style: str = arg("cosine", "Decay after warmup.",
@@ -80,6 +123,7 @@ class OptimizerConfig:
     adam_beta1: float = arg(0.9, "AdamW beta1.")
     adam_beta2: float = arg(0.95, "AdamW beta2.")
     adam_eps: float = arg(1e-8, "AdamW epsilon.")
+    sgd_momentum: float = arg(0.0, "SGD momentum.")
     clip_grad: float = arg(1.0, "Clip the global gradient norm to this (0 = off).")
 
 
@@ -143,6 +187,7 @@ class Config:
 
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    streaming: StreamingConfig = field(default_factory=StreamingConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     data: DataConfig = field(default_factory=DataConfig)

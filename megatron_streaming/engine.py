@@ -24,6 +24,10 @@ from .config import Config
 from .topology import Topology
 
 
+def dist_rank(group) -> int:
+    return torch.distributed.get_rank(group=group)
+
+
 def lr_at(iteration: int, cfg: Config) -> float:
     """Linear warmup, then constant, linear or cosine decay to ``--min-lr``."""
     o = cfg.optimizer
@@ -55,9 +59,6 @@ def deepspeed_config(cfg: Config, dp: int) -> dict:
         "gradient_accumulation_steps": 1,
         "managed_gradient_accumulation": False,
         "zero_optimization": {"stage": cfg.parallel.zero_stage},
-        "optimizer": {"type": "AdamW", "params": {
-            "lr": o.lr, "betas": [o.adam_beta1, o.adam_beta2], "eps": o.adam_eps,
-            "weight_decay": o.weight_decay, "torch_adam": not torch.cuda.is_available()}},
         # DeepSpeed's default is 1.0: always say what we mean.
         "gradient_clipping": o.clip_grad,
         "steps_per_print": 2**62,
@@ -69,16 +70,32 @@ def deepspeed_config(cfg: Config, dp: int) -> dict:
     return ds
 
 
+def inner_optimizer(cfg: Config, groups: List[dict]) -> torch.optim.Optimizer:
+    """The torch optimizer ZeRO wraps (it then steps only this rank's fp32 partitions)."""
+    o = cfg.optimizer
+    if o.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=o.lr, momentum=o.sgd_momentum)
+    return torch.optim.AdamW(groups, lr=o.lr, betas=(o.adam_beta1, o.adam_beta2),
+                             eps=o.adam_eps, fused=torch.cuda.is_available() or None)
+
+
 def param_groups(model: torch.nn.Module, weight_decay: float) -> List[dict]:
-    """AdamW groups: no decay on biases and norm weights (Megatron's rule)."""
+    """AdamW groups: no decay on biases and norm weights (Megatron's rule).
+
+    Every rank has the same two groups whatever its pipeline stage holds: DeepSpeed reduces
+    each group's gradient norm over the model-parallel group, so the group count must agree
+    across stages. ``sync_index`` lets a step hook tell which group is being stepped.
+    """
     decay, no_decay = [], []
     for name, param in model.named_parameters():
-        if not param.requires_grad:
-            continue
-        (no_decay if param.ndim == 1 or name.endswith(".bias") else decay).append(param)
+        if param.requires_grad:
+            (no_decay if param.ndim == 1 or name.endswith(".bias") else decay).append(param)
     groups = [{"params": decay, "weight_decay": weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
-    return [g for g in groups if g["params"]]
+    groups = [g for g in groups if g["params"]]
+    for index, group in enumerate(groups):
+        group["sync_index"] = index
+    return groups
 
 
 @dataclass
@@ -120,9 +137,10 @@ class WorkerEngine:
         self.num_microbatches = num_microbatches(cfg, dp)
         grads.mark_pipeline_replicas(model, topology)
         self._hooks = grads.register_sequence_parallel_grad_hooks(model, topology.groups["tp"])
+        groups = param_groups(model, cfg.optimizer.weight_decay)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model,
-            model_parameters=param_groups(model, cfg.optimizer.weight_decay),
+            optimizer=inner_optimizer(cfg, groups),
             config=deepspeed_config(cfg, dp),
             mpu=topology.mpu(),
             dist_init_required=False,
@@ -134,11 +152,43 @@ class WorkerEngine:
         self.p2p = P2PCommunicator(pp_group=topology.groups["pp"], config=model.config)
         self.forward_backward = get_forward_backward_func(pp_size=topology.layout.pp,
                                                           vp_size=None)
+        self.step_hooks: list = []  # objects with before_step(step) and after_step()
 
     @property
     def inner_optimizer(self) -> torch.optim.Optimizer:
         """The torch optimizer that steps each rank's fp32 partition (hook point)."""
         return getattr(self.optimizer, "optimizer", self.optimizer)
+
+    @property
+    def zero(self) -> bool:
+        return hasattr(self.optimizer, "single_partition_of_fp32_groups")
+
+    def master_views(self) -> List[List[tuple]]:
+        """Per param group, ``(parameter, fp32 view)`` for every parameter with elements on
+        this rank: the view is the parameter's slice of this rank's flat ZeRO partition (or,
+        without ZeRO, the parameter itself)."""
+        if not self.zero:
+            return [[(p, p) for p in g["params"]] for g in self.inner_optimizer.param_groups]
+        opt = self.optimizer
+        out = []
+        for i, params in enumerate(opt.bit16_groups):
+            flat, partition = opt.bit16_groups_flat[i], opt.single_partition_of_fp32_groups[i]
+            size = opt.partition_size[i]
+            start = dist_rank(opt.real_dp_process_group[i]) * size
+            views = []
+            for p in params:
+                # Offsets from storage addresses: ZeRO made each parameter a view of ``flat``.
+                offset = (p.data_ptr() - flat.data_ptr()) // p.element_size()
+                lo, hi = max(offset, start), min(offset + p.numel(), start + size)
+                if lo < hi:
+                    views.append((p, partition.narrow(0, lo - start, hi - lo)))
+            out.append(views)
+        return out
+
+    def push_to_model(self) -> None:
+        """After editing fp32 partitions outside a step: copy them into the model weights."""
+        if self.zero:
+            self.optimizer.update_lp_params()
 
     def _run_schedule(self, data_iterator: Iterator, forward_only: bool,
                       num_microbatches: int):
@@ -170,7 +220,11 @@ class WorkerEngine:
         self.engine.train()
         outputs = self._run_schedule(data_iterator, False, self.num_microbatches)
         grads.allreduce_tied_embedding_grads(self.model, self.topology)
+        for hook in self.step_hooks:
+            hook.before_step(iteration + 1)
         self.engine.step()
+        for hook in self.step_hooks:
+            hook.after_step()
         norm = self.engine.get_global_grad_norm()
         norm = float(norm) if norm is not None else None
         return StepResult(self._mean_loss(outputs), norm, lr)

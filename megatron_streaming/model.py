@@ -61,6 +61,7 @@ def transformer_config(model_cfg: ModelConfig, parallel_cfg: ParallelConfig):
         num_attention_heads=model_cfg.num_attention_heads,
         ffn_hidden_size=model_cfg.ffn_hidden_size or 4 * model_cfg.hidden_size,
         normalization=model_cfg.normalization,
+        add_bias_linear=not model_cfg.disable_bias_linear,
         hidden_dropout=model_cfg.hidden_dropout,
         attention_dropout=model_cfg.attention_dropout,
         init_method_std=model_cfg.init_method_std,

@@ -104,7 +104,11 @@ class RankLayout:
             "embd": self.embedding_groups(),
             "pos_embd": self.position_embedding_groups(),
             "single": [[r] for r in range(self.world_size)],
+            # Two groups per coordinate: the transport's (used only by its background thread)
+            # and one for control (barriers from the main thread). Sharing one group between
+            # threads would let a barrier pair up with an in-flight exchange on another worker.
             "cross_worker": self.cross_worker_groups(),
+            "cross_worker_control": self.cross_worker_groups(),
         }
 
     def data_shard(self, rank: int):
@@ -121,15 +125,24 @@ class Topology:
     rank: int
     groups: Dict[str, object] = field(default_factory=dict)
     group_ranks: Dict[str, List[int]] = field(default_factory=dict)
+    cross_worker_backend: Optional[str] = None
 
     @classmethod
-    def create(cls, layout: RankLayout, rank: int, timeout=None) -> "Topology":
+    def create(cls, layout: RankLayout, rank: int, timeout=None,
+               cross_worker_backend: Optional[str] = None,
+               cross_worker_timeout=None) -> "Topology":
+        """Create every group. The cross-worker groups may use their own backend (gloo over
+        a slow link while NCCL runs inside the worker) and their own timeout."""
         import torch.distributed as dist
 
         topo = cls(layout=layout, rank=rank)
+        topo.cross_worker_backend = cross_worker_backend or dist.get_backend()
         for name, rank_lists in layout.all_groups().items():
+            cross = name.startswith("cross_worker")
             for ranks in rank_lists:
-                group = dist.new_group(ranks, timeout=timeout)
+                group = dist.new_group(
+                    ranks, timeout=cross_worker_timeout if cross else timeout,
+                    backend=cross_worker_backend if cross else None)
                 if rank in ranks:
                     topo.groups[name] = group
                     topo.group_ranks[name] = ranks
@@ -188,7 +201,7 @@ class Topology:
         import torch.distributed as dist
 
         dist.barrier(group=self.groups["worker"])
-        dist.barrier(group=self.groups["cross_worker"])
+        dist.barrier(group=self.groups["cross_worker_control"])
 
     # ---- adapters ----------------------------------------------------------------------
     def pg_collection(self):

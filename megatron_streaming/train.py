@@ -25,41 +25,10 @@ class Run:
         self.start_time = time.perf_counter()
 
     def setup(self) -> "Run":
-        import patches
-        from . import distributed, weights
-        from .checkpoint import Checkpointer
-        from .engine import WorkerEngine
-        from .inputs import RunData, load_run_tokenizer
-        from .metrics import make_writer, setup_logging
-        from .model import build_model
-        from .topology import RankLayout, Topology
-
-        cfg, p = self.cfg, self.cfg.parallel
-        world = world_size_from_env()
-        validate(cfg, world)
-        layout = RankLayout(world, p.diloco_workers, p.tensor_model_parallel_size,
-                            p.pipeline_model_parallel_size)
-        self.resume = self._resume_source(layout)
-        tokenizer = load_run_tokenizer(cfg)
-        self.patches = patches.apply()
-        rank, _ = distributed.init_distributed(p.distributed_backend,
-                                               p.distributed_timeout_minutes)
-        distributed.cpu_threads()
-        self.topology = topo = Topology.create(layout, rank)
-        topo.install_into_megatron()
-        setup_logging(topo.is_logging_rank())
-        log.info("layout: %s; patches: %s", topo.describe(), ", ".join(self.patches) or "none")
-        distributed.seed_everything(cfg.training.seed, topo.tp_rank)
-        self.model = build_model(cfg.model, p, topo, tokenizer.vocab_size)
-        layers_per_stage = cfg.model.num_layers // layout.pp
-        tied = not cfg.model.untie_embeddings_and_output_weights
-        weights.initialize_weights(
-            self.model, seed=cfg.training.seed, std=cfg.model.init_method_std,
-            num_layers=cfg.model.num_layers, layer_offset=topo.pp_rank * layers_per_stage,
-            tp_rank=topo.tp_rank, tp_size=layout.tp,
-            tied_output_name="embedding.word_embeddings.weight" if tied else None)
-        self.engine = WorkerEngine(cfg, topo, self.model)
-        self.checkpointer = Checkpointer(topo, topo.barrier)
+        """Everything a rank needs, built in dependency order."""
+        self._start_processes()
+        self._build_model()
+        self._build_engine_and_sync()
         self.iteration = 0
         self.last_valid = (None, None)  # (iteration, loss) of the latest evaluation
         self.last_saved = None  # iteration of the latest checkpoint this run wrote
@@ -67,10 +36,70 @@ class Run:
         if self.resume:
             run_state = self.checkpointer.load(self.resume, self.model, self.engine.optimizer)
             self.iteration = run_state["iteration"]
-            log.info("resumed from %s at iteration %d", cfg.checkpoint.load, self.iteration)
-        self.data = RunData(cfg, topo, tokenizer)
-        self.writer = make_writer(cfg.logging, topo.is_logging_rank())
+            log.info("resumed from %s at iteration %d", self.resume, self.iteration)
+        from .inputs import RunData
+        from .metrics import make_writer
+
+        self.data = RunData(self.cfg, self.topology, self.tokenizer)
+        self.writer = make_writer(self.cfg.logging, self.topology.is_logging_rank())
         return self
+
+    def _start_processes(self) -> None:
+        """Check what can be checked alone, then join the process groups."""
+        import datetime
+
+        import patches
+
+        from . import distributed
+        from .inputs import load_run_tokenizer
+        from .metrics import setup_logging
+        from .topology import RankLayout, Topology
+
+        cfg, p, s = self.cfg, self.cfg.parallel, self.cfg.streaming
+        world = world_size_from_env()
+        validate(cfg, world)
+        layout = RankLayout(world, s.diloco_workers, p.tensor_model_parallel_size,
+                            p.pipeline_model_parallel_size)
+        self.resume = self._resume_source(layout)
+        self.tokenizer = load_run_tokenizer(cfg)
+        self.patches = patches.apply()
+        rank, _ = distributed.init_distributed(p.distributed_backend,
+                                               p.distributed_timeout_minutes)
+        distributed.cpu_threads()
+        self.topology = Topology.create(
+            layout, rank, timeout=datetime.timedelta(minutes=p.distributed_timeout_minutes),
+            cross_worker_backend=None if s.diloco_backend == "auto" else s.diloco_backend,
+            cross_worker_timeout=datetime.timedelta(seconds=s.diloco_timeout))
+        self.topology.install_into_megatron()
+        setup_logging(self.topology.is_logging_rank())
+        log.info("layout: %s; patches: %s", self.topology.describe(),
+                 ", ".join(self.patches) or "none")
+
+    def _build_model(self) -> None:
+        from . import distributed, weights
+        from .model import build_model
+
+        cfg, topo = self.cfg, self.topology
+        distributed.seed_everything(cfg.training.seed, topo.tp_rank)
+        self.model = build_model(cfg.model, cfg.parallel, topo, self.tokenizer.vocab_size)
+        tied = not cfg.model.untie_embeddings_and_output_weights
+        weights.initialize_weights(
+            self.model, seed=cfg.training.seed, std=cfg.model.init_method_std,
+            num_layers=cfg.model.num_layers,
+            layer_offset=topo.pp_rank * (cfg.model.num_layers // topo.layout.pp),
+            tp_rank=topo.tp_rank, tp_size=topo.layout.tp,
+            tied_output_name="embedding.word_embeddings.weight" if tied else None)
+
+    def _build_engine_and_sync(self) -> None:
+        from .checkpoint import Checkpointer
+        from .engine import WorkerEngine
+        from .streaming import builder
+
+        self.engine = WorkerEngine(self.cfg, self.topology, self.model)
+        self.sync = builder.build_sync(self.cfg, self.topology, self.engine)
+        self.checkpointer = Checkpointer(self.topology, self.topology.barrier)
+        if self.sync is not None:
+            self.checkpointer.extra_state["streaming"] = self.sync
 
     def _resume_source(self, layout) -> Optional[str]:
         """The directory to resume from, checked before any process group exists.
@@ -93,11 +122,17 @@ class Run:
 
     # ---- evaluation ----------------------------------------------------------------------
     def evaluate(self, split: str) -> Optional[float]:
-        """Mean loss over ``--eval-iters`` fixed batches (on the last stage; else None)."""
+        """Mean loss over ``--eval-iters`` fixed batches (on the last stage; else None), with
+        the global parameters when the sync is on (``--eval-params global``)."""
+        import contextlib
+
         iterator = self.data.eval_iterator(split)
         if iterator is None:
             return None
-        losses = [self.engine.eval_step(iterator) for _ in range(self.cfg.training.eval_iters)]
+        use_global = self.sync is not None and self.cfg.streaming.eval_params == "global"
+        with self.sync.global_parameters() if use_global else contextlib.nullcontext():
+            losses = [self.engine.eval_step(iterator)
+                      for _ in range(self.cfg.training.eval_iters)]
         return None if losses[0] is None else sum(losses) / len(losses)
 
     def _report_eval(self, split: str) -> Optional[float]:
@@ -109,6 +144,7 @@ class Run:
 
     # ---- training -----------------------------------------------------------------------
     def train(self) -> Optional[float]:
+        from . import faults
         from .metrics import Throughput, progress_line
 
         cfg, t = self.cfg, self.cfg.training
@@ -121,8 +157,9 @@ class Run:
             result = self.engine.train_step(iterator, self.iteration)
             self.step_seconds.append(time.perf_counter() - started)
             self.iteration += 1
+            faults.after_step(self.topology.worker, self.iteration)
             loss = result.loss
-            if self.topology.is_logging_rank():
+            if self.iteration % cfg.logging.log_interval == 0 or self.iteration == t.train_iters:
                 self._log_step(result, throughput, progress_line)
             if t.eval_interval and self.iteration % t.eval_interval == 0:
                 self.last_valid = (self.iteration, self._report_eval("valid"))
@@ -136,15 +173,25 @@ class Run:
         return loss
 
     def _log_step(self, result, throughput, progress_line) -> None:
-        if self.iteration % self.cfg.logging.log_interval and \
-                self.iteration != self.cfg.training.train_iters:
+        """Called on every rank: the sync's scalars are reduced over the worker first."""
+        scalars = {}
+        if self.sync is not None:
+            from .streaming import report
+
+            scalars = report.worker_scalars(self.sync, self.topology.groups["worker"])
+            report.reset_interval_stats(self.sync)
+        if not self.topology.is_logging_rank():
             return
         rate = throughput.rate(self.iteration)
+        extra = ""
+        if scalars:
+            extra = (f" | sync bytes {scalars['streaming/worker_bytes_sent']:,.0f} | drift "
+                     f"{scalars['streaming/drift']:.4f}")
         log.info(progress_line(self.iteration, self.cfg.training.train_iters, result.loss,
-                               result.lr, result.grad_norm, rate, throughput.elapsed()))
+                               result.lr, result.grad_norm, rate, throughput.elapsed(), extra))
         self.writer.scalars(self.iteration, {
             "train/loss": result.loss, "train/lr": result.lr,
-            "train/grad_norm": result.grad_norm, "train/tokens_per_s": rate})
+            "train/grad_norm": result.grad_norm, "train/tokens_per_s": rate, **scalars})
 
     def save(self) -> None:
         path = self.checkpointer.save(self.cfg.checkpoint.save, self.iteration, self.model,
@@ -165,7 +212,16 @@ class Run:
         dist.all_gather(gathered, mine, group=group)
         return [round(float(x), 1) for x in gathered]
 
-    def summary(self, train_loss, valid_loss, test_loss, peak_rss) -> dict:
+    def cross_worker_bytes(self) -> int:
+        """Collective over the worker; 0 without the sync."""
+        if self.sync is None:
+            return 0
+        from .streaming import report
+
+        return report.total_bytes_sent(self.sync, self.topology.groups["worker"],
+                                       self.topology.layout.workers)
+
+    def summary(self, train_loss, valid_loss, test_loss, peak_rss, sync_bytes) -> dict:
         steady = self.step_seconds[1:] or self.step_seconds
         return {
             "iteration": self.iteration,
@@ -173,7 +229,7 @@ class Run:
             "valid_loss": valid_loss,
             "test_loss": test_loss,
             "tokens": self.iteration * self.data.samples_per_iteration * self.cfg.model.seq_length,
-            "cross_worker_bytes": 0,
+            "cross_worker_bytes": sync_bytes,
             "wall_seconds": time.perf_counter() - self.start_time,
             "workers": self.topology.layout.workers,
             "world_size": self.topology.layout.world_size,
@@ -197,10 +253,13 @@ def pretrain(cfg: Config) -> Optional[dict]:
     if evaluated_at != run.iteration:
         valid_loss = run._report_eval("valid")
     test_loss = run._report_eval("test")
+    if run.sync is not None:
+        run.sync.close()  # finishes exchanges still in flight, so the byte count is final
     peak_rss = run.peak_rss_mib()
+    sync_bytes = run.cross_worker_bytes()
     summary = None
     if run.topology.is_logging_rank():
-        summary = run.summary(train_loss, valid_loss, test_loss, peak_rss)
+        summary = run.summary(train_loss, valid_loss, test_loss, peak_rss, sync_bytes)
         if cfg.logging.summary_json:
             write_summary(cfg.logging.summary_json, summary)
         log.info("done: %s", summary)

@@ -1,0 +1,93 @@
+"""Builds the streaming sync of one rank from the config, the topology and the engine."""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from ..config import Config
+from ..topology import Topology
+from ..weights import global_name
+from .codec import make_codec
+from .fragments import FragmentPlan
+from .outer import OuterOptimizer
+from .schedule import SyncSchedule
+from .sync import ShardGroup, StreamingSync
+from .transport import Transport
+
+
+def enabled(cfg: Config) -> bool:
+    s = cfg.streaming
+    return s.diloco_sync and s.diloco_workers > 1
+
+
+def num_fragments(cfg: Config) -> int:
+    s = cfg.streaming
+    if s.diloco_fragment_layers:
+        return cfg.model.num_layers // s.diloco_fragment_layers
+    return s.diloco_fragments
+
+
+def fragment_plan(cfg: Config) -> FragmentPlan:
+    return FragmentPlan(cfg.model.num_layers, num_fragments(cfg),
+                        cfg.streaming.diloco_fragment_pattern)
+
+
+def sync_schedule(cfg: Config) -> SyncSchedule:
+    s = cfg.streaming
+    return SyncSchedule(s.diloco_inner_steps, num_fragments(cfg), s.diloco_overlap_steps)
+
+
+def outer_optimizer(cfg: Config) -> OuterOptimizer:
+    s = cfg.streaming
+    return OuterOptimizer(s.diloco_outer_lr, s.diloco_outer_momentum, s.diloco_nesterov,
+                          s.co2_gap_penalty, s.co2_clip_threshold)
+
+
+def fragment_function(cfg: Config, topology: Topology) -> Callable[[str], int]:
+    """Local parameter name on this rank -> fragment."""
+    plan = fragment_plan(cfg)
+    offset = topology.pp_rank * (cfg.model.num_layers // topology.layout.pp)
+    tied = not cfg.model.untie_embeddings_and_output_weights
+
+    def fragment_of(name: str) -> int:
+        if tied and name == "output_layer.weight":
+            return plan.fragment_of("embedding.word_embeddings.weight")
+        return plan.fragment_of(global_name(name, offset))
+
+    return fragment_of
+
+
+def shard_groups(engine, fragment_of: Callable[[str], int]):
+    """One ShardGroup per (param group, fragment) present on this rank, in a fixed order, so
+    ranks at the same coordinate of different workers submit identical exchanges."""
+    names = {id(p): n for n, p in engine.model.named_parameters()}
+    groups = []
+    for param_group, views in enumerate(engine.master_views()):
+        by_fragment = {}
+        for param, view in views:
+            by_fragment.setdefault(fragment_of(names[id(param)]), []).append(view)
+        for fragment in sorted(by_fragment):
+            groups.append(ShardGroup(len(groups), param_group, fragment, by_fragment[fragment]))
+    return groups
+
+
+def build_sync(cfg: Config, topology: Topology, engine) -> Optional[StreamingSync]:
+    """The sync module, attached to the engine's optimizer; None when the sync is off."""
+    if not enabled(cfg):
+        return None
+    s = cfg.streaming
+    groups = shard_groups(engine, fragment_function(cfg, topology))
+    nccl = topology.cross_worker_backend == "nccl"
+    transport = Transport(topology.groups["cross_worker"], topology.group_ranks["cross_worker"],
+                          topology.rank, make_codec(s.diloco_quantize, s.diloco_quant_block),
+                          s.diloco_timeout,
+                          wire_device=f"cuda:{torch.cuda.current_device()}" if nccl else "cpu",
+                          use_cuda_stream=nccl)
+    sync = StreamingSync(groups, sync_schedule(cfg), transport, outer_optimizer(cfg),
+                         s.diloco_alpha, s.diloco_error_feedback,
+                         s.diloco_offload_outer_state, engine.push_to_model)
+    sync.attach(engine.inner_optimizer)
+    engine.step_hooks.append(sync)
+    return sync

@@ -1,0 +1,66 @@
+"""Turns every rank's sync statistics into one worker's scalars (for TensorBoard and logs).
+
+Collective over the worker's ranks (in-worker traffic only): every rank of the worker must
+call ``worker_scalars`` at the same iterations. Workers are symmetric (same layout, same
+shards), so worker 0's numbers stand for the run; traffic totals are multiplied by M.
+"""
+
+from __future__ import annotations
+
+from typing import Dict
+
+import torch
+import torch.distributed as dist
+
+from .sync import FragmentStats, StreamingSync
+
+_SUMMED = ("grad_sq", "bytes_sent", "bytes_received", "skipped")
+_MAXED = ("latency", "wait", "quant_error")
+
+
+def worker_scalars(sync: StreamingSync, worker_group) -> Dict[str, float]:
+    P = sync.schedule.num_fragments
+    sums = torch.zeros(P, len(_SUMMED) + 2, dtype=torch.float64)
+    maxes = torch.zeros(P, len(_MAXED), dtype=torch.float64)
+    for p, stats in sync.stats.items():
+        sums[p, :len(_SUMMED)] = torch.tensor([float(getattr(stats, k)) for k in _SUMMED])
+        maxes[p] = torch.tensor([float(getattr(stats, k)) for k in _MAXED])
+    sums[:, len(_SUMMED):] = sync.drift_terms()
+    dist.all_reduce(sums, group=worker_group)
+    dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=worker_group)
+    out: Dict[str, float] = {}
+    for p in range(P):
+        prefix = f"streaming/fragment_{p}/"
+        out[prefix + "outer_grad_norm"] = float(sums[p, 0].sqrt())
+        out[prefix + "bytes_sent"] = float(sums[p, 1])
+        out[prefix + "bytes_received"] = float(sums[p, 2])
+        out[prefix + "skipped"] = float(sums[p, 3])
+        out[prefix + "drift"] = _ratio(sums[p, 4], sums[p, 5])
+        out[prefix + "send_to_merge_s"] = float(maxes[p, 0])
+        out[prefix + "merge_wait_s"] = float(maxes[p, 1])
+        out[prefix + "quant_rel_error"] = float(maxes[p, 2])
+    out["streaming/drift"] = _ratio(sums[:, 4].sum(), sums[:, 5].sum())
+    out["streaming/worker_bytes_sent"] = float(sums[:, 1].sum())
+    out["streaming/skipped_fragments"] = float(sums[:, 3].sum())
+    return out
+
+
+def reset_interval_stats(sync: StreamingSync) -> None:
+    """Byte counts and waits are per report interval; the rest keep their latest value."""
+    for stats in sync.stats.values():
+        stats.bytes_sent = stats.bytes_received = 0
+        stats.wait = 0.0
+
+
+def total_bytes_sent(sync: StreamingSync, worker_group, workers: int) -> int:
+    """Bytes all ranks of all workers put on the cross-worker wire (collective in-worker)."""
+    mine = torch.tensor([sync.transport.bytes_sent], dtype=torch.float64)
+    dist.all_reduce(mine, group=worker_group)
+    return int(mine.item()) * workers
+
+
+def _ratio(num: torch.Tensor, den: torch.Tensor) -> float:
+    return float((num / den).sqrt()) if den > 0 else 0.0
+
+
+__all__ = ["FragmentStats", "worker_scalars", "reset_interval_stats", "total_bytes_sent"]

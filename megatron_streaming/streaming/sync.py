@@ -1,0 +1,227 @@
+"""Streaming DiLoCo's sync module, hooked into the inner optimizer's step.
+
+Where it sits: DeepSpeed's ZeRO optimizer steps each param group on this rank's flat fp32
+master partition and then copies the partitions to the model weights. A post-step hook on the
+inner torch optimizer fires for each group in between, so an edit of the partition here
+reaches every model weight through DeepSpeed's own copy and all-gather, with no extra traffic.
+Within a param group, the shard of fragment p is the set of slices of the partition that hold
+fragment p's parameters (``ShardGroup``). Without ZeRO (stage 0) the groups hold the model's
+own parameters.
+
+Per group, after inner step s (schedule.py):
+
+* send: ``delta = theta_g - theta_local``, handed to the transport (quantized, asynchronous);
+* merge (tau steps later): wait for the mean, outer step on ``theta_g``, then
+  ``theta_local = alpha * theta_local + (1 - alpha) * theta_g``. The inner optimizer state is
+  left alone.
+
+The outer state (``theta_g``, momentum, error-feedback residual) is fp32 and shard-sized,
+optionally on the CPU. An outer gradient with an inf or NaN on any worker skips that outer
+step everywhere (the transport agrees on it), so it never reaches ``theta_g``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+from .codec import ErrorFeedback
+from .outer import OuterOptimizer, merge
+from .schedule import SyncSchedule
+from .transport import ExchangeResult, Pending, Transport
+
+log = logging.getLogger("megatron_streaming")
+
+
+class ShardGroup:
+    """This rank's shard of one fragment within one inner param group, seen as one flat fp32
+    vector: views into the group's flat ZeRO partition (or, without ZeRO, parameters)."""
+
+    def __init__(self, index: int, param_group: int, fragment: int,
+                 tensors: List[torch.Tensor]):
+        self.index, self.param_group, self.fragment = index, param_group, fragment
+        self.tensors = list(tensors)
+        self.numel = sum(t.numel() for t in self.tensors)
+
+    def read(self) -> torch.Tensor:
+        if len(self.tensors) == 1:
+            return self.tensors[0].detach().view(-1)  # the ZeRO partition itself, no copy
+        return torch.cat([t.detach().reshape(-1).float() for t in self.tensors])
+
+    @torch.no_grad()
+    def write(self, flat: torch.Tensor) -> None:
+        if len(self.tensors) == 1 and flat.data_ptr() == self.tensors[0].data_ptr():
+            return
+        offset = 0
+        for t in self.tensors:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+
+@dataclass
+class FragmentStats:
+    """What happened to one fragment on this rank since the last report."""
+
+    grad_sq: float = 0.0      # ||outer gradient||^2 of the latest send (this rank's shard)
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    latency: float = 0.0      # send -> merge done, seconds (latest)
+    wait: float = 0.0         # time the merge blocked, seconds (sum)
+    quant_error: float = 0.0  # relative quantization error of the latest send
+    skipped: int = 0
+
+
+class StreamingSync:
+    def __init__(self, groups: List[ShardGroup], schedule: SyncSchedule, transport: Transport,
+                 outer: OuterOptimizer, alpha: float, error_feedback: bool,
+                 offload: bool, push_to_model: Callable[[], None]):
+        self.groups, self.schedule, self.transport = groups, schedule, transport
+        self.outer, self.alpha = outer, alpha
+        self.push_to_model = push_to_model  # fp32 partitions -> model weights, outside a step
+        device = torch.device("cpu") if offload else None
+        self.theta_g = [g.read().detach().clone().float().to(device or g.read().device)
+                        for g in groups]
+        self.momentum = [torch.zeros_like(t) for t in self.theta_g]
+        self.feedback: List[Optional[ErrorFeedback]] = [
+            ErrorFeedback(transport.codec, transport.padded_numel(g.numel), t.device)
+            if error_feedback else None for g, t in zip(groups, self.theta_g)]
+        self.pending: Dict[int, Pending] = {}
+        self.stats = {p: FragmentStats() for p in range(schedule.num_fragments)}
+        self.step = 0
+        self._done_this_step: set = set()
+        # (step, "send" | "merge" | "skip", fragment, shard index): what this rank did, in
+        # order; every worker's list must be identical (the schedule is a function of the step).
+        self.events: List[tuple] = []
+
+    # ---- driven by the engine ----------------------------------------------------------
+    def attach(self, inner_optimizer: torch.optim.Optimizer) -> None:
+        self._handle = inner_optimizer.register_step_post_hook(self._on_inner_step)
+
+    def before_step(self, step: int) -> None:
+        """``step`` is the 1-based number of the optimizer step about to run."""
+        self.step = step
+        self._done_this_step = set()
+
+    def after_step(self) -> None:
+        """Run what the hook did not (a step the optimizer skipped): the schedule must go on
+        on every worker, or their collectives would pair up wrongly."""
+        missed = [g for g in self.groups if g.index not in self._done_this_step]
+        for g in missed:
+            self._process(g)
+        if missed:
+            self.push_to_model()
+
+    def _on_inner_step(self, optimizer, args, kwargs) -> None:
+        # Under ZeRO the optimizer's groups are narrowed to the one being stepped.
+        stepped = {group["sync_index"] for group in optimizer.param_groups}
+        for g in self.groups:
+            if g.param_group in stepped:
+                self._process(g)
+
+    def _process(self, g: ShardGroup) -> None:
+        self._done_this_step.add(g.index)
+        if g.fragment in self.schedule.sends_after(self.step):
+            self._send(g)
+        if g.fragment in self.schedule.merges_after(self.step):
+            self._merge(g)
+
+    # ---- the algorithm ----------------------------------------------------------------
+    def _send(self, g: ShardGroup) -> None:
+        theta_g = self.theta_g[g.index]
+        delta = theta_g - g.read().to(theta_g.device)
+        self.stats[g.fragment].grad_sq = float(delta.double().pow(2).sum())
+        self.events.append((self.step, "send", g.fragment, g.index))
+        self.pending[g.index] = self.transport.all_reduce_mean(
+            delta, self.step, f"fragment {g.fragment} (param group {g.index})",
+            self.feedback[g.index])
+
+    def _merge(self, g: ShardGroup) -> None:
+        pending = self.pending.pop(g.index)
+        started = time.perf_counter()
+        result = pending.wait()
+        stats = self.stats[g.fragment]
+        stats.wait += time.perf_counter() - started
+        stats.latency = time.perf_counter() - pending.started
+        stats.bytes_sent += result.bytes_sent
+        stats.bytes_received += result.bytes_received
+        stats.quant_error = result.quant_error
+        if not result.all_finite:
+            stats.skipped += 1
+            self.events.append((self.step, "skip", g.fragment, g.index))
+            log.warning("step %d: non-finite outer gradient in fragment %d on some worker: "
+                        "outer step skipped", self.step, g.fragment)
+            return
+        self.events.append((self.step, "merge", g.fragment, g.index))
+        theta_g = self.theta_g[g.index]
+        self.outer.step(theta_g, self.momentum[g.index], result.mean.to(theta_g.device))
+        local = g.read()
+        merge(local, theta_g.to(local.device), self.alpha)
+        g.write(local)
+
+    # ---- evaluation with the global parameters ------------------------------------------
+    @contextlib.contextmanager
+    def global_parameters(self):
+        saved = [g.read().clone() for g in self.groups]
+        for g, theta in zip(self.groups, self.theta_g):
+            g.write(theta.to(saved[g.index].device))
+        self.push_to_model()
+        try:
+            yield
+        finally:
+            for g, local in zip(self.groups, saved):
+                g.write(local)
+            self.push_to_model()
+
+    def drift_terms(self) -> torch.Tensor:
+        """Per fragment: [||theta_local - theta_g||^2, ||theta_g||^2] on this rank."""
+        out = torch.zeros(self.schedule.num_fragments, 2, dtype=torch.float64)
+        for g, theta in zip(self.groups, self.theta_g):
+            local = g.read().to(theta.device)
+            out[g.fragment, 0] += (local - theta).double().pow(2).sum()
+            out[g.fragment, 1] += theta.double().pow(2).sum()
+        return out
+
+    # ---- checkpoints -------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        # An exchange in flight is finished and its result stored: resuming merges it at the
+        # same step an uninterrupted run would, with the same value.
+        pending = {}
+        for index, p in self.pending.items():
+            r = p.wait()
+            pending[index] = {"step": p.step, "tag": p.tag, "mean": r.mean.cpu(),
+                              "all_finite": r.all_finite, "bytes_sent": r.bytes_sent,
+                              "bytes_received": r.bytes_received,
+                              "quant_error": r.quant_error}
+        return {"theta_g": [t.cpu() for t in self.theta_g],
+                "momentum": [t.cpu() for t in self.momentum],
+                "feedback": [f.state_dict() if f else None for f in self.feedback],
+                "pending": pending,
+                "bytes_sent": self.transport.bytes_sent,
+                "bytes_received": self.transport.bytes_received}
+
+    def load_state_dict(self, state: dict) -> None:
+        for dst, src in zip(self.theta_g + self.momentum, state["theta_g"] + state["momentum"]):
+            if dst.shape != src.shape:
+                raise ValueError(f"outer state of shape {tuple(src.shape)} does not fit "
+                                 f"{tuple(dst.shape)}")
+            dst.copy_(src)
+        for f, s in zip(self.feedback, state["feedback"]):
+            if f is not None and s is not None:
+                f.load_state_dict(s)
+        self.pending = {}
+        for index, p in state["pending"].items():
+            result = ExchangeResult(p["mean"].to(self.theta_g[index].device), p["all_finite"],
+                                    p["bytes_sent"], p["bytes_received"], p["quant_error"], 0.0)
+            self.pending[int(index)] = Pending.completed(result, p["step"], p["tag"])
+        self.transport.bytes_sent = state["bytes_sent"]
+        self.transport.bytes_received = state["bytes_received"]
+
+    def close(self) -> None:
+        """Let exchanges in flight finish (their peers are running them too), then stop.
+        Their results are not merged: the run ends before their merge step."""
+        self.transport.close()

@@ -1,0 +1,62 @@
+"""Runs a real distributed training (torchrun, pretrain_gpt.py's flags) and dumps, per worker,
+the full (un-sharded) local and global parameters by global name.
+
+    python -m torch.distributed.run --nproc-per-node N tests/streaming_driver.py OUT flags...
+
+Used by the streaming tests to compare the distributed implementation with the single-process
+reference (``diloco_reference.py``).
+"""
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_streaming.arguments import parse_args  # noqa: E402
+from megatron_streaming.train import Run  # noqa: E402
+from megatron_streaming.weights import global_name  # noqa: E402
+
+
+def full_parameters(run) -> dict:
+    """This stage's parameters, TP shards gathered, by global name (collective over TP)."""
+    topo = run.topology
+    offset = topo.pp_rank * (run.cfg.model.num_layers // topo.layout.pp)
+    out = {}
+    for name, param in run.model.named_parameters():
+        tensor = param.detach().float()
+        if getattr(param, "tensor_model_parallel", False) and topo.layout.tp > 1:
+            parts = [torch.empty_like(tensor) for _ in range(topo.layout.tp)]
+            dist.all_gather(parts, tensor.contiguous(), group=topo.groups["tp"])
+            tensor = torch.cat(parts, dim=param.partition_dim)
+        if name == "output_layer.weight" and not run.cfg.model.untie_embeddings_and_output_weights:
+            continue  # the last stage's copy of the tied embedding
+        out[global_name(name, offset)] = tensor.clone()
+    return out
+
+
+def main():
+    out_dir, argv = sys.argv[1], sys.argv[2:]
+    run = Run(parse_args(argv)).setup()
+    run.train()
+    if run.sync is not None:
+        run.sync.close()
+    local = full_parameters(run)
+    if run.sync is not None:
+        with run.sync.global_parameters():
+            global_ = full_parameters(run)
+    else:
+        global_ = local
+    topo = run.topology
+    if topo.tp_rank == 0 and topo.dp_rank == 0:
+        tag = f"worker{topo.worker}_stage{topo.pp_rank}"
+        events = run.sync.events if run.sync is not None else []
+        torch.save({"local": local, "global": global_, "events": events},
+                   os.path.join(out_dir, f"{tag}.pt"))
+    topo.barrier()
+
+
+if __name__ == "__main__":
+    main()
