@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Sets up .venv, builds a small corpus from this Python's own standard library (no download),
 # and trains a GPT as 2 DiLoCo workers of 2 tensor-parallel ranks each, on CPU, with the
-# deepspeed launcher. Extra arguments go to pretrain_gpt.py (they override the defaults).
+# deepspeed launcher. The workers sync through Streaming DiLoCo: 2 fragments, each exchanged
+# every 20 steps as FP4, overlapped with 1 step of training. Extra arguments go to
+# pretrain_gpt.py (they override the defaults).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash launch/setup.sh
@@ -17,6 +19,7 @@ rm -rf "$out/tensorboard" "$out/checkpoints"
 exec .venv/bin/deepspeed --num_gpus 4 pretrain_gpt.py \
   --data-path "$data" --tokenizer-model "$data.model" \
   --diloco-workers 2 --tensor-model-parallel-size 2 \
+  --diloco-inner-steps 20 --diloco-fragments 2 --diloco-overlap-steps 1 --diloco-quantize fp4 \
   --num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 128 \
   --micro-batch-size 4 --global-batch-size 8 --train-iters 100 \
   --lr 3e-3 --min-lr 3e-4 --lr-warmup-iters 10 --eval-interval 50 --eval-iters 4 \

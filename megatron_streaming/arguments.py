@@ -151,6 +151,12 @@ def _validate_streaming(cfg: Config) -> None:
     _require(0.0 <= s.diloco_alpha <= 1.0,
              f"--diloco-alpha must be in [0, 1], got {s.diloco_alpha}")
     _require(s.diloco_timeout > 0, f"--diloco-timeout must be > 0, got {s.diloco_timeout}")
+    import torch
+
+    for flag, backend in (("--diloco-backend", s.diloco_backend),
+                          ("--distributed-backend", cfg.parallel.distributed_backend)):
+        _require(backend != "nccl" or torch.cuda.is_available(),
+                 f"{flag} nccl needs CUDA, and this machine has no GPU")
     try:
         builder.fragment_plan(cfg)
         builder.sync_schedule(cfg)

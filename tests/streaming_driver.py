@@ -43,6 +43,7 @@ def main():
     run.train()
     if run.sync is not None:
         run.sync.close()
+    sync_bytes = run.cross_worker_bytes()
     local = full_parameters(run)
     if run.sync is not None:
         with run.sync.global_parameters():
@@ -53,7 +54,8 @@ def main():
     if topo.tp_rank == 0 and topo.dp_rank == 0:
         tag = f"worker{topo.worker}_stage{topo.pp_rank}"
         events = run.sync.events if run.sync is not None else []
-        torch.save({"local": local, "global": global_, "events": events},
+        torch.save({"local": local, "global": global_, "events": events,
+                    "cross_worker_bytes": sync_bytes},
                    os.path.join(out_dir, f"{tag}.pt"))
     topo.barrier()
 

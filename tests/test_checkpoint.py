@@ -102,3 +102,39 @@ def test_crash_mid_rank_file_write_leaves_no_rank_file(tmp_path, monkeypatch):
         checkpoint.find_checkpoint(root)
     partial = os.path.join(root, "iter_0000001.partial")
     assert not os.path.exists(checkpoint.rank_file(partial, 0))  # only the .tmp exists
+
+
+STREAMING = [*TINY, "--num-layers", "2", "--train-iters", "12", "--eval-iters", "1",
+             "--diloco-workers", "2", "--diloco-inner-steps", "6", "--diloco-fragments", "2",
+             "--diloco-overlap-steps", "2", "--diloco-quantize", "fp4",
+             "--diloco-error-feedback"]
+
+
+@pytest.mark.timeout(400)
+def test_resume_with_a_fragment_in_flight_continues_exactly(tmp_path):
+    """H=6, P=2, tau=2: fragment 0 is sent after step 6 and merged after step 8, so a
+    checkpoint after step 7 holds an exchange in flight (and the FP4 error-feedback residual,
+    the outer momentum and the global copy)."""
+    full_summary, resumed_summary = tmp_path / "full.json", tmp_path / "resumed.json"
+    run(2, [*STREAMING, "--log-jsonl", str(tmp_path / "full.jsonl"),
+            "--summary-json", str(full_summary)])
+    ckpt = tmp_path / "ckpt"
+    run(2, [*STREAMING, "--save", str(ckpt), "--exit-interval", "7",
+            "--log-jsonl", str(tmp_path / "first.jsonl")])
+    payload = torch.load(ckpt / "iter_0000007" / "rank_00000.pt", weights_only=False)
+    pending = payload["extra"]["streaming"]["pending"]
+    assert pending and {p["step"] for p in pending.values()} == {6}
+    run(2, [*STREAMING, "--load", str(ckpt), "--log-jsonl", str(tmp_path / "second.jsonl"),
+            "--summary-json", str(resumed_summary)])
+
+    def records(name, key):
+        return [(r["iteration"], r[key]) for r in read_jsonl(tmp_path / name) if key in r]
+
+    full_train = records("full.jsonl", "train/loss")
+    assert records("first.jsonl", "train/loss") == full_train[:7]
+    assert records("second.jsonl", "train/loss") == full_train[7:]
+    assert records("second.jsonl", "valid/loss") == records("full.jsonl", "valid/loss")
+    assert records("second.jsonl", "streaming/drift") == records("full.jsonl",
+                                                                  "streaming/drift")[7:]
+    full, resumed = json.loads(full_summary.read_text()), json.loads(resumed_summary.read_text())
+    assert resumed["cross_worker_bytes"] == full["cross_worker_bytes"] > 0

@@ -102,6 +102,35 @@ VALIDATION_CASES = {
         ["--tokenizer-model /nonexistent/tok.model", "not a readable file"]),
     "data_path_without_tokenizer": (
         ["--data-path", "PREFIX"], 1, ["--tokenizer-model is required", "--data-path"]),
+    # Streaming DiLoCo (checked whatever the number of workers).
+    "inner_steps_not_divisible_by_fragments": (
+        ["--mock-data", "--num-layers", "4", "--diloco-inner-steps", "10",
+         "--diloco-fragments", "4"], 1,
+        ["--diloco-inner-steps (10)", "--diloco-fragments (4)"]),
+    "overlap_not_below_interval": (
+        ["--mock-data", "--num-layers", "2", "--diloco-inner-steps", "10",
+         "--diloco-fragments", "2", "--diloco-overlap-steps", "5"], 1,
+        ["--diloco-overlap-steps (5)", "H/P = 10/2 = 5"]),
+    "negative_overlap": (
+        ["--mock-data", "--diloco-overlap-steps", "-1"], 1, ["--diloco-overlap-steps (-1)"]),
+    "alpha_out_of_range": (
+        ["--mock-data", "--diloco-alpha", "1.5"], 1, ["--diloco-alpha", "1.5"]),
+    "more_fragments_than_layers": (
+        ["--mock-data", "--num-layers", "2", "--diloco-inner-steps", "30",
+         "--diloco-fragments", "3"], 1, ["--diloco-fragments (3)", "--num-layers (2)"]),
+    "fragment_layers_not_dividing": (
+        ["--mock-data", "--num-layers", "4", "--diloco-fragment-layers", "3"], 1,
+        ["--diloco-fragment-layers (3)", "--num-layers (4)"]),
+    "bad_quant_block": (
+        ["--mock-data", "--diloco-quant-block", "127"], 1, ["--diloco-quant-block 127"]),
+    "outer_momentum_out_of_range": (
+        ["--mock-data", "--diloco-outer-momentum", "1.5"], 1,
+        ["--diloco-outer-momentum (1.5)"]),
+    "world_not_divisible_by_workers_times_ranks": (
+        ["--mock-data", "--diloco-workers", "2", "--tensor-model-parallel-size", "2"], 6,
+        ["world size 6", "--diloco-workers (2)", "--tensor-model-parallel-size (2)"]),
+    "nccl_without_gpu": (
+        ["--mock-data", "--diloco-backend", "nccl"], 1, ["--diloco-backend nccl", "no GPU"]),
     "load_missing_directory": (
         ["--mock-data", "--load", "/nonexistent/ckpt"], 1,
         ["--load /nonexistent/ckpt", "no such directory"]),

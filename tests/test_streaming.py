@@ -44,6 +44,7 @@ def dumps(out, worker):
         merged["local"].update(part["local"])
         merged["global"].update(part["global"])
         merged["events"].extend(part["events"])
+        merged["cross_worker_bytes"] = part["cross_worker_bytes"]
     return merged
 
 
@@ -138,6 +139,33 @@ def test_slow_worker_syncs_the_same_fragments_at_the_same_steps(tmp_path):
     assert merges == [(3, 2), (5, 1), (7, 0), (9, 2), (11, 1)]  # the last one is in flight
     for n in w0["global"]:
         assert torch.equal(w0["global"][n], w1["global"][n])
+    assert w0["cross_worker_bytes"] == analytic_bytes(w0["local"], set(sends), workers=2,
+                                                      fragments=3, block=128)
+
+
+def analytic_bytes(params: dict, sends, workers: int, fragments: int, block: int) -> int:
+    """What the transport must have counted: per send, per (param group, fragment) shard of n
+    elements padded to a multiple of M x block: a 4-byte finiteness flag to each peer, then
+    M-1 FP4 chunks out in the reduce-scatter and this rank's averaged chunk to M-1 peers in
+    the all-gather; every worker does the same."""
+    from megatron_streaming.streaming.fragments import FragmentPlan
+
+    plan = FragmentPlan(3, fragments, "strided")
+    sizes = {}
+    for name, tensor in params.items():
+        decay = tensor.ndim > 1 and not name.endswith(".bias")
+        key = (decay, plan.fragment_of(name))
+        sizes[key] = sizes.get(key, 0) + tensor.numel()
+    total = 0
+    for _, fragment in sends:
+        for (_, f), n in sizes.items():
+            if f != fragment:
+                continue
+            padded = -(-n // (workers * block)) * (workers * block)
+            chunk = padded // workers
+            fp4_chunk = chunk // 2 + 4 * (chunk // block)
+            total += 4 * (workers - 1) + 2 * (workers - 1) * fp4_chunk
+    return total * workers
 
 
 @pytest.mark.timeout(300)

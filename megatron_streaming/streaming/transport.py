@@ -93,7 +93,9 @@ class Transport:
         self._executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="cross-worker")
         self._stream = torch.cuda.Stream() if use_cuda_stream else None
-        self.delay_seconds = 0.0  # test seam: an artificially slow link/worker
+        # Test seam: while this event is clear, exchanges wait before touching the wire (a
+        # link that has not delivered yet), which shows the caller is not blocked meanwhile.
+        self.gate: Optional[threading.Event] = None
 
     def padded_numel(self, numel: int) -> int:
         """Shards are padded so that each worker's chunk is a whole number of blocks."""
@@ -124,8 +126,8 @@ class Transport:
 
     def _exchange_on_current_stream(self, x, feedback) -> ExchangeResult:
         started = time.perf_counter()
-        if self.delay_seconds:
-            time.sleep(self.delay_seconds)
+        if self.gate is not None:
+            self.gate.wait()
         finite = is_finite(x)
         if self.workers == 1:  # nothing crosses a wire: the mean is the value itself
             return ExchangeResult(x, finite, 0, 0, 0.0, time.perf_counter() - started)
