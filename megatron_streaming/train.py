@@ -191,7 +191,8 @@ class Run:
                                result.lr, result.grad_norm, rate, throughput.elapsed(), extra))
         self.writer.scalars(self.iteration, {
             "train/loss": result.loss, "train/lr": result.lr,
-            "train/grad_norm": result.grad_norm, "train/tokens_per_s": rate, **scalars})
+            "train/grad_norm": result.grad_norm, "train/tokens_per_s": rate,
+            "train/step_seconds": self.step_seconds[-1], **scalars})
 
     def save(self) -> None:
         path = self.checkpointer.save(self.cfg.checkpoint.save, self.iteration, self.model,
@@ -212,6 +213,21 @@ class Run:
         dist.all_gather(gathered, mine, group=group)
         return [round(float(x), 1) for x in gathered]
 
+    def parameter_count(self) -> int:
+        """Parameters of the whole model, each counted once (collective over TP x PP)."""
+        import torch
+        import torch.distributed as dist
+
+        from .grads import tied_embedding_weight
+
+        replica = tied_embedding_weight(self.model, self.topology)
+        skip = replica if (replica is not None and not self.topology.is_first_stage) else None
+        count = sum(p.numel() for p in self.model.parameters() if p is not skip and (
+            getattr(p, "tensor_model_parallel", False) or self.topology.tp_rank == 0))
+        total = torch.tensor([count], dtype=torch.float64)
+        dist.all_reduce(total, group=self.topology.groups["mp"])
+        return int(total.item())
+
     def cross_worker_bytes(self) -> int:
         """Collective over the worker; 0 without the sync."""
         if self.sync is None:
@@ -221,7 +237,8 @@ class Run:
         return report.total_bytes_sent(self.sync, self.topology.groups["worker"],
                                        self.topology.layout.workers)
 
-    def summary(self, train_loss, valid_loss, test_loss, peak_rss, sync_bytes) -> dict:
+    def summary(self, train_loss, valid_loss, test_loss, peak_rss, sync_bytes,
+                parameters) -> dict:
         steady = self.step_seconds[1:] or self.step_seconds
         return {
             "iteration": self.iteration,
@@ -230,6 +247,7 @@ class Run:
             "test_loss": test_loss,
             "tokens": self.iteration * self.data.samples_per_iteration * self.cfg.model.seq_length,
             "cross_worker_bytes": sync_bytes,
+            "parameters": parameters,
             "wall_seconds": time.perf_counter() - self.start_time,
             "workers": self.topology.layout.workers,
             "world_size": self.topology.layout.world_size,
@@ -257,9 +275,11 @@ def pretrain(cfg: Config) -> Optional[dict]:
         run.sync.close()  # finishes exchanges still in flight, so the byte count is final
     peak_rss = run.peak_rss_mib()
     sync_bytes = run.cross_worker_bytes()
+    parameters = run.parameter_count()
     summary = None
     if run.topology.is_logging_rank():
-        summary = run.summary(train_loss, valid_loss, test_loss, peak_rss, sync_bytes)
+        summary = run.summary(train_loss, valid_loss, test_loss, peak_rss, sync_bytes,
+                              parameters)
         if cfg.logging.summary_json:
             write_summary(cfg.logging.summary_json, summary)
         log.info("done: %s", summary)

@@ -68,6 +68,7 @@ class FragmentStats:
     """What happened to one fragment on this rank since the last report."""
 
     grad_sq: float = 0.0      # ||outer gradient||^2 of the latest send (this rank's shard)
+    send_step: int = 0        # step of that send: grad_sq sums its shard groups
     bytes_sent: int = 0
     bytes_received: int = 0
     latency: float = 0.0      # send -> merge done, seconds (latest)
@@ -134,10 +135,15 @@ class StreamingSync:
     def _send(self, g: ShardGroup) -> None:
         theta_g = self.theta_g[g.index]
         delta = theta_g - g.read().to(theta_g.device)
-        self.stats[g.fragment].grad_sq = float(delta.double().pow(2).sum())
+        # A fragment's shard on this rank spans several param groups (decay / no decay),
+        # each sent by its own call at the same step: the norm covers all of them.
+        stats = self.stats[g.fragment]
+        if stats.send_step != self.step:
+            stats.grad_sq, stats.send_step = 0.0, self.step
+        stats.grad_sq += float(delta.double().pow(2).sum())
         self.events.append((self.step, "send", g.fragment, g.index))
         self.pending[g.index] = self.transport.all_reduce_mean(
-            delta, self.step, f"fragment {g.fragment} (param group {g.index})",
+            delta, self.step, f"fragment {g.fragment} (param group {g.param_group})",
             self.feedback[g.index])
 
     def _merge(self, g: ShardGroup) -> None:
