@@ -93,7 +93,7 @@ def validate(cfg: Config, world_size: int) -> None:
     """Check every flag against the others and the world size; raise ConfigError."""
     from .topology import RankLayout
 
-    m, p, t, o, d = cfg.model, cfg.parallel, cfg.training, cfg.optimizer, cfg.data
+    m, p, o, d = cfg.model, cfg.parallel, cfg.optimizer, cfg.data
     try:
         layout = RankLayout(world_size, cfg.streaming.diloco_workers, p.tensor_model_parallel_size,
                             p.pipeline_model_parallel_size)

@@ -140,7 +140,6 @@ def _batches(micro_batch_size=2, seed=7):
 
 
 def _forward_step(data_iterator, model):
-    import torch
 
     batch = next(data_iterator)
     # attention_mask=None: causal attention builds its own mask (transformer.utils call site).

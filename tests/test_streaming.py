@@ -11,15 +11,13 @@ after Adam's normalisation, so each tensor is held to 1e-5 and the whole model t
 """
 
 import glob
-import json
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from harness import REPO, env, read_jsonl, run
+from harness import REPO, env
 
 BASE = ["--mock-data", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
         "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "12",

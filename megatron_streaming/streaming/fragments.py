@@ -39,7 +39,7 @@ class FragmentPlan:
     def fragment_of_layer(self, layer: int) -> int:
         if self.pattern == "strided":
             return layer % self.num_fragments
-        # Sequential blocks as even as the division allows (the first ones one layer larger).
+        # Sequential blocks as even as the division allows (sizes differ by at most one).
         return layer * self.num_fragments // self.num_layers
 
     def layers_of(self, fragment: int) -> list:

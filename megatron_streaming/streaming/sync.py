@@ -73,7 +73,8 @@ class FragmentStats:
     bytes_received: int = 0
     latency: float = 0.0      # send -> merge done, seconds (latest)
     wait: float = 0.0         # time the merge blocked, seconds (sum)
-    quant_error: float = 0.0  # relative quantization error of the latest send
+    quant_error: float = 0.0  # relative quantization error of the latest send (worst shard)
+    merge_step: int = 0       # step of the latest merge: quant_error covers its shard groups
     skipped: int = 0
 
 
@@ -155,7 +156,9 @@ class StreamingSync:
         stats.latency = time.perf_counter() - pending.started
         stats.bytes_sent += result.bytes_sent
         stats.bytes_received += result.bytes_received
-        stats.quant_error = result.quant_error
+        if stats.merge_step != self.step:
+            stats.quant_error, stats.merge_step = 0.0, self.step
+        stats.quant_error = max(stats.quant_error, result.quant_error)
         if not result.all_finite:
             stats.skipped += 1
             self.events.append((self.step, "skip", g.fragment, g.index))
@@ -203,8 +206,8 @@ class StreamingSync:
                               "all_finite": r.all_finite, "bytes_sent": r.bytes_sent,
                               "bytes_received": r.bytes_received,
                               "quant_error": r.quant_error}
-        return {"theta_g": [t.cpu() for t in self.theta_g],
-                "momentum": [t.cpu() for t in self.momentum],
+        return {"theta_g": [t.detach().cpu().clone() for t in self.theta_g],
+                "momentum": [t.detach().cpu().clone() for t in self.momentum],
                 "feedback": [f.state_dict() if f else None for f in self.feedback],
                 "pending": pending,
                 "bytes_sent": self.transport.bytes_sent,

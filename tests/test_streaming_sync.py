@@ -1,0 +1,307 @@
+"""The sync module on one worker against hand-computed outer steps, and its report.
+"""
+
+import copy
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron_streaming.streaming import report
+from megatron_streaming.streaming.codec import make_codec
+from megatron_streaming.streaming.outer import OuterOptimizer
+from megatron_streaming.streaming.schedule import SyncSchedule
+from megatron_streaming.streaming.sync import ShardGroup, StreamingSync
+from megatron_streaming.streaming.transport import Transport
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+# ---- sync.py ----------------------------------------------------------------------------------
+
+LR, MU = 0.7, 0.9
+
+
+def _layout(P):
+    """(param group, fragment, tensor shapes) per shard group: ZeRO-like, param group 0 holds
+    every fragment (two tensors each), param group 1 the first and last (one tensor each)."""
+    shards = [(0, p, [(3, 4), (5 + p,)]) for p in range(P)]
+    shards += [(1, p, [(2, 3 + p)]) for p in sorted({0, P - 1})]
+    return shards
+
+
+def _initial_tensors(layout, seed=7):
+    g = _gen(seed)
+    return [[torch.randn(shape, generator=g) for shape in shapes] for _, _, shapes in layout]
+
+
+def _inner_update(tensors, layout, step, param_group):
+    """What an inner optimizer would do to one param group: a deterministic small change."""
+    for i, (pg, _, _) in enumerate(layout):
+        if pg != param_group:
+            continue
+        for k, t in enumerate(tensors[i]):
+            t.add_(torch.randn(t.shape, generator=_gen(step * 1000 + i * 10 + k)) * 0.05)
+
+
+def _build_sync(layout, tensors, schedule, alpha):
+    groups = [ShardGroup(i, pg, f, ts) for i, ((pg, f, _), ts) in enumerate(zip(layout, tensors))]
+    transport = Transport(None, [0], 0, make_codec("none"), 30.0)
+    pushes = []
+    sync = StreamingSync(groups, schedule, transport, OuterOptimizer(LR, MU, True),
+                         alpha, False, False, lambda: pushes.append(sync.step))
+    return sync, pushes
+
+
+def _hook(sync, param_group):
+    sync._on_inner_step(SimpleNamespace(param_groups=[{"sync_index": param_group}]), (), {})
+
+
+def _drive(sync, layout, steps, hooked=(0, 1), corrupt=None):
+    """Inner steps with the post-step hook firing for the param groups in ``hooked``;
+    ``corrupt`` = (step, shard): put a NaN into that shard before the hook."""
+    for s in steps:
+        sync.before_step(s)
+        for pg in (0, 1):
+            _inner_update([g.tensors for g in sync.groups], layout, s, pg)
+            if corrupt and corrupt[0] == s and layout[corrupt[1]][0] == pg:
+                sync.groups[corrupt[1]].tensors[0].view(-1)[1] = float("nan")
+            if pg in hooked:
+                _hook(sync, pg)
+        sync.after_step()
+
+
+class _Reference:
+    """Streaming DiLoCo for one worker written out by hand: with M = 1 the mean is the
+    worker's own outer gradient. Sends after k*H - p*H/P, merges tau steps later."""
+
+    def __init__(self, layout, tensors, H, P, tau, alpha):
+        self.layout, self.alpha = layout, alpha
+        self.tensors = [[t.clone() for t in ts] for ts in tensors]
+        self.theta_g = [self._flat(i).clone() for i in range(len(layout))]
+        self.momentum = [torch.zeros_like(t) for t in self.theta_g]
+        self.pending, self.events = {}, []
+        self.sent_sq, self.sent_at = {}, {}  # per fragment: ||outer gradient||^2, its step
+        self.send = {k * H - p * (H // P): p for k in range(1, 100) for p in range(P)}
+        self.merge = {s + tau: p for s, p in self.send.items()}
+
+    def _flat(self, i):
+        return torch.cat([t.reshape(-1) for t in self.tensors[i]])
+
+    def _write(self, i, flat):
+        offset = 0
+        for t in self.tensors[i]:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+    def step(self, s, corrupt=None):
+        for pg in (0, 1):
+            _inner_update(self.tensors, self.layout, s, pg)
+            if corrupt and corrupt[0] == s and self.layout[corrupt[1]][0] == pg:
+                self.tensors[corrupt[1]][0].view(-1)[1] = float("nan")
+            for i, (group_pg, fragment, _) in enumerate(self.layout):
+                if group_pg == pg:
+                    self._shard(s, i, fragment)
+
+    def _shard(self, s, i, fragment):
+        if self.send.get(s) == fragment:
+            self.pending[i] = self.theta_g[i] - self._flat(i)
+            if self.sent_at.get(fragment) != s:  # a new send: its shards add up
+                self.sent_at[fragment], self.sent_sq[fragment] = s, 0.0
+            self.sent_sq[fragment] += float(self.pending[i].double().pow(2).sum())
+            self.events.append((s, "send", fragment, i))
+        if self.merge.get(s) == fragment:
+            d = self.pending.pop(i)
+            if not torch.isfinite(d).all():
+                self.events.append((s, "skip", fragment, i))
+                return
+            self.events.append((s, "merge", fragment, i))
+            # Nesterov: m <- mu m + d; theta_g <- theta_g - lr (d + mu m).
+            self.momentum[i].mul_(MU).add_(d)
+            self.theta_g[i].sub_(d.add(self.momentum[i], alpha=MU), alpha=LR)
+            # theta_local <- alpha theta_local + (1 - alpha) theta_g.
+            local = self._flat(i) * self.alpha + self.theta_g[i] * (1 - self.alpha) \
+                if self.alpha else self.theta_g[i].clone()
+            self._write(i, local)
+
+
+def _assert_matches(sync, ref, context=""):
+    for i in range(len(ref.layout)):
+        assert torch.equal(sync.theta_g[i], ref.theta_g[i]), (context, "theta_g", i)
+        assert torch.equal(sync.momentum[i], ref.momentum[i]), (context, "momentum", i)
+        for t, r in zip(sync.groups[i].tensors, ref.tensors[i]):
+            # NaN-aware: a corrupted shard keeps its NaN (and nothing else changes).
+            assert torch.equal(t.nan_to_num(7.0), r.nan_to_num(7.0)), (context, "local", i)
+            assert torch.equal(t.isnan(), r.isnan()), (context, "local nan", i)
+
+
+SYNC_CASES = [(6, 3, 1, 0.5), (4, 1, 0, 0.0), (6, 2, 2, 0.0), (6, 3, 0, 0.5)]
+
+
+@pytest.mark.parametrize("H,P,tau,alpha", SYNC_CASES)
+def test_sync_on_one_worker_matches_hand_computed_outer_steps(H, P, tau, alpha):
+    layout = _layout(P)
+    tensors = _initial_tensors(layout)
+    ref = _Reference(layout, tensors, H, P, tau, alpha)
+    sync, pushes = _build_sync(layout, tensors, SyncSchedule(H, P, tau), alpha)
+    for s in range(1, 2 * H + tau + 2):
+        _drive(sync, layout, [s])
+        ref.step(s)
+        _assert_matches(sync, ref, context=s)
+        if alpha == 0.0:  # replacement: right after its merge a shard's local is global
+            for i, (_, fragment, _) in enumerate(layout):
+                if fragment in sync.schedule.merges_after(s):
+                    assert torch.equal(sync.groups[i].read(), sync.theta_g[i]), (s, i)
+    assert sync.events == ref.events
+    assert sum(kind == "merge" for _, kind, _, _ in ref.events) >= 2 * len(layout)
+    assert pushes == []  # the hook fired for every group: nothing left for after_step
+
+
+def test_sync_attaches_to_a_real_torch_optimizer():
+    layout = _layout(3)
+    tensors = [[torch.nn.Parameter(t) for t in ts] for ts in _initial_tensors(layout)]
+    sync, pushes = _build_sync(layout, tensors, SyncSchedule(6, 3, 1), 0.5)
+    opt = torch.optim.SGD([{"params": [t for (pg, _, _), ts in zip(layout, tensors) if pg == q
+                                       for t in ts], "sync_index": q} for q in (0, 1)], lr=0.1)
+    sync.attach(opt)
+    for s in range(1, 8):
+        sync.before_step(s)
+        for ts in tensors:
+            for t in ts:
+                t.grad = torch.randn(t.shape, generator=_gen(s))
+        opt.step()
+        sync.after_step()
+        if s == 6:  # in flight: shards 0 and 3 of fragment 0, in param groups 0 and 1
+            assert {i: sync.pending[i].tag for i in sync.pending} == {
+                0: "fragment 0 (param group 0)", 3: "fragment 0 (param group 1)"}
+    # Shards (0,2)=2 and (1,2)=4 after 2, (0,1)=1 after 4, (0,0)=0 and (1,0)=3 after 6.
+    assert [e for e in sync.events if e[1] == "send"] == [
+        (2, "send", 2, 2), (2, "send", 2, 4), (4, "send", 1, 1), (6, "send", 0, 0),
+        (6, "send", 0, 3)]
+    assert [e for e in sync.events if e[1] == "merge"] == [
+        (3, "merge", 2, 2), (3, "merge", 2, 4), (5, "merge", 1, 1), (7, "merge", 0, 0),
+        (7, "merge", 0, 3)]
+    assert pushes == []
+
+
+def test_sync_skips_a_non_finite_outer_gradient():
+    H, P, tau, alpha = 6, 3, 1, 0.5
+    layout = _layout(P)  # shard 1 = fragment 1 (param group 0), sent after step 4
+    tensors = _initial_tensors(layout)
+    ref = _Reference(layout, tensors, H, P, tau, alpha)
+    sync, _ = _build_sync(layout, tensors, SyncSchedule(H, P, tau), alpha)
+    theta_before = sync.theta_g[1].clone()
+    for s in range(1, 10):
+        _drive(sync, layout, [s], corrupt=(4, 1))
+        ref.step(s, corrupt=(4, 1))
+        _assert_matches(sync, ref, context=s)
+    assert torch.equal(sync.theta_g[1], theta_before)
+    assert torch.equal(sync.momentum[1], torch.zeros_like(theta_before))
+    assert sync.stats[1].skipped == 1
+    assert (5, "skip", 1, 1) in sync.events and (5, "merge", 1, 1) not in sync.events
+    assert sync.stats[0].skipped == sync.stats[2].skipped == 0
+    # The other fragments went on: 2 merged after 3 and 9, 0 after 7.
+    merged = [(s, f) for s, kind, f, _ in sync.events if kind == "merge"]
+    assert merged == [(3, 2), (3, 2), (7, 0), (7, 0), (9, 2), (9, 2)]
+    assert sync.events == ref.events
+
+
+def test_global_parameters_swap_in_and_back():
+    layout = _layout(3)
+    sync, pushes = _build_sync(layout, _initial_tensors(layout), SyncSchedule(6, 3, 1), 0.5)
+    _drive(sync, layout, range(1, 6))
+    local = [[t.clone() for t in g.tensors] for g in sync.groups]
+    assert any(not torch.equal(g.read(), theta) for g, theta in zip(sync.groups, sync.theta_g))
+    with sync.global_parameters():
+        for g, theta in zip(sync.groups, sync.theta_g):
+            assert torch.equal(g.read(), theta)
+        assert len(pushes) == 1
+    for g, saved in zip(sync.groups, local):
+        assert all(torch.equal(t, s) for t, s in zip(g.tensors, saved))
+    assert len(pushes) == 2
+
+
+def test_state_dict_round_trip_with_an_exchange_in_flight():
+    H, P, tau, alpha = 6, 3, 1, 0.5
+    layout = _layout(P)
+    original, _ = _build_sync(layout, _initial_tensors(layout), SyncSchedule(H, P, tau), alpha)
+    _drive(original, layout, range(1, 5))
+    assert original.schedule.in_flight_after(4) == [1] and set(original.pending) == {1}
+    state = copy.deepcopy(original.state_dict())
+    assert set(state["pending"]) == {1}
+    # A fresh process: the same local weights (from the model checkpoint), outer state from
+    # the sync's (its own theta_g starts from the local weights, so loading matters).
+    resumed, _ = _build_sync(layout, [[t.clone() for t in g.tensors] for g in original.groups],
+                             SyncSchedule(H, P, tau), alpha)
+    assert not torch.equal(resumed.theta_g[0], original.theta_g[0])
+    resumed.load_state_dict(state)
+    mark = len(original.events)
+    for s in range(5, 10):
+        _drive(original, layout, [s])
+        _drive(resumed, layout, [s])
+        for a, b in zip(original.groups, resumed.groups):
+            assert torch.equal(a.read(), b.read()), s
+        for a, b in zip(original.theta_g + original.momentum, resumed.theta_g + resumed.momentum):
+            assert torch.equal(a, b), s
+    assert resumed.events == original.events[mark:]
+    assert resumed.events[0] == (5, "merge", 1, 1)
+
+
+def test_after_step_runs_what_the_hook_missed():
+    H, P, tau, alpha = 6, 3, 1, 0.5
+    layout = _layout(P)
+    runs = {}
+    for name, hooked in (("hooked", (0, 1)), ("missed", ()), ("half", (0,))):
+        sync, pushes = _build_sync(layout, _initial_tensors(layout), SyncSchedule(H, P, tau),
+                                   alpha)
+        _drive(sync, layout, range(1, 10), hooked=hooked)
+        runs[name] = (sync, pushes)
+    hooked, _ = runs["hooked"]
+    for name in ("missed", "half"):
+        sync, pushes = runs[name]
+        assert sync.events == hooked.events, name
+        for a, b in zip(hooked.theta_g + hooked.momentum + [g.read() for g in hooked.groups],
+                        sync.theta_g + sync.momentum + [g.read() for g in sync.groups]):
+            assert torch.equal(a, b), name
+        assert pushes == list(range(1, 10)), name  # once per step that the hook missed
+    assert runs["hooked"][1] == []
+
+
+# ---- report.py --------------------------------------------------------------------------------
+
+FRAGMENT_KEYS = ("outer_grad_norm", "bytes_sent", "bytes_received", "skipped", "drift",
+                 "send_to_merge_s", "merge_wait_s", "quant_rel_error")
+
+
+def test_worker_scalars_on_one_rank(megatron_world):
+    H, P, tau, alpha = 6, 3, 1, 0.5
+    layout = _layout(P)
+    tensors = _initial_tensors(layout)
+    ref = _Reference(layout, tensors, H, P, tau, alpha)
+    sync, _ = _build_sync(layout, tensors, SyncSchedule(H, P, tau), alpha)
+    for s in range(1, 8):
+        _drive(sync, layout, [s])
+        ref.step(s)
+    scalars = report.worker_scalars(sync, megatron_world.groups["worker"])
+    for p in range(P):
+        for key in FRAGMENT_KEYS:
+            assert f"streaming/fragment_{p}/{key}" in scalars, key
+        assert scalars[f"streaming/fragment_{p}/bytes_sent"] == 0.0  # M = 1: no wire
+        assert scalars[f"streaming/fragment_{p}/skipped"] == 0.0
+    num, den = [0.0] * P, [0.0] * P
+    for i, (_, fragment, _) in enumerate(layout):
+        local, theta = sync.groups[i].read().double(), sync.theta_g[i].double()
+        num[fragment] += float((local - theta).pow(2).sum())
+        den[fragment] += float(theta.pow(2).sum())
+    for p in range(P):
+        assert num[p] > 0
+        assert scalars[f"streaming/fragment_{p}/drift"] == pytest.approx(
+            math.sqrt(num[p] / den[p]), rel=1e-6)
+    assert scalars["streaming/drift"] == pytest.approx(math.sqrt(sum(num) / sum(den)), rel=1e-6)
+    # The outer-gradient norm of a fragment covers all its shards (both param groups).
+    for p in range(P):
+        assert scalars[f"streaming/fragment_{p}/outer_grad_norm"] == pytest.approx(
+            math.sqrt(ref.sent_sq[p]), rel=1e-6), p

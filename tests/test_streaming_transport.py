@@ -1,0 +1,326 @@
+"""The outer optimizer (DiLoCo; CO2, arXiv 2401.16265) and the cross-worker transport.
+
+The transport runs on small spawned gloo groups; its results are compared exactly with a
+codec-level simulation of the quantized reduce-scatter + all-gather.
+"""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from megatron_streaming.streaming.codec import make_codec
+from megatron_streaming.streaming.outer import OuterOptimizer, merge
+from megatron_streaming.streaming.transport import SyncTimeout, Transport
+
+from conftest import spawn_gloo
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+# ---- outer.py ---------------------------------------------------------------------------------
+
+def _grads(steps, seed=0):
+    g = _gen(seed)
+    return [torch.randn(257, generator=g) for _ in range(steps)]
+
+
+def _run_outer(outer, theta0, grads):
+    theta, momentum = theta0.clone(), torch.zeros_like(theta0)
+    history = []
+    for grad in grads:
+        outer.step(theta, momentum, grad)
+        history.append((theta.clone(), momentum.clone()))
+    return history
+
+
+def _run_torch_sgd(theta0, grads, **kw):
+    param = torch.nn.Parameter(theta0.clone())
+    opt = torch.optim.SGD([param], **kw)
+    history = []
+    for grad in grads:
+        param.grad = grad.clone()
+        opt.step()
+        history.append(param.detach().clone())
+    return history
+
+
+@pytest.mark.parametrize("momentum,nesterov", [(0.9, True), (0.9, False), (0.0, False),
+                                               (0.5, True)])
+def test_outer_optimizer_is_torch_sgd_exactly(momentum, nesterov):
+    theta0 = torch.randn(257, generator=_gen(1))
+    grads = _grads(10)
+    ours = _run_outer(OuterOptimizer(0.7, momentum, nesterov), theta0, grads)
+    torch_sgd = _run_torch_sgd(theta0, grads, lr=0.7, momentum=momentum, nesterov=nesterov)
+    for step, ((theta, _), expected) in enumerate(zip(ours, torch_sgd)):
+        assert torch.equal(theta, expected), step
+    assert not torch.equal(ours[-1][0], theta0)
+
+
+def test_gap_penalty_divides_the_outer_gradient():
+    theta0 = torch.randn(257, generator=_gen(2))
+    grads = _grads(10, seed=3)
+    penalised = _run_outer(OuterOptimizer(0.7, 0.9, gap_penalty=2.0), theta0, grads)
+    plain = _run_outer(OuterOptimizer(0.7, 0.9), theta0, [g / 2 for g in grads])
+    for (a, ma), (b, mb) in zip(penalised, plain):
+        assert torch.equal(a, b) and torch.equal(ma, mb)
+    unpenalised = _run_outer(OuterOptimizer(0.7, 0.9), theta0, grads)
+    assert not torch.equal(penalised[-1][0], unpenalised[-1][0])
+
+
+def test_momentum_clip_is_applied_and_kept():
+    phi, lr, mu = 0.5, 0.7, 0.9
+    theta0 = torch.randn(257, generator=_gen(4))
+    grads = _grads(10, seed=5)
+    clipped = OuterOptimizer(lr, mu, True, clip_threshold=phi)
+    theta, m = theta0.clone(), torch.zeros_like(theta0)
+    ref_theta, ref_m = theta0.clone(), torch.zeros_like(theta0)
+    for grad in grads:
+        unclamped = ref_m * mu + grad
+        clipped.step(theta, m, grad)
+        # By hand: m <- clamp(mu m + g, -phi, phi); theta <- theta - lr (g + mu m).
+        ref_m = unclamped.clamp(-phi, phi)
+        ref_theta = ref_theta - lr * (grad + mu * ref_m)
+        assert m.abs().max() <= phi
+        assert torch.equal(m, ref_m)
+        assert torch.allclose(theta, ref_theta, rtol=0, atol=1e-6)
+        assert (unclamped.abs() > phi).any()  # the clamp had work to do
+    unclipped = _run_outer(OuterOptimizer(lr, mu, True), theta0, grads)[-1][0]
+    assert (theta - unclipped).abs().max() > 0.1  # the clamp changed the update, not just m
+    huge = _run_outer(OuterOptimizer(lr, mu, True, clip_threshold=1e30), theta0, grads)[-1][0]
+    assert torch.equal(huge, unclipped)
+
+
+def test_outer_optimizer_rejects_bad_settings():
+    with pytest.raises(ValueError, match=r"--diloco-outer-momentum \(1.0\)"):
+        OuterOptimizer(momentum=1.0)
+    with pytest.raises(ValueError, match=r"--diloco-outer-lr \(-0.1\)"):
+        OuterOptimizer(lr=-0.1)
+    with pytest.raises(ValueError, match=r"--co2-gap-penalty \(0.0\)"):
+        OuterOptimizer(gap_penalty=0.0)
+    with pytest.raises(ValueError, match=r"--co2-clip-threshold \(-1.0\)"):
+        OuterOptimizer(clip_threshold=-1.0)
+
+
+def test_merge():
+    g = _gen(6)
+    theta_g = torch.randn(100, generator=g)
+    local = torch.randn(100, generator=g)
+    replaced = local.clone()
+    replaced[3], replaced[7], replaced[9] = float("nan"), float("inf"), float("-inf")
+    merge(replaced, theta_g, 0.0)
+    assert torch.equal(replaced, theta_g)
+    kept = local.clone()
+    merge(kept, theta_g, 1.0)
+    assert torch.equal(kept, local)
+    half = local.clone()
+    merge(half, theta_g, 0.5)
+    assert torch.equal(half, (local + theta_g) / 2)
+    quarter = local.clone()
+    merge(quarter, theta_g, 0.25)
+    assert torch.allclose(quarter, 0.25 * local + 0.75 * theta_g, rtol=0, atol=1e-6)
+
+
+# ---- transport.py -----------------------------------------------------------------------------
+
+TRANSPORT_N = 301  # not a multiple of the block, nor of M * block
+TRANSPORT_BLOCK = 8
+CODEC_NAMES = ("none", "bf16", "int8", "fp4")
+
+
+def _worker_input(worker, n=TRANSPORT_N):
+    g = _gen(1000 + worker)
+    x = torch.randn(n, generator=g) * (worker + 1)
+    x[torch.randint(0, n, (5,), generator=g)] *= 50  # outliers: blocks with different scales
+    return x
+
+
+def _transport_worker(rank, world, group):
+    """Every exchange of the transport tests on one rank; returns what it observed."""
+    ranks = list(range(world))
+    out = {}
+    for name in CODEC_NAMES:
+        t = Transport(group, ranks, rank, make_codec(name, TRANSPORT_BLOCK), 60.0)
+        r = t.all_reduce_mean(_worker_input(rank), 1, name).wait()
+        out[name] = {"mean": r.mean, "all_finite": r.all_finite,
+                     "bytes": (r.bytes_sent, r.bytes_received),
+                     "counters": (t.bytes_sent, t.bytes_received),
+                     "quant_error": r.quant_error}
+        t.all_reduce_mean(_worker_input(rank) * 2, 2, name).wait()
+        out[name]["counters_after_two"] = (t.bytes_sent, t.bytes_received)
+        t.close()
+    # A NaN on rank 1 only.
+    t = Transport(group, ranks, rank, make_codec("fp4", TRANSPORT_BLOCK), 60.0)
+    x = _worker_input(rank)
+    if rank == 1:
+        x[17] = float("nan")
+    r = t.all_reduce_mean(x, 3, "nan").wait()
+    out["nonfinite"] = {"all_finite": r.all_finite, "mean_finite": bool(r.mean.isfinite().all())}
+    t.close()
+    # Asynchrony: while the link has not delivered, the caller goes on computing.
+    t = Transport(group, ranks, rank, make_codec("none"), 60.0)
+    t.gate = threading.Event()
+    pending = t.all_reduce_mean(_worker_input(rank), 4, "gated")
+    done_at_once = pending.done()
+    a = torch.randn(128, 128, generator=_gen(rank))
+    computed = float((a @ a).trace())
+    done_after_compute = pending.done()
+    t.gate.set()
+    r = pending.wait()
+    out["gated"] = {"done": (done_at_once, done_after_compute), "computed": computed,
+                    "mean": r.mean}
+    t.close()
+    return out
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["M2", "M3"])
+def transport_run(request, tmp_path_factory):
+    M = request.param
+    results = spawn_gloo(_transport_worker, M, tmp_path_factory.mktemp(f"transport{M}"))
+    return M, results
+
+
+def _padded(n, M, block):
+    return -(-n // (M * block)) * M * block
+
+
+def _simulate_exchange(codec, xs):
+    """The quantized reduce-scatter + all-gather, written out: each worker encodes its padded
+    vector; chunk j is the sum (fp32, worker order) of the workers' decoded chunks j over M,
+    re-encoded and decoded; the chunks concatenated and cut to n."""
+    M, n = len(xs), xs[0].numel()
+    padded = _padded(n, M, codec.block)
+    chunk = padded // M
+    decoded = []
+    for x in xs:
+        full = torch.zeros(padded)
+        full[:n] = x
+        decoded.append(codec.decode(codec.encode(full)))
+    out = []
+    for j in range(M):
+        total = torch.zeros(chunk)
+        for w in range(M):
+            total += decoded[w][j * chunk:(j + 1) * chunk]
+        out.append(codec.decode(codec.encode(total / M)))
+    return torch.cat(out)[:n], chunk
+
+
+@pytest.mark.timeout(120)
+def test_transport_fp32_mean_is_exact(transport_run):
+    M, results = transport_run
+    xs = [_worker_input(w) for w in range(M)]
+    expected = xs[0].clone()
+    for x in xs[1:]:
+        expected = expected + x
+    expected = expected / M
+    for w in range(M):
+        got = results[w]["none"]
+        assert torch.equal(got["mean"], expected), w
+        assert got["all_finite"] and got["quant_error"] == 0.0
+    exact = torch.stack([x.double() for x in xs]).mean(0)
+    assert torch.allclose(results[0]["none"]["mean"].double(), exact, rtol=0, atol=1e-5)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", ["bf16", "int8", "fp4"])
+def test_transport_quantized_mean_matches_codec_simulation(transport_run, name):
+    M, results = transport_run
+    codec = make_codec(name, TRANSPORT_BLOCK)
+    xs = [_worker_input(w) for w in range(M)]
+    expected, _ = _simulate_exchange(codec, xs)
+    for w in range(M):
+        assert torch.equal(results[w][name]["mean"], expected), (name, w)
+        # Each rank's own quantization error, as the sync reports it.
+        x = xs[w]
+        full = torch.zeros(_padded(x.numel(), M, codec.block))
+        full[:x.numel()] = x
+        own = codec.decode(codec.encode(full))[:x.numel()]
+        assert results[w][name]["quant_error"] == pytest.approx(
+            float((own - x).norm() / x.norm()), rel=1e-5)
+    exact = torch.stack(xs).mean(0)
+    # Sanity of the simulation itself: close to the true mean, but not equal to it.
+    assert not torch.equal(expected, exact)
+    assert float((expected - exact).norm() / exact.norm()) < 0.5
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", CODEC_NAMES)
+def test_transport_counts_the_bytes_it_moves(transport_run, name):
+    M, results = transport_run
+    codec = make_codec(name, TRANSPORT_BLOCK)
+    chunk = _padded(TRANSPORT_N, M, codec.block) // M
+    assert TRANSPORT_N % codec.block or codec.block == 1
+    # Flag all-reduce (int32 to and from M-1 peers), all-to-all (M-1 of the M chunks out and
+    # in), all-gather (own mean chunk to M-1 peers, theirs in).
+    expected = 4 * (M - 1) + 2 * (M - 1) * codec.wire_bytes(chunk)
+    for w in range(M):
+        got = results[w][name]
+        assert got["bytes"] == (expected, expected), (name, w)
+        assert got["counters"] == (expected, expected)
+        assert got["counters_after_two"] == (2 * expected, 2 * expected)
+
+
+@pytest.mark.timeout(120)
+def test_transport_non_finite_on_one_worker_skips_everywhere(transport_run):
+    M, results = transport_run
+    for w in range(M):
+        assert results[w]["nonfinite"] == {"all_finite": False, "mean_finite": True}, w
+
+
+@pytest.mark.timeout(120)
+def test_transport_returns_before_the_exchange_completes(transport_run):
+    M, results = transport_run
+    xs = [_worker_input(w) for w in range(M)]
+    for w in range(M):
+        gated = results[w]["gated"]
+        assert gated["done"] == (False, False), w
+        a = torch.randn(128, 128, generator=_gen(w))
+        assert gated["computed"] == float((a @ a).trace())
+        assert torch.equal(gated["mean"], results[w]["none"]["mean"])
+    assert torch.equal(results[0]["gated"]["mean"], sum(xs[1:], xs[0].clone()) / M)
+
+
+def test_transport_single_worker_returns_its_input():
+    t = Transport(None, [5], 5, make_codec("fp4", TRANSPORT_BLOCK), 10.0)
+    x = _worker_input(0)
+    original = x.clone()
+    pending = t.all_reduce_mean(x, 1, "solo")
+    x.add_(1.0)  # the caller trains on; the exchange has its own copy
+    r = pending.wait()
+    assert torch.equal(r.mean, original) and r.all_finite
+    assert (r.bytes_sent, r.bytes_received, t.bytes_sent, t.bytes_received) == (0, 0, 0, 0)
+    original[3] = float("nan")
+    assert not t.all_reduce_mean(original, 2, "solo").wait().all_finite
+    t.close()
+
+
+TIMEOUT_S = 3.0
+TIMEOUT_TAG = "fragment 1 (param group 1)"
+
+
+def _timeout_worker(rank, world, group):
+    if rank == 1:
+        time.sleep(TIMEOUT_S + 2)  # alive but silent, then gone
+        return None
+    t = Transport(group, [0, 1], 0, make_codec("none"), TIMEOUT_S)
+    pending = t.all_reduce_mean(torch.ones(10), 17, TIMEOUT_TAG)
+    started = time.perf_counter()
+    try:
+        pending.wait()
+    except SyncTimeout as e:
+        return {"message": str(e), "seconds": time.perf_counter() - started}
+    return {"message": None, "seconds": time.perf_counter() - started}
+
+
+@pytest.mark.timeout(120)
+def test_transport_times_out_naming_step_tag_and_peers(tmp_path):
+    results = spawn_gloo(_timeout_worker, 2, tmp_path, group_timeout_s=TIMEOUT_S,
+                         hard_exit=True)
+    got = results[0]
+    assert got["message"] is not None, "wait() returned although the peer never joined"
+    assert got["seconds"] < TIMEOUT_S + 2.0, got
+    for text in ("step 17", TIMEOUT_TAG, "peer group (global ranks) [0, 1]"):
+        assert text in got["message"], got["message"]
