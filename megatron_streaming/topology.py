@@ -19,7 +19,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
-IN_WORKER_AXES = ("tp", "dp", "pp")  # fastest first
+IN_WORKER_AXES = ("tp", "sp", "dp", "pp")  # fastest first; sp = Ulysses sequence parallel
 
 
 @dataclass(frozen=True)
@@ -30,19 +30,22 @@ class RankLayout:
     workers: int = 1
     tp: int = 1
     pp: int = 1
+    sp: int = 1
 
     def __post_init__(self):
-        for name, value in (("--diloco-workers", self.workers),
-                            ("--tensor-model-parallel-size", self.tp),
-                            ("--pipeline-model-parallel-size", self.pp)):
+        flags = (("--diloco-workers", self.workers), ("--tensor-model-parallel-size", self.tp),
+                 ("--pipeline-model-parallel-size", self.pp),
+                 ("--ds-sequence-parallel-size", self.sp))
+        for name, value in flags:
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
-        denom = self.workers * self.tp * self.pp
+        used = [(name, value) for name, value in flags if value > 1 or
+                name != "--ds-sequence-parallel-size"]
+        denom = self.workers * self.tp * self.pp * self.sp
         if self.world_size % denom:
-            raise ValueError(
-                f"world size {self.world_size} is not divisible by --diloco-workers "
-                f"({self.workers}) x --tensor-model-parallel-size ({self.tp}) x "
-                f"--pipeline-model-parallel-size ({self.pp}) = {denom}")
+            factors = " x ".join(f"{name} ({value})" for name, value in used)
+            raise ValueError(f"world size {self.world_size} is not divisible by {factors} "
+                             f"= {denom}")
 
     @property
     def ranks_per_worker(self) -> int:
@@ -50,10 +53,10 @@ class RankLayout:
 
     @property
     def dp(self) -> int:
-        return self.ranks_per_worker // (self.tp * self.pp)
+        return self.ranks_per_worker // (self.tp * self.sp * self.pp)
 
     def sizes(self) -> Dict[str, int]:
-        return {"tp": self.tp, "dp": self.dp, "pp": self.pp}
+        return {"tp": self.tp, "sp": self.sp, "dp": self.dp, "pp": self.pp}
 
     def coords(self, rank: int) -> Dict[str, int]:
         """Worker and in-worker coordinates of a global rank."""
@@ -63,8 +66,8 @@ class RankLayout:
             local, out[axis] = divmod(local, self.sizes()[axis])
         return out
 
-    def rank(self, worker: int, tp: int = 0, dp: int = 0, pp: int = 0) -> int:
-        local = tp + self.tp * (dp + self.dp * pp)
+    def rank(self, worker: int, tp: int = 0, dp: int = 0, pp: int = 0, sp: int = 0) -> int:
+        local = tp + self.tp * (sp + self.sp * (dp + self.dp * pp))
         return worker * self.ranks_per_worker + local
 
     def _groups_varying(self, axes) -> List[List[int]]:
@@ -97,10 +100,13 @@ class RankLayout:
         """Every group by name, in a fixed order (the creation order on every rank)."""
         return {
             "tp": self._groups_varying(("tp",)),
+            "sp": self._groups_varying(("sp",)),
             "pp": self._groups_varying(("pp",)),
             "dp": self._groups_varying(("dp",)),
+            # ZeRO's reduction group: the ranks that share a model shard (sequence x data).
+            "sdp": self._groups_varying(("sp", "dp")),
             "mp": self._groups_varying(("tp", "pp")),
-            "worker": self._groups_varying(("tp", "dp", "pp")),
+            "worker": self._groups_varying(("tp", "sp", "dp", "pp")),
             "embd": self.embedding_groups(),
             "pos_embd": self.position_embedding_groups(),
             "single": [[r] for r in range(self.world_size)],
@@ -112,7 +118,8 @@ class RankLayout:
         }
 
     def data_shard(self, rank: int):
-        """(index, count) of this rank's data shard: disjoint across workers and DP ranks."""
+        """(index, count) of this rank's data shard: disjoint across workers and DP ranks;
+        the sequence-parallel ranks of one sample share it (each takes a slice of it)."""
         c = self.coords(rank)
         return c["worker"] * self.dp + c["dp"], self.workers * self.dp
 
@@ -310,29 +317,29 @@ class WorkerMPU:
     def get_pipeline_model_parallel_rank(self) -> int:
         return self._rank_in("pp")
 
-    # Ulysses is not in the layout yet: the sequence axis has size 1, so the
-    # sequence-data-parallel group is the data-parallel group.
+    # Ulysses: ZeRO reduces over the sequence-data-parallel group (the ranks sharing a model
+    # shard); with a sequence axis of 1 it is the data-parallel group.
     def get_sequence_parallel_group(self):
-        return self._t.groups["single"]
+        return self._t.groups["sp"]
 
     def get_sequence_parallel_world_size(self) -> int:
-        return 1
+        return self._size("sp")
 
     def get_sequence_parallel_rank(self) -> int:
-        return 0
+        return self._rank_in("sp")
 
     def get_sequence_data_parallel_group(self):
-        return self.get_data_parallel_group()
+        return self._t.groups["sdp"]
 
     def get_sequence_data_parallel_world_size(self) -> int:
-        return self.get_data_parallel_world_size()
+        return self._size("sdp")
 
     def get_sequence_data_parallel_rank(self) -> int:
-        return self.get_data_parallel_rank()
+        return self._rank_in("sdp")
 
 
 def describe(layout: RankLayout, rank: Optional[int] = None) -> str:
     c = layout.coords(rank) if rank is not None else None
     text = (f"world={layout.world_size} workers={layout.workers} "
-            f"tp={layout.tp} pp={layout.pp} dp={layout.dp}")
+            f"tp={layout.tp} sp={layout.sp} pp={layout.pp} dp={layout.dp}")
     return text if c is None else f"{text} rank={rank} {c}"

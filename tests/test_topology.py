@@ -14,7 +14,7 @@ import pytest
 from megatron_streaming.data import MicroBatchSampler
 from megatron_streaming.topology import IN_WORKER_AXES, RankLayout, Topology
 
-# (world, workers, tp, pp) -> dp follows
+# (world, workers, tp, pp[, sp]) -> dp follows
 SHAPES = [
     (8, 2, 2, 2),   # DP=1
     (8, 2, 2, 1),   # DP=2
@@ -24,23 +24,26 @@ SHAPES = [
     (8, 1, 2, 1),   # one worker, DP=4
     (1, 1, 1, 1),
     (6, 6, 1, 1),   # one rank per worker
+    (16, 2, 2, 1, 2),   # Ulysses SP=2 with TP=2, DP=2
+    (32, 2, 2, 2, 2),   # every axis > 1 but DP
 ]
 EXPECTED_DP = {(8, 2, 2, 2): 1, (8, 2, 2, 1): 2, (16, 2, 2, 2): 2, (12, 3, 2, 1): 2,
-               (4, 1, 2, 2): 1, (8, 1, 2, 1): 4, (1, 1, 1, 1): 1, (6, 6, 1, 1): 1}
+               (4, 1, 2, 2): 1, (8, 1, 2, 1): 4, (1, 1, 1, 1): 1, (6, 6, 1, 1): 1,
+               (16, 2, 2, 1, 2): 2, (32, 2, 2, 2, 2): 2}
 # Groups whose members differ only along these axes (same worker, same other coordinates).
-VARYING = {"tp": ("tp",), "dp": ("dp",), "pp": ("pp",), "mp": ("tp", "pp"),
-           "worker": ("tp", "dp", "pp"), "single": ()}
+VARYING = {"tp": ("tp",), "sp": ("sp",), "dp": ("dp",), "pp": ("pp",), "sdp": ("sp", "dp"),
+           "mp": ("tp", "pp"), "worker": ("tp", "sp", "dp", "pp"), "single": ()}
 
 
 def _ids(shape):
-    world, workers, tp, pp = shape
-    return f"world{world}-M{workers}-tp{tp}-pp{pp}"
+    world, workers, tp, pp, *sp = shape
+    return f"world{world}-M{workers}-tp{tp}-pp{pp}" + (f"-sp{sp[0]}" if sp else "")
 
 
 @pytest.fixture(params=SHAPES, ids=_ids)
 def layout(request):
-    world, workers, tp, pp = request.param
-    return RankLayout(world, workers, tp, pp)
+    world, workers, tp, pp, *sp = request.param
+    return RankLayout(world, workers, tp, pp, *sp)
 
 
 def _worker(layout, rank):
@@ -55,9 +58,10 @@ def _in_worker_coords(layout, rank):
 # ---- sizes and coordinates -------------------------------------------------------------------
 
 def test_sizes_tile_the_world(layout):
-    shape = (layout.world_size, layout.workers, layout.tp, layout.pp)
+    shape = (layout.world_size, layout.workers, layout.tp, layout.pp) + \
+        ((layout.sp,) if layout.sp > 1 else ())
     assert layout.dp == EXPECTED_DP[shape]
-    assert layout.ranks_per_worker == layout.tp * layout.dp * layout.pp
+    assert layout.ranks_per_worker == layout.tp * layout.sp * layout.dp * layout.pp
     assert layout.workers * layout.ranks_per_worker == layout.world_size
 
 
@@ -68,20 +72,22 @@ def test_coords_and_rank_round_trip(layout):
         assert c["worker"] == _worker(layout, rank)
         assert c["local"] == rank % layout.ranks_per_worker
         assert all(0 <= c[a] < layout.sizes()[a] for a in IN_WORKER_AXES)
-        assert layout.rank(c["worker"], tp=c["tp"], dp=c["dp"], pp=c["pp"]) == rank
+        assert layout.rank(c["worker"], tp=c["tp"], sp=c["sp"], dp=c["dp"], pp=c["pp"]) == rank
         seen.add((c["worker"], *_in_worker_coords(layout, rank)))
     assert len(seen) == layout.world_size  # coordinates are a bijection
     for worker in range(layout.workers):
-        for tp, dp, pp in itertools.product(range(layout.tp), range(layout.dp), range(layout.pp)):
-            c = layout.coords(layout.rank(worker, tp=tp, dp=dp, pp=pp))
-            assert (c["worker"], c["tp"], c["dp"], c["pp"]) == (worker, tp, dp, pp)
+        for tp, sp, dp, pp in itertools.product(range(layout.tp), range(layout.sp),
+                                                range(layout.dp), range(layout.pp)):
+            c = layout.coords(layout.rank(worker, tp=tp, sp=sp, dp=dp, pp=pp))
+            assert (c["worker"], c["tp"], c["sp"], c["dp"], c["pp"]) == (worker, tp, sp, dp, pp)
 
 
-def test_megatron_order_tp_fastest_then_dp_then_pp(layout):
+def test_megatron_order_tp_fastest_then_sp_dp_pp(layout):
     R = layout.ranks_per_worker
     for rank in range(layout.world_size):
         c = layout.coords(rank)
-        assert rank == c["worker"] * R + c["tp"] + layout.tp * (c["dp"] + layout.dp * c["pp"])
+        inner = c["sp"] + layout.sp * (c["dp"] + layout.dp * c["pp"])
+        assert rank == c["worker"] * R + c["tp"] + layout.tp * inner
 
 
 # ---- groups ----------------------------------------------------------------------------------
@@ -158,7 +164,7 @@ def test_data_shard_is_per_worker_and_dp_rank(layout):
         c = layout.coords(rank)
         assert count == layout.workers * layout.dp
         assert index == c["worker"] * layout.dp + c["dp"]
-        # Ranks that differ only in tp/pp read the same shard; (worker, dp) -> one index.
+        # Ranks that differ only in tp/sp/pp read the same shard; (worker, dp) -> one index.
         assert by_position.setdefault((c["worker"], c["dp"]), index) == index
     assert sorted(by_position.values()) == list(range(layout.workers * layout.dp))
 
