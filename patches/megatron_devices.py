@@ -23,6 +23,8 @@ pipeline schedules on gloo):
   (activation checkpointing with ``distribute_saved_activations``).
 * ``transformer.utils``: ``get_default_causal_mask`` (causal attention called with
   ``attention_mask=None``).
+* ``models.common.embeddings.rotary_pos_embedding``: ``RotaryEmbedding`` moves its inverse
+  frequencies to ``torch.cuda.current_device()`` (``--position-embedding-type rope``).
 """
 
 import importlib
@@ -41,6 +43,7 @@ MODULES = (
     "megatron.core.tensor_parallel.layers",
     "megatron.core.tensor_parallel.utils",
     "megatron.core.transformer.utils",
+    "megatron.core.models.common.embeddings.rotary_pos_embedding",
 )
 
 

@@ -29,7 +29,11 @@ LAYOUTS = {
     "zero0_dp2": (2, ["--zero-stage", "0"]),
     "pp2_untied_zero1": (2, ["--pipeline-model-parallel-size", "2",
                              "--untie-embeddings-and-output-weights"]),
+    "tp2_rope": (2, ["--tensor-model-parallel-size", "2", "--position-embedding-type", "rope"]),
 }
+# Layouts whose model differs from the shared reference's: compared with their own.
+OWN_REFERENCE = {"pp2_untied_zero1": ["--untie-embeddings-and-output-weights"],
+                 "tp2_rope": ["--position-embedding-type", "rope"]}
 
 
 @pytest.mark.timeout(300)
@@ -37,9 +41,8 @@ LAYOUTS = {
 def test_layout_matches_single_process(name, reference, tmp_path):
     nproc, extra = LAYOUTS[name]
     args = [*TINY, *ITERS, *extra]
-    if name == "pp2_untied_zero1":
-        ref = train_losses(1, [*TINY, *ITERS, "--untie-embeddings-and-output-weights"],
-                           tmp_path, "ref_untied")
+    if name in OWN_REFERENCE:
+        ref = train_losses(1, [*TINY, *ITERS, *OWN_REFERENCE[name]], tmp_path, "own_ref")
     else:
         ref = reference
     losses = train_losses(nproc, args, tmp_path)
