@@ -96,7 +96,7 @@ def validate(cfg: Config, world_size: int) -> None:
     m, p, o, d = cfg.model, cfg.parallel, cfg.optimizer, cfg.data
     try:
         layout = RankLayout(world_size, cfg.streaming.diloco_workers, p.tensor_model_parallel_size,
-                            p.pipeline_model_parallel_size)
+                            p.pipeline_model_parallel_size, p.ds_sequence_parallel_size)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     tp, pp, dp = layout.tp, layout.pp, layout.dp
@@ -125,6 +125,7 @@ def validate(cfg: Config, world_size: int) -> None:
     _require(m.position_embedding_type == "rope" or max_pos >= m.seq_length,
              f"--max-position-embeddings ({max_pos}) is smaller than --seq-length "
              f"({m.seq_length})")
+    _validate_layer_kinds(cfg)
     _validate_streaming(cfg)
     _validate_zero(cfg, pp)
     _validate_batches(cfg, dp)
@@ -136,6 +137,30 @@ def validate(cfg: Config, world_size: int) -> None:
              f"--log-interval must be > 0, got {cfg.logging.log_interval}")
     _validate_data(d)
     _validate_checkpoint(cfg)
+
+
+def _validate_layer_kinds(cfg: Config) -> None:
+    """Ulysses and Ladder residual: checked up front (an uneven Ulysses split hangs gloo)."""
+    m, p = cfg.model, cfg.parallel
+    try:
+        if p.ds_sequence_parallel_size > 1:
+            from .ulysses import check_ulysses
+
+            check_ulysses(m.num_attention_heads, None, p.tensor_model_parallel_size,
+                          p.ds_sequence_parallel_size, m.seq_length, p.sequence_parallel)
+        if m.ladder_residual or m.ladder_layers:
+            from .ladder import ladder_layer_set
+
+            ladder_layer_set(m.ladder_residual, m.ladder_layers, m.num_layers)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    ladder = m.ladder_residual or m.ladder_layers
+    _require(not (ladder and p.sequence_parallel),
+             "--ladder-residual / --ladder-layers do not support --sequence-parallel yet")
+    _require(not (ladder and m.transformer_impl == "transformer_engine"),
+             "--ladder-residual / --ladder-layers need --transformer-impl local (or auto)")
+    _require(not (p.ds_sequence_parallel_size > 1 and m.transformer_impl == "transformer_engine"),
+             "--ds-sequence-parallel-size > 1 needs --transformer-impl local (or auto)")
 
 
 def _validate_streaming(cfg: Config) -> None:

@@ -47,6 +47,12 @@ class ModelConfig:
         "auto", "Layer implementation: Transformer Engine when importable on a GPU (auto), "
         "or megatron-core's local spec.", choices=["auto", "local", "transformer_engine"])
     bf16: bool = arg(False, "Train in bf16 (fp32 master weights in ZeRO).")
+    ladder_residual: bool = arg(
+        False, "Ladder residual (arXiv 2501.06589) on every layer: each sub-block's "
+        "tensor-parallel all-reduce overlaps the next sub-block's compute.")
+    ladder_layers: Optional[str] = arg(
+        None, "Ladder residual on some layers only: 0-based 'A-B', 'N', 'first:K', 'last:K' "
+        "or 'all', comma-separated (e.g. last:8 = the upper 8 layers).")
 
 
 @dataclass
@@ -57,6 +63,9 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = arg(1, "Pipeline-parallel size (inside a worker).")
     sequence_parallel: bool = arg(
         False, "Megatron sequence parallelism over the tensor-parallel group.")
+    ds_sequence_parallel_size: int = arg(
+        1, "DeepSpeed-Ulysses sequence-parallel size inside a worker: each rank holds "
+        "seq/SP tokens; attention runs on heads/SP heads over the full sequence.")
     zero_stage: int = arg(1, "DeepSpeed ZeRO stage over the worker's data-parallel group.",
                           choices=[0, 1, 2])
     distributed_backend: str = arg(

@@ -105,7 +105,12 @@ class StepResult:
     lr: float
 
 
-def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+def _loss_func(loss_mask: torch.Tensor, sp_group, output_tensor: torch.Tensor):
+    if sp_group is not None:  # Ulysses: this rank holds a slice of every sequence
+        from .ulysses import sequence_parallel_loss
+
+        loss, reported = sequence_parallel_loss(output_tensor, loss_mask, sp_group)
+        return loss, {"lm loss": reported.detach().clone()}
     losses = output_tensor.float().view(-1)
     mask = loss_mask.view(-1).float()
     loss = torch.sum(losses * mask) / mask.sum()
@@ -113,15 +118,21 @@ def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     return loss, {"lm loss": loss.detach().clone()}
 
 
-def _forward_step(forward, data_iterator, model):
+def _forward_step(forward, sequence, data_iterator, model):
     # The schedule hands over the bare Megatron model (it reads ``model.config`` and calls
     # ``set_input_tensor`` on it); under ZeRO the forward goes through the DeepSpeed engine
     # so that the ZeRO optimizer sees the backward begin and end.
     del model
     batch = next(data_iterator)
+    sp_group = None
+    if sequence is not None:
+        from .ulysses import slice_for_sequence_parallel
+
+        sp_rank, sp_size, sp_group = sequence
+        batch = slice_for_sequence_parallel(batch, sp_rank, sp_size)
     output = forward(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
-                   labels=batch["labels"])
-    return output, partial(_loss_func, batch["loss_mask"])
+                     labels=batch["labels"])
+    return output, partial(_loss_func, batch["loss_mask"], sp_group)
 
 
 class WorkerEngine:
@@ -148,6 +159,8 @@ class WorkerEngine:
         # Without ZeRO, DeepSpeed refuses a backward it did not start; its step() then does
         # the plain data-parallel all-reduce of the accumulated gradients itself.
         self._forward = self.engine if cfg.parallel.zero_stage > 0 else model
+        sp = topology.layout.sp
+        self._sequence = (topology.coords["sp"], sp, topology.groups["sp"]) if sp > 1 else None
         self.pg_collection = topology.pg_collection()
         self.p2p = P2PCommunicator(pp_group=topology.groups["pp"], config=model.config)
         self.forward_backward = get_forward_backward_func(pp_size=topology.layout.pp,
@@ -194,11 +207,12 @@ class WorkerEngine:
                       num_microbatches: int):
         t = self.cfg.training
         return self.forward_backward(
-            forward_step_func=partial(_forward_step, self._forward),
+            forward_step_func=partial(_forward_step, self._forward, self._sequence),
             data_iterator=data_iterator,
             model=self.model,
             num_microbatches=num_microbatches,
-            seq_length=self.cfg.model.seq_length,
+            # Pipeline messages carry this rank's slice of the sequence under Ulysses.
+            seq_length=self.cfg.model.seq_length // self.topology.layout.sp,
             micro_batch_size=t.micro_batch_size,
             forward_only=forward_only,
             p2p_communicator=self.p2p,

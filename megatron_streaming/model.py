@@ -41,11 +41,22 @@ def resolve_transformer_impl(requested: str) -> str:
     return "transformer_engine" if usable else "local"
 
 
-def layer_spec(model_cfg: ModelConfig):
-    """The transformer layer spec: the one place that chooses layer implementations."""
+def layer_spec(model_cfg: ModelConfig, sp_group=None):
+    """The transformer layer spec: the one place that chooses layer implementations.
+
+    Ulysses (``sp_group`` of more than one rank) wraps the local spec's core attention; Ladder
+    residual builds on the local spec too, so both take it whatever ``--transformer-impl auto``
+    would pick."""
     from megatron.core.models.gpt import gpt_layer_specs
 
-    if resolve_transformer_impl(model_cfg.transformer_impl) == "transformer_engine":
+    ulysses = sp_group is not None and sp_group.size() > 1
+    ladder = model_cfg.ladder_residual or model_cfg.ladder_layers
+    if ulysses:
+        from .ulysses import ulysses_layer_spec
+
+        return ulysses_layer_spec(sp_group, model_cfg.normalization)
+    if not ladder and resolve_transformer_impl(model_cfg.transformer_impl) == \
+            "transformer_engine":
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
     return gpt_layer_specs.get_gpt_layer_local_spec(normalization=model_cfg.normalization)
 
@@ -90,9 +101,16 @@ def build_model(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, topology: 
     from megatron.core.models.gpt import GPTModel
 
     config = transformer_config(model_cfg, parallel_cfg)
+    spec = layer_spec(model_cfg, topology.groups.get("sp"))
+    if model_cfg.ladder_residual or model_cfg.ladder_layers:
+        from .ladder import ladder_block_spec, ladder_layer_set
+
+        ladder = ladder_layer_set(model_cfg.ladder_residual, model_cfg.ladder_layers,
+                                  model_cfg.num_layers)
+        spec = ladder_block_spec(config, spec, ladder, pp_rank=topology.pp_rank)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(model_cfg),
+        transformer_layer_spec=spec,
         vocab_size=padded_vocab_size(vocab_size, model_cfg.make_vocab_size_divisible_by,
                                      parallel_cfg.tensor_model_parallel_size),
         max_sequence_length=model_cfg.max_position_embeddings or model_cfg.seq_length,
@@ -102,6 +120,10 @@ def build_model(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, topology: 
         position_embedding_type=model_cfg.position_embedding_type,
         pg_collection=topology.pg_collection(),
     )
+    if topology.layout.sp > 1 and model_cfg.position_embedding_type == "rope":
+        from .ulysses import offset_rotary_for_sequence_parallel
+
+        offset_rotary_for_sequence_parallel(model, topology.coords["sp"])
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return model

@@ -189,14 +189,13 @@ class Topology:
         return self.layout.data_shard(self.rank)
 
     def is_logging_rank(self) -> bool:
-        """Rank that prints and writes TensorBoard: worker 0's last stage, TP/DP rank 0."""
-        c = self.coords
-        return c["worker"] == 0 and c["tp"] == 0 and c["dp"] == 0 and self.is_last_stage
+        """Rank that prints and writes TensorBoard: worker 0's last stage, TP/SP/DP rank 0."""
+        return self.coords["worker"] == 0 and self.is_worker_reporter()
 
     def is_worker_reporter(self) -> bool:
-        """One rank per worker that holds the worker's loss (last stage, TP/DP rank 0)."""
+        """One rank per worker that holds the worker's loss (last stage, TP/SP/DP rank 0)."""
         c = self.coords
-        return c["tp"] == 0 and c["dp"] == 0 and self.is_last_stage
+        return c["tp"] == 0 and c["sp"] == 0 and c["dp"] == 0 and self.is_last_stage
 
     def describe(self) -> str:
         return describe(self.layout, self.rank)

@@ -59,7 +59,7 @@ class Run:
         world = world_size_from_env()
         validate(cfg, world)
         layout = RankLayout(world, s.diloco_workers, p.tensor_model_parallel_size,
-                            p.pipeline_model_parallel_size)
+                            p.pipeline_model_parallel_size, p.ds_sequence_parallel_size)
         self.resume = self._resume_source(layout)
         self.tokenizer = load_run_tokenizer(cfg)
         self.patches = patches.apply()

@@ -92,7 +92,8 @@ def main():
     M = s.diloco_workers
     world = int(os.environ.pop("REFERENCE_WORLD_SIZE"))  # of the distributed run it mirrors
     DP = world // (M * cfg.parallel.tensor_model_parallel_size
-                   * cfg.parallel.pipeline_model_parallel_size)
+                   * cfg.parallel.pipeline_model_parallel_size
+                   * cfg.parallel.ds_sequence_parallel_size)
     patches.apply()
     tokenizer = load_run_tokenizer(cfg)
     models = single_process_models(cfg, tokenizer, M)

@@ -51,7 +51,7 @@ def main():
     else:
         global_ = local
     topo = run.topology
-    if topo.tp_rank == 0 and topo.dp_rank == 0:
+    if topo.tp_rank == 0 and topo.dp_rank == 0 and topo.coords["sp"] == 0:
         tag = f"worker{topo.worker}_stage{topo.pp_rank}"
         events = run.sync.events if run.sync is not None else []
         torch.save({"local": local, "global": global_, "events": events,

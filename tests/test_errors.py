@@ -129,6 +129,23 @@ VALIDATION_CASES = {
     "world_not_divisible_by_workers_times_ranks": (
         ["--mock-data", "--diloco-workers", "2", "--tensor-model-parallel-size", "2"], 6,
         ["world size 6", "--diloco-workers (2)", "--tensor-model-parallel-size (2)"]),
+    # Ulysses and Ladder residual.
+    "heads_not_divisible_by_tp_times_sp": (
+        ["--mock-data", "--num-attention-heads", "4", "--tensor-model-parallel-size", "2",
+         "--ds-sequence-parallel-size", "4"], 8,
+        ["--num-attention-heads", "4", "--ds-sequence-parallel-size", "4"]),
+    "seq_not_divisible_by_sp": (
+        ["--mock-data", "--seq-length", "30", "--ds-sequence-parallel-size", "4"], 4,
+        ["--seq-length", "30", "--ds-sequence-parallel-size", "4"]),
+    "world_not_divisible_by_sp": (
+        ["--mock-data", "--ds-sequence-parallel-size", "4"], 6,
+        ["world size 6", "--ds-sequence-parallel-size (4)"]),
+    "bad_ladder_layers": (
+        ["--mock-data", "--num-layers", "4", "--ladder-layers", "2-9"], 1,
+        ["--ladder-layers", "2-9"]),
+    "ladder_with_megatron_sequence_parallel": (
+        ["--mock-data", "--ladder-residual", "--tensor-model-parallel-size", "2",
+         "--sequence-parallel"], 2, ["--ladder-residual", "--sequence-parallel"]),
     "nccl_without_gpu": (
         ["--mock-data", "--diloco-backend", "nccl"], 1, ["--diloco-backend nccl", "no GPU"]),
     "load_missing_directory": (

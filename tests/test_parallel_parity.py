@@ -30,10 +30,27 @@ LAYOUTS = {
     "pp2_untied_zero1": (2, ["--pipeline-model-parallel-size", "2",
                              "--untie-embeddings-and-output-weights"]),
     "tp2_rope": (2, ["--tensor-model-parallel-size", "2", "--position-embedding-type", "rope"]),
+    # DeepSpeed-Ulysses: each rank holds half of every sequence.
+    "ulysses_sp2": (2, ["--ds-sequence-parallel-size", "2"]),
+    "ulysses_sp2_tp2": (4, ["--ds-sequence-parallel-size", "2",
+                            "--tensor-model-parallel-size", "2"]),
+    "ulysses_sp2_zero2_dp2": (4, ["--ds-sequence-parallel-size", "2", "--zero-stage", "2"]),
+    "ulysses_sp2_pp2_rope": (4, ["--ds-sequence-parallel-size", "2",
+                                 "--pipeline-model-parallel-size", "2",
+                                 "--position-embedding-type", "rope"]),
+    # Ladder residual: the same ladder model whatever the layout.
+    "ladder_tp2": (2, ["--tensor-model-parallel-size", "2", "--ladder-residual"]),
+    "ladder_pp2": (2, ["--pipeline-model-parallel-size", "2", "--ladder-residual"]),
+    "ladder_upper_half_tp2_pp2": (4, ["--tensor-model-parallel-size", "2",
+                                      "--pipeline-model-parallel-size", "2",
+                                      "--ladder-layers", "last:2"]),
 }
 # Layouts whose model differs from the shared reference's: compared with their own.
 OWN_REFERENCE = {"pp2_untied_zero1": ["--untie-embeddings-and-output-weights"],
-                 "tp2_rope": ["--position-embedding-type", "rope"]}
+                 "tp2_rope": ["--position-embedding-type", "rope"],
+                 "ulysses_sp2_pp2_rope": ["--position-embedding-type", "rope"],
+                 "ladder_tp2": ["--ladder-residual"], "ladder_pp2": ["--ladder-residual"],
+                 "ladder_upper_half_tp2_pp2": ["--ladder-layers", "last:2"]}
 
 
 @pytest.mark.timeout(300)

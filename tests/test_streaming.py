@@ -77,6 +77,10 @@ CASES = {
     "zero2_dp2_p3_tau1": (4, [
         "--num-layers", "3", "--zero-stage", "2", "--diloco-inner-steps", "6",
         "--diloco-fragments", "3", "--diloco-overlap-steps", "1"]),
+    # DeepSpeed-Ulysses inside each worker (ZeRO partitions over sequence x data ranks).
+    "ulysses_sp2_p3_tau1": (4, [
+        "--num-layers", "3", "--ds-sequence-parallel-size", "2", "--diloco-inner-steps", "6",
+        "--diloco-fragments", "3", "--diloco-overlap-steps", "1"]),
     "zero0_p3_tau1_alpha05": (2, [
         "--num-layers", "3", "--zero-stage", "0", "--diloco-inner-steps", "6",
         "--diloco-fragments", "3", "--diloco-overlap-steps", "1", "--diloco-alpha", "0.5"]),
