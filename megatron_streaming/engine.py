@@ -49,7 +49,7 @@ def num_microbatches(cfg: Config, dp: int) -> int:
     return (t.global_batch_size or t.micro_batch_size * dp) // (t.micro_batch_size * dp)
 
 
-def deepspeed_config(cfg: Config, dp: int) -> dict:
+def deepspeed_config(cfg: Config) -> dict:
     """The DeepSpeed JSON, generated from the dataclasses (never from a template)."""
     o = cfg.optimizer
     ds = {
@@ -152,7 +152,7 @@ class WorkerEngine:
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model,
             optimizer=inner_optimizer(cfg, groups),
-            config=deepspeed_config(cfg, dp),
+            config=deepspeed_config(cfg),
             mpu=topology.mpu(),
             dist_init_required=False,
         )
