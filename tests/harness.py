@@ -25,16 +25,17 @@ def env(extra: Optional[dict] = None) -> dict:
 
 
 def run(nproc: int, args, timeout: float = 240, check: bool = True,
-        extra_env: Optional[dict] = None):
-    """Launch ``nproc`` ranks of pretrain_gpt.py; returns the CompletedProcess.
+        extra_env: Optional[dict] = None, script: str = "pretrain_gpt.py"):
+    """Launch ``nproc`` ranks of ``script`` (pretrain_gpt.py unless told otherwise); returns
+    the CompletedProcess.
 
     ``extra_env`` is added to the environment, e.g. ``WORLD_SIZE`` to make a single process
     validate its flags against a larger world."""
     if nproc == 1:
-        cmd = [sys.executable, "pretrain_gpt.py", *args]
+        cmd = [sys.executable, script, *args]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={nproc}", "pretrain_gpt.py", *args]
+               f"--nproc-per-node={nproc}", script, *args]
     proc = subprocess.run(cmd, cwd=REPO, env=env(extra_env), capture_output=True, text=True,
                           timeout=timeout)
     if check and proc.returncode != 0:

@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-from harness import REPO, env
+from harness import REPO, env, run
 
 BASE = ["--mock-data", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
         "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "12",
@@ -26,13 +26,9 @@ BASE = ["--mock-data", "--hidden-size", "32", "--num-attention-heads", "4", "--s
 
 
 def distributed(nproc, args, out, extra_env=None, check=True, timeout=300):
-    e = env(extra_env)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc}", "tests/streaming_driver.py", str(out), *args]
-    proc = subprocess.run(cmd, cwd=REPO, env=e, capture_output=True, text=True, timeout=timeout)
-    if check:
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return proc
+    """The real distributed run, through tests/streaming_driver.py (dumps into ``out``)."""
+    return run(nproc, [str(out), *args], timeout=timeout, check=check, extra_env=extra_env,
+               script="tests/streaming_driver.py")
 
 
 def dumps(out, worker):
