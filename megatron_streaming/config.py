@@ -72,6 +72,12 @@ class ParallelConfig:
         "auto", "torch.distributed backend (auto: nccl with CUDA, else gloo).",
         choices=["auto", "gloo", "nccl"])
     distributed_timeout_minutes: float = arg(10.0, "Timeout of in-worker collectives.")
+    master_addr: Optional[str] = arg(
+        None, "Rendezvous host of the whole job (global rank 0's node) when each worker is "
+        "launched on its own (--diloco-worker-index); default: the launcher's MASTER_ADDR.")
+    master_port: Optional[int] = arg(
+        None, "Rendezvous port that goes with --master-addr; default: the launcher's "
+        "MASTER_PORT.")
 
 
 @dataclass
@@ -80,6 +86,10 @@ class StreamingConfig:
 
     diloco_workers: int = arg(
         1, "Number of DiLoCo workers; each is a contiguous block of WORLD/M ranks.")
+    diloco_worker_index: Optional[int] = arg(
+        None, "This launch starts worker W only (one job per cluster): the launcher's ranks "
+        "become global ranks W*R .. W*R+R-1 of a world of --diloco-workers x R, joined at "
+        "--master-addr:--master-port. Default: one launch starts every worker.")
     diloco_sync: bool = arg(
         True, "Synchronise workers with Streaming DiLoCo (when --diloco-workers > 1); off: "
         "the workers train independently.")

@@ -9,8 +9,39 @@ from __future__ import annotations
 import datetime
 import os
 import random
+from typing import Optional
 
 import torch
+
+
+def join_worker_launch(env, workers: int, worker_index: Optional[int],
+                       master_addr: Optional[str], master_port: Optional[int]) -> None:
+    """Turn a launch of one worker's ranks into its share of the whole job, in ``env``.
+
+    With ``--diloco-worker-index W`` the launcher (one per cluster) numbered only this
+    worker's R ranks: rank r becomes global rank ``W*R + r`` of ``M*R``, and every worker
+    meets at the same rendezvous (global rank 0 hosts the store), so only the cross-worker
+    groups span the clusters. Raises ConfigError naming the flag on a bad index."""
+    from .arguments import ConfigError
+
+    if master_addr:
+        env["MASTER_ADDR"] = master_addr
+    if master_port:
+        env["MASTER_PORT"] = str(master_port)
+    if worker_index is None:
+        return
+    if not 0 <= worker_index < workers:
+        raise ConfigError(f"--diloco-worker-index must be in [0, --diloco-workers ({workers})), "
+                          f"got {worker_index}")
+    if not (master_addr or "MASTER_ADDR" in env):
+        raise ConfigError("--diloco-worker-index needs --master-addr (the host of worker 0's "
+                          "first rank), or MASTER_ADDR in the environment")
+    ranks_per_worker = int(env.get("WORLD_SIZE", "1"))
+    env["RANK"] = str(worker_index * ranks_per_worker + int(env.get("RANK", "0")))
+    env["WORLD_SIZE"] = str(workers * ranks_per_worker)
+    env.setdefault("LOCAL_RANK", "0")
+    # torchrun's agent hosts a store per launch; the job's one store is global rank 0's.
+    env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
 
 
 def backend_for(requested: str) -> str:

@@ -47,6 +47,7 @@ class Run:
     def _start_processes(self) -> None:
         """Check what can be checked alone, then join the process groups."""
         import datetime
+        import os
 
         import patches
 
@@ -56,6 +57,8 @@ class Run:
         from .topology import RankLayout, Topology
 
         cfg, p, s = self.cfg, self.cfg.parallel, self.cfg.streaming
+        distributed.join_worker_launch(os.environ, s.diloco_workers, s.diloco_worker_index,
+                                       p.master_addr, p.master_port)
         world = world_size_from_env()
         validate(cfg, world)
         layout = RankLayout(world, s.diloco_workers, p.tensor_model_parallel_size,
