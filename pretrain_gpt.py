@@ -9,12 +9,12 @@ Flags: ``python pretrain_gpt.py --help``. This file only parses flags and calls 
 
 import os
 import sys
+import traceback
 
 
 def main(argv=None) -> int:
     from megatron_streaming.arguments import parse_args
-    from megatron_streaming.errors import UsageError
-    from megatron_streaming.streaming.transport import SyncTimeout
+    from megatron_streaming.errors import JobFailure, UsageError
     from megatron_streaming.train import pretrain
 
     cfg = parse_args(argv)
@@ -23,8 +23,8 @@ def main(argv=None) -> int:
     except UsageError as e:  # bad input: one line naming the flag; bugs keep their traceback
         print(f"pretrain_gpt.py: error: {e}", file=sys.stderr, flush=True)
         return 2
-    except SyncTimeout as e:
-        # Fatal for this job. The exchange thread may still sit in the dead collective, and
+    except JobFailure as e:
+        # Fatal for this job. A background thread may still sit in a dead collective, and
         # interpreter shutdown would wait for it: leave at once, the launcher stops the rest.
         print(f"pretrain_gpt.py: error: {e}", file=sys.stderr, flush=True)
         sys.stdout.flush()
@@ -33,4 +33,11 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        code = main()
+    except Exception:  # a bug: its traceback, then out, without waiting for busy threads
+        traceback.print_exc()
+        sys.stderr.flush()
+        sys.stdout.flush()
+        os._exit(1)
+    sys.exit(code)

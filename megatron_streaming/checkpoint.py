@@ -22,18 +22,23 @@ import json
 import os
 import random
 import shutil
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 
-from .errors import UsageError
+from .errors import JobFailure, UsageError
 
 TRACKER = "latest_checkpointed_iteration.txt"
 FORMAT_VERSION = 1
 
 
 class CheckpointError(UsageError):
-    """A checkpoint that cannot be loaded; the message names --load and the path."""
+    """A checkpoint directory that cannot be used; the message names the flag and the path."""
+
+
+class CheckpointWriteError(JobFailure):
+    """A checkpoint that could not be written; the message names --save, the path and the
+    checkpoint that is still the latest."""
 
 
 def iteration_dir(root: str, iteration: int) -> str:
@@ -91,30 +96,51 @@ def load_optimizer_state(optimizer, state: dict) -> None:
 class Checkpointer:
     """Saves and loads this rank's part of a job-wide checkpoint."""
 
-    def __init__(self, topology, barrier: Callable[[], None]):
+    def __init__(self, topology, failed_ranks: Callable[[bool], List[int]]):
         self.topology = topology
-        self.barrier = barrier  # every rank of every worker
+        # Collective over every rank of every worker: the ranks whose argument is True.
+        self.failed_ranks = failed_ranks
         self.rank = topology.rank
         self.extra_state: Dict[str, object] = {}  # name -> object with state_dict/load_state_dict
 
     def save(self, root: str, iteration: int, model, optimizer, run_state: dict) -> str:
+        """Write this rank's file, then commit on rank 0. A write that fails on any rank
+        (disk full, read-only, no permission) fails the save on every rank with
+        ``CheckpointWriteError``; the previous checkpoint stays the latest."""
         final = iteration_dir(root, iteration)
         partial = final + ".partial"
-        if self.rank == 0:
+
+        def prepare():
             os.makedirs(root, exist_ok=True)
             shutil.rmtree(partial, ignore_errors=True)  # left by a crash mid-save
             os.makedirs(partial)
-        self.barrier()
+
+        self._agree(root, iteration, partial, prepare if self.rank == 0 else None)
         payload = {"format_version": FORMAT_VERSION, "iteration": iteration,
                    "model": model.state_dict(), "optimizer": optimizer_state(optimizer),
                    "rng": rng_state(), "run": run_state,
                    "extra": {k: v.state_dict() for k, v in self.extra_state.items()}}
-        _atomic_torch_save(payload, rank_file(partial, self.rank))
-        self.barrier()
-        if self.rank == 0:
-            self._commit(root, partial, final, iteration)
-        self.barrier()
+        self._agree(root, iteration, partial,
+                    lambda: _atomic_torch_save(payload, rank_file(partial, self.rank)))
+        self._agree(root, iteration, partial, (lambda: self._commit(
+            root, partial, final, iteration)) if self.rank == 0 else None)
         return final
+
+    def _agree(self, root: str, iteration: int, partial: str, action) -> None:
+        """Run ``action`` (None: nothing) and learn whether it failed on any rank; the
+        collective doubles as the barrier between the phases of a save."""
+        error = None
+        if action is not None:
+            try:
+                action()
+            except OSError as e:
+                error = e
+        failed = self.failed_ranks(error is not None)
+        if not failed:
+            return
+        if self.rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)  # give back the space it took
+        raise CheckpointWriteError(_write_error_message(root, iteration, failed, error))
 
     def _commit(self, root: str, partial: str, final: str, iteration: int) -> None:
         layout = self.topology.layout
@@ -144,6 +170,17 @@ class Checkpointer:
         for name, obj in self.extra_state.items():
             obj.load_state_dict(payload["extra"][name])
         return payload["run"]
+
+
+def _write_error_message(root: str, iteration: int, failed, error) -> str:
+    mine = f": {error}" if error is not None else ""
+    try:
+        directory, _ = find_checkpoint(root)
+        previous = f"the latest checkpoint is still {directory}"
+    except CheckpointError:
+        previous = "no earlier checkpoint exists there"
+    return (f"--save {root}: writing the checkpoint of iteration {iteration} failed on "
+            f"rank(s) {failed}{mine}; {previous}")
 
 
 def find_checkpoint(root: str):
@@ -190,6 +227,18 @@ def check_loadable(root: str, layout, rank: int) -> str:
     return path
 
 
+def check_writable(root: str, rank: int) -> None:
+    """Fail before training when --save cannot take a file (read-only, no permission)."""
+    probe = os.path.join(root, f".write_test_rank_{rank:05d}")
+    try:
+        os.makedirs(root, exist_ok=True)
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        raise CheckpointError(f"--save {root} is not writable: {e}") from None
+
+
 def has_checkpoint(root: Optional[str]) -> bool:
     return bool(root) and os.path.isfile(os.path.join(root, TRACKER))
 
@@ -201,10 +250,15 @@ def _layout_dict(layout) -> dict:
 
 def _atomic_torch_save(obj, path: str) -> None:
     tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+    except RuntimeError as e:  # torch's zip writer reports a failed write (ENOSPC) this way
+        if isinstance(e.__context__, OSError):
+            raise OSError(e.__context__.errno, f"{e.__context__.strerror}: {tmp}") from None
+        raise
     os.replace(tmp, path)
 
 

@@ -1,9 +1,15 @@
-"""The one exception type for bad input: a flag, a file or a checkpoint that cannot work.
+"""The two exception types a user sees as one message instead of a traceback.
 
-Its message names the flag and the offending value; ``pretrain_gpt.py`` prints it as one line
-and exits with status 2. Anything else that goes wrong is a bug and keeps its traceback.
+``UsageError``: bad input (a flag, a file, a checkpoint that cannot work); the message names
+the flag and the offending value; ``pretrain_gpt.py`` exits with status 2. ``JobFailure``: the
+run broke (a lost peer, a full disk); status 3. Anything else is a bug and keeps its traceback.
 """
 
 
 class UsageError(ValueError):
     """Bad input from the user; the message names the flag and the value."""
+
+
+class JobFailure(RuntimeError):
+    """The job cannot go on (a lost or stuck peer, an unwritable checkpoint); the message
+    says what happened and what to resume from. ``pretrain_gpt.py`` prints it and exits 3."""

@@ -209,6 +209,24 @@ class Topology:
         dist.barrier(group=self.groups["worker"])
         dist.barrier(group=self.groups["cross_worker_control"])
 
+    def ranks_reporting(self, flag: bool) -> List[int]:
+        """The global ranks whose ``flag`` is set, known to every rank (collective over
+        all ranks, like ``barrier``: summed over the worker, then across workers)."""
+        import torch
+        import torch.distributed as dist
+
+        from .lifecycle import _device_of
+
+        flags = torch.zeros(self.layout.world_size, dtype=torch.int32,
+                            device=_device_of(self.groups["worker"]))
+        flags[self.rank] = int(flag)
+        dist.all_reduce(flags, group=self.groups["worker"])
+        if self.layout.workers > 1:
+            cross = self.groups["cross_worker_control"]
+            flags = flags.to(_device_of(cross))
+            dist.all_reduce(flags, group=cross)
+        return [int(r) for r in flags.nonzero().flatten().tolist()]
+
     # ---- adapters ----------------------------------------------------------------------
     def pg_collection(self):
         """Megatron-core's ProcessGroupCollection for the model and the pipeline schedule."""

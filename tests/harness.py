@@ -24,6 +24,13 @@ def env(extra: Optional[dict] = None) -> dict:
     return e
 
 
+def command(nproc: int, args, script: str = "pretrain_gpt.py") -> list:
+    if nproc == 1:
+        return [sys.executable, script, *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={nproc}", script, *args]
+
+
 def run(nproc: int, args, timeout: float = 240, check: bool = True,
         extra_env: Optional[dict] = None, script: str = "pretrain_gpt.py"):
     """Launch ``nproc`` ranks of ``script`` (pretrain_gpt.py unless told otherwise); returns
@@ -31,17 +38,38 @@ def run(nproc: int, args, timeout: float = 240, check: bool = True,
 
     ``extra_env`` is added to the environment, e.g. ``WORLD_SIZE`` to make a single process
     validate its flags against a larger world."""
-    if nproc == 1:
-        cmd = [sys.executable, script, *args]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={nproc}", script, *args]
+    cmd = command(nproc, args, script)
     proc = subprocess.run(cmd, cwd=REPO, env=env(extra_env), capture_output=True, text=True,
                           timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n"
                              f"{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
     return proc
+
+
+def start(nproc: int, args, log_path, extra_env: Optional[dict] = None) -> subprocess.Popen:
+    """Launch in the background, stdout and stderr into ``log_path``."""
+    log = open(log_path, "w")
+    return subprocess.Popen(command(nproc, args), cwd=REPO, env=env(extra_env), stdout=log,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def wait_for_line(path, pattern: str, proc: subprocess.Popen, timeout: float = 120) -> str:
+    """Poll ``path`` until a line matches the regex ``pattern``; fails if ``proc`` ends."""
+    import re
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with open(path) as f:
+            for line in f:
+                if re.search(pattern, line):
+                    return line
+        if proc.poll() is not None:
+            raise AssertionError(f"ended ({proc.returncode}) before /{pattern}/:\n"
+                                 f"{open(path).read()[-4000:]}")
+        time.sleep(0.05)
+    raise AssertionError(f"no /{pattern}/ within {timeout} s:\n{open(path).read()[-4000:]}")
 
 
 def read_jsonl(path) -> list:

@@ -41,6 +41,7 @@ def main():
     out_dir, argv = sys.argv[1], sys.argv[2:]
     run = Run(parse_args(argv)).setup()
     run.train()
+    run.stop.close()
     if run.sync is not None:
         run.sync.close()
     sync_bytes = run.cross_worker_bytes()

@@ -44,7 +44,7 @@ def test_resume_continues_the_uninterrupted_run_exactly(tmp_path):
 
 def _checkpointer(tmp_path):
     topo = SimpleNamespace(rank=0, layout=RankLayout(world_size=1))
-    return checkpoint.Checkpointer(topo, barrier=lambda: None)
+    return checkpoint.Checkpointer(topo, failed_ranks=lambda failed: [0] if failed else [])
 
 
 def _model_and_optimizer(seed):
@@ -69,11 +69,14 @@ def test_crash_before_commit_keeps_previous_checkpoint(tmp_path, monkeypatch):
         real_replace(src, dst)
 
     monkeypatch.setattr(os, "replace", crash_on_directory_rename)
-    with pytest.raises(OSError, match="simulated crash"):
+    with pytest.raises(checkpoint.CheckpointWriteError) as failure:
         ckpt.save(root, 2, model2, opt2, {"iteration": 2})
     monkeypatch.setattr(os, "replace", real_replace)
+    assert str(failure.value) == (
+        f"--save {root}: writing the checkpoint of iteration 2 failed on rank(s) [0]: "
+        f"simulated crash; the latest checkpoint is still {root}/iter_0000001")
 
-    assert os.path.isdir(os.path.join(root, "iter_0000002.partial"))  # written, not committed
+    assert not os.path.exists(os.path.join(root, "iter_0000002.partial"))  # space given back
     directory, meta = checkpoint.find_checkpoint(root)
     assert meta["iteration"] == 1
     model3, opt3 = _model_and_optimizer(2)
@@ -96,12 +99,12 @@ def test_crash_mid_rank_file_write_leaves_no_rank_file(tmp_path, monkeypatch):
         raise OSError("disk full")
 
     monkeypatch.setattr(torch, "save", crash)
-    with pytest.raises(OSError):
+    with pytest.raises(checkpoint.CheckpointWriteError,
+                       match="failed on rank.*disk full; no earlier checkpoint exists there"):
         ckpt.save(root, 1, model, opt, {"iteration": 1})
     with pytest.raises(checkpoint.CheckpointError, match="--load .*no checkpoint"):
         checkpoint.find_checkpoint(root)
-    partial = os.path.join(root, "iter_0000001.partial")
-    assert not os.path.exists(checkpoint.rank_file(partial, 0))  # only the .tmp exists
+    assert os.listdir(root) == []  # the half-written partial directory is gone
 
 
 STREAMING = [*TINY, "--num-layers", "2", "--train-iters", "12", "--eval-iters", "1",

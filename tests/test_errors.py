@@ -206,6 +206,26 @@ def test_entry_point_reports_data_errors_and_keeps_tracebacks_of_bugs(monkeypatc
         entry.main(["--mock-data"])
 
 
+def test_worker_index_turns_one_launch_into_its_share_of_the_job():
+    from megatron_streaming.distributed import join_worker_launch
+
+    # torchrun on cluster 1 started ranks 0..3 of its own 4: global ranks 4..7 of 8.
+    env = {"RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "2", "MASTER_ADDR": "node-b",
+           "MASTER_PORT": "29400", "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    join_worker_launch(env, workers=2, worker_index=1, master_addr="node-a", master_port=6000)
+    assert env == {"RANK": "6", "WORLD_SIZE": "8", "LOCAL_RANK": "2", "MASTER_ADDR": "node-a",
+                   "MASTER_PORT": "6000"}
+    untouched = {"RANK": "1", "WORLD_SIZE": "4"}
+    join_worker_launch(untouched, workers=2, worker_index=None, master_addr=None,
+                       master_port=None)
+    assert untouched == {"RANK": "1", "WORLD_SIZE": "4"}
+    with pytest.raises(ConfigError, match=r"--diloco-worker-index must be in \[0, "
+                       r"--diloco-workers \(2\)\), got 2"):
+        join_worker_launch({"WORLD_SIZE": "4"}, 2, 2, "node-a", None)
+    with pytest.raises(ConfigError, match="--diloco-worker-index needs --master-addr"):
+        join_worker_launch({"WORLD_SIZE": "4"}, 2, 0, None, None)
+
+
 # ---- the user-facing path: one process of pretrain_gpt.py ------------------------------------
 
 @pytest.mark.timeout(180)
@@ -280,3 +300,12 @@ def test_load_of_corrupt_checkpoint(name, checkpoint_dir, tmp_path):
     corrupt(root / relative)
     _fails_cleanly([*MOCK, "--train-iters", "4", "--load", str(root)], f"--load {root}",
                    *expected)
+
+
+@pytest.mark.timeout(180)
+def test_unwritable_save_exits_before_process_groups(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    target = blocker / "ckpt"
+    _fails_cleanly([*MOCK, "--save", str(target)], f"--save {target} is not writable",
+                   "Not a directory", world_size=2)

@@ -26,10 +26,11 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
+from ..errors import JobFailure
 from .codec import Codec, Encoded, ErrorFeedback, is_finite
 
 
-class SyncTimeout(RuntimeError):
+class SyncTimeout(JobFailure):
     """A cross-worker exchange did not complete in time."""
 
 

@@ -1,0 +1,254 @@
+"""Stopping and failing cleanly: SIGTERM, lost ranks, and what the user is told.
+
+* ``StopRequest`` turns SIGTERM (what SLURM sends at the time limit, or ``scancel``) into a
+  flag; the training loop never dies inside a step.
+* ``StopAgreement`` makes every rank of every worker stop after the *same* iteration, so the
+  checkpoint written on the way out is one consistent job-wide checkpoint. A signal may reach
+  only one cluster (one job per cluster), and ranks see it at different moments, so the flag is
+  reduced every step: MAX over the worker (in-worker traffic), then MAX over the rank's
+  cross-worker control group, issued asynchronously and read one step later, so no step waits
+  for a round trip over the slow link. Every rank reads the same reduced value at the same
+  iteration, hence the same decision. The same exchange notices a dead peer within a step.
+* ``Liveness`` keeps a heartbeat (and the current iteration) per rank in the job's rendezvous
+  store, on a background thread. When a collective fails, it tells a dead rank (heartbeat
+  frozen, no exit note) from a live but stuck one, so the error names the lost rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from .errors import JobFailure
+
+log = logging.getLogger("megatron_streaming")
+
+HEARTBEAT_SECONDS = 1.0
+
+
+class StopRequest:
+    """Records SIGTERM instead of dying; the loop checks ``received`` between steps."""
+
+    def __init__(self, signals=(signal.SIGTERM,)):
+        self.received: Optional[int] = None  # the signal's number
+        if threading.current_thread() is threading.main_thread():
+            for s in signals:
+                signal.signal(s, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        if self.received is None:
+            self.received = int(signum)
+
+
+class StopAgreement:
+    """Decides, identically on every rank, after which iteration to stop."""
+
+    def __init__(self, topology, request: StopRequest):
+        self.request = request
+        self.worker_group = topology.groups["worker"]
+        self.workers = topology.layout.workers
+        self.cross_group = topology.groups["cross_worker_control"] if self.workers > 1 else None
+        self.device = _device_of(self.worker_group)
+        self.cross_device = _device_of(self.cross_group) if self.cross_group else None
+        self._pending = None  # (work, tensor) of the previous step's cross-worker reduction
+        self.control_bytes = 0  # what this rank put on the cross-worker wire for this
+
+    def should_stop(self) -> Optional[str]:
+        """The name of the signal that stops every rank after this iteration, or None.
+
+        Collective over the worker and (asynchronously) across workers; call once per step
+        on every rank."""
+        flag = torch.tensor([self.request.received or 0], dtype=torch.int32,
+                            device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.worker_group)
+        if self.cross_group is None:
+            return _signal_name(int(flag.item()))
+        decided = self._finish_pending()
+        posted = flag.to(self.cross_device)
+        work = dist.all_reduce(posted, op=dist.ReduceOp.MAX, group=self.cross_group,
+                               async_op=True)
+        self._pending = (work, posted)
+        self.control_bytes += 2 * 4 * (self.workers - 1)
+        return decided
+
+    def _finish_pending(self) -> Optional[str]:
+        if self._pending is None:
+            return None
+        work, posted = self._pending
+        self._pending = None
+        work.wait()
+        return _signal_name(int(posted.item()))
+
+    def close(self) -> None:
+        """Completes the last reduction (every rank issued it)."""
+        self._finish_pending()
+
+
+class Liveness:
+    """Per-rank heartbeat and progress in the rendezvous store (a few bytes a second)."""
+
+    PREFIX = "megatron_streaming/liveness"
+
+    def __init__(self, topology, interval: float = HEARTBEAT_SECONDS):
+        self.topology = topology
+        self.rank = topology.rank
+        self.world = topology.layout.world_size
+        self.interval = interval
+        self.iteration = 0  # written by the training loop, published by the heartbeat
+        self.address = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        self.prefix = f"{self.PREFIX}/{restart}"
+        self.store = self._connect()
+        self._stop = threading.Event()
+        self._beat()
+        self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
+        self._thread.start()
+
+    def _connect(self):
+        import datetime
+
+        host, port = self.address.rsplit(":", 1)
+        return dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
+                             timeout=datetime.timedelta(seconds=10))
+
+    def _key(self, kind: str, rank: int) -> str:
+        return f"{self.prefix}/{kind}/{rank}"
+
+    def _beat(self) -> None:
+        self.store.add(self._key("beat", self.rank), 1)
+        self.store.set(self._key("iteration", self.rank), str(self.iteration))
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self._beat()
+            except Exception:  # the store is gone: nothing left to tell anyone
+                return
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def mark_exiting(self, reason: str) -> None:
+        """Tell the others this rank leaves on purpose (after an error it reported)."""
+        try:
+            self.store.set(self._key("exiting", self.rank), reason[:200])
+        except Exception:
+            pass
+
+    def survey(self) -> Dict[str, List[int]]:
+        """Which ranks are dead (heartbeat frozen over a few periods, no exit note),
+        which left after reporting an error, and each live rank's iteration.
+
+        Raises ``ConnectionError`` when the store itself cannot be reached."""
+        try:
+            before = self._read_beats()
+            time.sleep(2.5 * self.interval)
+            after = self._read_beats()
+            exiting = [r for r in range(self.world)
+                       if self.store.check([self._key("exiting", r)])]
+            iterations = {r: int(self.store.get(self._key("iteration", r)))
+                          for r in range(self.world)
+                          if self.store.check([self._key("iteration", r)])}
+        except Exception as e:
+            raise ConnectionError(f"rendezvous store {self.address} unreachable: {e}") from None
+        frozen = [r for r in range(self.world) if before[r] == after[r] and r != self.rank]
+        return {"lost": [r for r in frozen if r not in exiting], "exiting": exiting,
+                "iterations": iterations}
+
+    def _read_beats(self) -> List[int]:
+        return [self.store.add(self._key("beat", r), 0) for r in range(self.world)]
+
+    def hosts_store(self) -> bool:
+        """Global rank 0 hosts the store unless an agent (torchrun) does."""
+        return self.rank == 0 and not os.environ.get("TORCHELASTIC_USE_AGENT_STORE")
+
+    def linger(self, lost: List[int], seconds: float = 15.0) -> None:
+        """On the store's host: wait (bounded) until every rank that is not lost has left a
+        note, so their diagnosis can still read the store."""
+        if not self.hosts_store():
+            return
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            try:
+                waiting = [r for r in range(self.world) if r not in lost and r != self.rank
+                           and not self.store.check([self._key("exiting", r)])]
+            except Exception:
+                return
+            if not waiting:
+                return
+            time.sleep(0.2)
+
+
+def is_communication_error(e: BaseException) -> bool:
+    """A failed or timed-out collective (a lost or stuck peer), as opposed to a bug."""
+    from .streaming.transport import SyncTimeout
+
+    if isinstance(e, (SyncTimeout, ConnectionError, TimeoutError)):
+        return True
+    if isinstance(e, JobFailure):  # already says what happened (e.g. a full disk)
+        return False
+    if isinstance(e, getattr(dist, "DistError", ())):
+        return True
+    text = str(e)
+    return isinstance(e, RuntimeError) and any(
+        s in text for s in ("gloo", "Connection", "NCCL", "imed out", "Socket"))
+
+
+def describe_rank(layout, rank: int) -> str:
+    c = layout.coords(rank)
+    axes = ", ".join(f"{a} {c[a]}" for a in ("tp", "sp", "dp", "pp")
+                     if layout.sizes()[a] > 1)
+    return f"rank {rank} (worker {c['worker']}{', ' + axes if axes else ''})"
+
+
+def failure_message(error: BaseException, layout, rank: int, iteration: int,
+                    survey: Optional[dict], survey_error: Optional[str],
+                    checkpoint: str) -> str:
+    """One paragraph: what was lost, where this rank was, the last good checkpoint."""
+    text = str(error).strip() or type(error).__name__
+    # gloo appends advice to its errors ("This is typically caused by ..."): keep the fact.
+    first_line = text.splitlines()[0].split(". This is typically")[0]
+    if survey_error:
+        who = (f"lost the job's rendezvous store ({survey_error}); its host, "
+               f"{describe_rank(layout, 0)}, is gone or unreachable")
+    elif survey["lost"]:
+        who = "lost " + ", ".join(describe_rank(layout, r) for r in survey["lost"])
+    else:
+        behind = sorted((it, r) for r, it in survey["iterations"].items()
+                        if r not in survey["exiting"] and it < iteration)
+        who = "no rank died"
+        if behind:
+            who += "; stuck: " + ", ".join(f"{describe_rank(layout, r)} at iteration {it}"
+                                           for it, r in behind[:8])
+    return (f"{who}. {describe_rank(layout, rank)} stopped at iteration {iteration}: "
+            f"{first_line}. {checkpoint}")
+
+
+def checkpoint_advice(save: Optional[str]) -> str:
+    from .checkpoint import CheckpointError, find_checkpoint
+
+    if not save:
+        return "No checkpoint: --save was not given."
+    try:
+        directory, meta = find_checkpoint(save)
+    except CheckpointError:
+        return f"No checkpoint was completed under --save {save}."
+    return (f"Last good checkpoint: {directory} (iteration {meta['iteration']}); resume with "
+            f"--load {save}.")
+
+
+def _signal_name(number: int) -> Optional[str]:
+    return signal.Signals(number).name if number else None
+
+
+def _device_of(group) -> torch.device:
+    if group is not None and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -1,0 +1,208 @@
+"""Failing cleanly: a killed rank, SIGTERM, a full or read-only --save.
+
+Each test runs real launches of pretrain_gpt.py (torchrun, gloo) and, where it matters, one
+launch per worker (the multi-cluster form: --diloco-worker-index against a common
+--master-addr/--master-port), then checks what a user would see: exit status, the one-line
+error, the checkpoint left behind, and that a relaunch resumes from it.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import psutil
+import pytest
+
+from harness import TINY, read_jsonl, run, start, wait_for_line
+
+STREAMING = [*TINY, "--num-layers", "2", "--eval-iters", "0", "--diloco-workers", "2",
+             "--diloco-inner-steps", "4", "--diloco-fragments", "2",
+             "--diloco-overlap-steps", "1"]
+SLOW = {"MEGATRON_STREAMING_SLOW_WORKER": "0:0.2"}  # paces the run so a test can act mid-way
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_of(launcher: subprocess.Popen, local_rank: int) -> psutil.Process:
+    """The rank process that torchrun started with LOCAL_RANK=local_rank."""
+    for child in psutil.Process(launcher.pid).children(recursive=True):
+        try:
+            if child.environ().get("LOCAL_RANK") == str(local_rank) and \
+                    "pretrain_gpt.py" in " ".join(child.cmdline()):
+                return child
+        except psutil.NoSuchProcess:
+            continue
+    raise AssertionError(f"no rank with LOCAL_RANK={local_rank} under {launcher.pid}")
+
+
+def _tracker(ckpt) -> int:
+    return int((ckpt / "latest_checkpointed_iteration.txt").read_text())
+
+
+@pytest.mark.timeout(420)
+def test_killed_rank_is_named_and_the_job_resumes_from_the_last_checkpoint(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    port = _free_port()
+    common = [*STREAMING, "--tensor-model-parallel-size", "2", "--train-iters", "400",
+              "--save", str(ckpt), "--save-interval", "4", "--diloco-timeout", "120",
+              "--master-addr", "127.0.0.1", "--master-port", str(port)]
+    logs = [tmp_path / "worker0.log", tmp_path / "worker1.log"]
+    workers = [start(2, [*common, "--diloco-worker-index", str(w)], logs[w], SLOW)
+               for w in range(2)]
+    try:
+        wait_for_line(logs[0], r"saved checkpoint .*iter_0000008", workers[0])
+        victim = _rank_of(workers[1], local_rank=1)  # global rank 3: worker 1, tp 1
+        victim.send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        codes = [w.wait(timeout=180) for w in workers]
+        detected = time.monotonic() - killed
+    finally:
+        for w in workers:
+            if w.poll() is None:
+                w.kill()
+    out0 = logs[0].read_text()
+    print(f"all ranks gone {detected:.1f} s after the kill")
+    assert codes[0] != 0 and codes[1] != 0
+    last = _tracker(ckpt)
+    assert last >= 8
+    # Both survivors of worker 0 name the lost rank and the checkpoint to resume from.
+    assert out0.count("pretrain_gpt.py: error: lost rank 3 (worker 1, tp 1).") == 2, out0[-3000:]
+    assert (f"Last good checkpoint: {ckpt}/iter_{last:07d} (iteration {last}); resume with "
+            f"--load {ckpt}.") in out0
+
+    # The whole job resumes from it (same flags, --load added), worker by worker again.
+    port = _free_port()
+    resume = [*STREAMING, "--tensor-model-parallel-size", "2", "--train-iters", str(last + 3),
+              "--load", str(ckpt), "--master-addr", "127.0.0.1", "--master-port", str(port)]
+    logs = [tmp_path / "resume0.log", tmp_path / "resume1.log"]
+    workers = [start(2, [*resume, "--diloco-worker-index", str(w),
+                         "--summary-json", str(tmp_path / f"resume{w}.json")], logs[w])
+               for w in range(2)]
+    assert [w.wait(timeout=180) for w in workers] == [0, 0], logs[0].read_text()[-3000:]
+    assert f"resumed from {ckpt} at iteration {last}" in logs[0].read_text()
+    assert json.loads((tmp_path / "resume0.json").read_text())["iteration"] == last + 3
+
+
+@pytest.mark.timeout(420)
+def test_sigterm_to_one_worker_checkpoints_everyone_exits_zero_and_resumes_exactly(tmp_path):
+    """SLURM sends SIGTERM at the time limit; with one job per cluster only one worker gets
+    it. Every rank must stop after the same step, checkpoint, exit 0; the requeued command
+    (--load == --save) resumes and trains exactly like a run that was never stopped."""
+    ckpt = tmp_path / "ckpt"
+    flags = [*STREAMING, "--train-iters", "24", "--save", str(ckpt), "--load", str(ckpt)]
+
+    def launch(name, extra_env=None):
+        return start(2, [*flags, "--log-jsonl", str(tmp_path / f"{name}.jsonl"),
+                         "--summary-json", str(tmp_path / f"{name}.json")],
+                     tmp_path / f"{name}.log", extra_env)
+
+    first = launch("first", SLOW)
+    try:
+        wait_for_line(tmp_path / "first.log", r"iteration +4/24", first)
+        _rank_of(first, local_rank=1).send_signal(signal.SIGTERM)  # worker 1's only rank
+        assert first.wait(timeout=180) == 0, (tmp_path / "first.log").read_text()[-3000:]
+    finally:
+        if first.poll() is None:
+            first.kill()
+    stopped = json.loads((tmp_path / "first.json").read_text())
+    k = stopped["iteration"]
+    assert stopped["stopped_by"] == "SIGTERM" and 4 <= k < 24
+    assert stopped["checkpoint_iteration"] == k and _tracker(ckpt) == k
+    assert "stopping after iteration" in (tmp_path / "first.log").read_text()
+
+    second = launch("second")
+    assert second.wait(timeout=180) == 0, (tmp_path / "second.log").read_text()[-3000:]
+    assert f"resumed from {ckpt} at iteration {k}" in (tmp_path / "second.log").read_text()
+    assert json.loads((tmp_path / "second.json").read_text())["iteration"] == 24
+
+    whole = tmp_path / "whole.jsonl"
+    run(2, [*STREAMING, "--train-iters", "24", "--log-jsonl", str(whole)], timeout=240)
+
+    def losses(path):
+        return [(r["iteration"], r["train/loss"]) for r in read_jsonl(path) if "train/loss" in r]
+
+    assert losses(tmp_path / "first.jsonl") + losses(tmp_path / "second.jsonl") == losses(whole)
+
+
+def _mount_tmpfs(path, size: str) -> None:
+    path.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                   check=True, capture_output=True)
+
+
+def _remount(path, options: str) -> None:
+    subprocess.run(["mount", "-o", f"remount,{options}", str(path)], check=True,
+                   capture_output=True)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 8 MiB filesystem (tmpfs): room for one checkpoint of the test model."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small filesystem needs root")
+    mnt = tmp_path / "disk"
+    try:
+        _mount_tmpfs(mnt, "8m")
+    except (subprocess.CalledProcessError, FileNotFoundError) as e:
+        pytest.skip(f"cannot mount tmpfs here: {e}")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+@pytest.mark.timeout(420)
+def test_full_or_read_only_save_fails_naming_the_path_and_keeps_the_last_checkpoint(
+        tmp_path, small_disk):
+    ckpt = small_disk / "ckpt"
+    flags = [*STREAMING, "--train-iters", "6", "--save-interval", "2"]
+
+    # 1. The disk fills up during the second checkpoint.
+    full = run(2, [*flags, "--save", str(ckpt)], check=False, timeout=240)
+    assert full.returncode != 0
+    err = full.stderr
+    assert (f"pretrain_gpt.py: error: --save {ckpt}: writing the checkpoint of iteration 4 "
+            "failed on rank(s) [0, 1]: [Errno 28] No space left on device") in err, err[-3000:]
+    assert f"the latest checkpoint is still {ckpt}/iter_0000002" in err
+    assert _tracker(ckpt) == 2 and sorted(os.listdir(ckpt)) == [
+        "iter_0000002", "latest_checkpointed_iteration.txt"]  # the partial one is gone
+
+    # 2. A read-only --save is refused before training starts.
+    _remount(small_disk, "ro")
+    refused = run(2, [*flags, "--save", str(ckpt), "--load", str(ckpt)], check=False,
+                  timeout=240)
+    assert refused.returncode != 0
+    assert (f"pretrain_gpt.py: error: --save {ckpt} is not writable: [Errno 30] Read-only "
+            "file system") in refused.stderr, refused.stderr[-3000:]
+
+    # 3. It turns read-only while training: the next checkpoint fails, the last one holds.
+    _remount(small_disk, "rw,size=32m")
+    log = tmp_path / "ro.log"
+    proc = start(2, [*flags, "--train-iters", "10", "--save", str(ckpt), "--load", str(ckpt)],
+                 log, {"MEGATRON_STREAMING_SLOW_WORKER": "0:0.4"})
+    try:
+        wait_for_line(log, r"saved checkpoint .*iter_0000004", proc)
+        _remount(small_disk, "ro")
+        assert proc.wait(timeout=180) != 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    assert f"resumed from {ckpt} at iteration 2" in text
+    assert (f"--save {ckpt}: writing the checkpoint of iteration 6 failed on rank(s) [0]: "
+            "[Errno 30] Read-only file system") in text, text[-3000:]
+    assert f"the latest checkpoint is still {ckpt}/iter_0000004" in text
+    assert _tracker(ckpt) == 4
+
+    # 4. That checkpoint loads: training resumes from it (saving elsewhere) to the end.
+    summary = tmp_path / "end.json"
+    resumed = run(2, [*flags, "--train-iters", "8", "--load", str(ckpt), "--save",
+                      str(tmp_path / "elsewhere"), "--summary-json", str(summary)], timeout=240)
+    assert f"resumed from {ckpt} at iteration 4" in resumed.stdout + resumed.stderr
+    assert json.loads(summary.read_text())["iteration"] == 8
