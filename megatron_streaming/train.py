@@ -26,6 +26,10 @@ class Run:
 
     def setup(self) -> "Run":
         """Everything a rank needs, built in dependency order."""
+        from .lifecycle import StopRequest
+
+        self.stop_request = StopRequest()  # first: a SIGTERM during set-up is kept, too
+        self.stopped_by = None  # the signal that ended training early
         self._start_processes()
         self._build_model()
         self._build_engine_and_sync()
@@ -64,6 +68,10 @@ class Run:
         layout = RankLayout(world, s.diloco_workers, p.tensor_model_parallel_size,
                             p.pipeline_model_parallel_size, p.ds_sequence_parallel_size)
         self.resume = self._resume_source(layout)
+        if cfg.checkpoint.save:
+            from .checkpoint import check_writable
+
+            check_writable(cfg.checkpoint.save, int(os.environ.get("RANK", "0")))
         self.tokenizer = load_run_tokenizer(cfg)
         self.patches = patches.apply()
         rank, _ = distributed.init_distributed(p.distributed_backend,
@@ -74,6 +82,10 @@ class Run:
             cross_worker_backend=None if s.diloco_backend == "auto" else s.diloco_backend,
             cross_worker_timeout=datetime.timedelta(seconds=s.diloco_timeout))
         self.topology.install_into_megatron()
+        from .lifecycle import Liveness, StopAgreement
+
+        self.liveness = Liveness(self.topology)
+        self.stop = StopAgreement(self.topology, self.stop_request)
         setup_logging(self.topology.is_logging_rank())
         log.info("layout: %s; patches: %s", self.topology.describe(),
                  ", ".join(self.patches) or "none")
@@ -100,7 +112,7 @@ class Run:
 
         self.engine = WorkerEngine(self.cfg, self.topology, self.model)
         self.sync = builder.build_sync(self.cfg, self.topology, self.engine)
-        self.checkpointer = Checkpointer(self.topology, self.topology.barrier)
+        self.checkpointer = Checkpointer(self.topology, self.topology.ranks_reporting)
         if self.sync is not None:
             self.checkpointer.extra_state["streaming"] = self.sync
 
@@ -160,6 +172,7 @@ class Run:
             result = self.engine.train_step(iterator, self.iteration)
             self.step_seconds.append(time.perf_counter() - started)
             self.iteration += 1
+            self.liveness.iteration = self.iteration
             faults.after_step(self.topology.worker, self.iteration)
             loss = result.loss
             if self.iteration % cfg.logging.log_interval == 0 or self.iteration == t.train_iters:
@@ -173,6 +186,10 @@ class Run:
                 log.info("exiting at iteration %d (--exit-interval %d)", self.iteration,
                          t.exit_interval)
                 break
+            self.stopped_by = self.stop.should_stop()
+            if self.stopped_by:
+                log.info("stopping after iteration %d: %s", self.iteration, self.stopped_by)
+                break
         return loss
 
     def _log_step(self, result, throughput, progress_line) -> None:
@@ -183,25 +200,67 @@ class Run:
 
             scalars = report.worker_scalars(self.sync, self.topology.groups["worker"])
             report.reset_interval_stats(self.sync)
+        elif self.topology.layout.workers == 1:
+            step_bytes = self._data_parallel_step_bytes()
+            if step_bytes:
+                scalars = {"traffic/data_parallel_bytes": self.iteration * step_bytes}
         if not self.topology.is_logging_rank():
             return
         rate = throughput.rate(self.iteration)
         extra = ""
-        if scalars:
+        if self.sync is not None:
             extra = (f" | sync bytes {scalars['streaming/worker_bytes_sent']:,.0f} | drift "
                      f"{scalars['streaming/drift']:.4f}")
         log.info(progress_line(self.iteration, self.cfg.training.train_iters, result.loss,
                                result.lr, result.grad_norm, rate, throughput.elapsed(), extra))
+        tokens = self.iteration * self.data.samples_per_iteration * self.cfg.model.seq_length
         self.writer.scalars(self.iteration, {
             "train/loss": result.loss, "train/lr": result.lr,
             "train/grad_norm": result.grad_norm, "train/tokens_per_s": rate,
-            "train/step_seconds": self.step_seconds[-1], **scalars})
+            "train/step_seconds": self.step_seconds[-1], "train/tokens": tokens, **scalars})
+
+    def _data_parallel_step_bytes(self) -> int:
+        """What one step's gradient all-reduce over the data-parallel ranks moves (ring, fp32):
+        the traffic a streaming run is compared against. Counted once, on the first call
+        (collective over TP x PP, like every ``_log_step``)."""
+        if not hasattr(self, "_dp_step_bytes"):
+            from .traffic import ring_all_reduce_bytes
+
+            layout = self.topology.layout
+            # Under Ulysses the gradients are averaged over the sequence and data axes together.
+            ranks = layout.sp * layout.dp
+            self._dp_step_bytes = ring_all_reduce_bytes(self.parameter_count(), ranks) \
+                if ranks > 1 else 0
+        return self._dp_step_bytes
 
     def save(self) -> None:
         path = self.checkpointer.save(self.cfg.checkpoint.save, self.iteration, self.model,
                                       self.engine.optimizer, {"iteration": self.iteration})
         self.last_saved = self.iteration
         log.info("saved checkpoint %s", path)
+
+    def failure(self, error: Exception) -> Exception:
+        """What to raise for ``error``: a communication failure becomes a ``JobFailure``
+        naming the lost (or stuck) ranks and the last good checkpoint; anything else (a bug,
+        bad input) is returned unchanged."""
+        from . import lifecycle
+        from .errors import UsageError
+
+        if isinstance(error, UsageError) or not lifecycle.is_communication_error(error):
+            return error
+        survey, survey_error = None, None
+        try:
+            survey = self.liveness.survey()
+        except ConnectionError as e:
+            survey_error = str(e)
+        message = lifecycle.failure_message(
+            error, self.topology.layout, self.topology.rank, self.iteration, survey,
+            survey_error, lifecycle.checkpoint_advice(self.cfg.checkpoint.save))
+        self.liveness.mark_exiting(message)
+        self.liveness.linger(survey["lost"] if survey else [])
+        failure = lifecycle.JobFailure(message)
+        failure.__cause__ = error
+        return failure
 
     def peak_rss_mib(self) -> list:
         """Peak resident memory of every rank of this worker (collective over the worker)."""
@@ -257,23 +316,39 @@ class Run:
             # Mean step time after the first step (which pays one-off set-up costs).
             "seconds_per_iteration": sum(steady) / len(steady) if steady else None,
             "peak_rss_mib_per_rank": peak_rss,  # ranks of worker 0, in-worker rank order
+            "stopped_by": self.stopped_by,  # a signal that ended training early, or None
+            "checkpoint_iteration": self.last_saved,
         }
 
 
 def pretrain(cfg: Config) -> Optional[dict]:
-    """Train (unless --skip-train), evaluate, save; returns the summary on the logging rank."""
+    """Train (unless --skip-train), evaluate, save; returns the summary on the logging rank.
+
+    A communication failure (a lost or stuck peer) ends in ``JobFailure`` naming the lost
+    rank and the last good checkpoint; SIGTERM ends in a checkpoint and a normal return."""
+    run = Run(cfg).setup()
+    try:
+        return _train_and_report(run)
+    except Exception as e:
+        raise run.failure(e)
+
+
+def _train_and_report(run: Run) -> Optional[dict]:
     from .metrics import write_summary
 
-    run = Run(cfg).setup()
+    cfg = run.cfg
     train_loss = None
     if not cfg.training.skip_train:
         train_loss = run.train()
         if cfg.checkpoint.save and run.last_saved != run.iteration:
             run.save()
     evaluated_at, valid_loss = run.last_valid
-    if evaluated_at != run.iteration:
-        valid_loss = run._report_eval("valid")
-    test_loss = run._report_eval("test")
+    test_loss = None
+    if run.stopped_by is None:  # a stop request leaves at once: no extra evaluation
+        if evaluated_at != run.iteration:
+            valid_loss = run._report_eval("valid")
+        test_loss = run._report_eval("test")
+    run.stop.close()
     if run.sync is not None:
         run.sync.close()  # finishes exchanges still in flight, so the byte count is final
     peak_rss = run.peak_rss_mib()
@@ -288,4 +363,5 @@ def pretrain(cfg: Config) -> Optional[dict]:
         log.info("done: %s", summary)
     run.writer.close()
     run.topology.barrier()
+    run.liveness.close()
     return summary
