@@ -79,6 +79,8 @@ def quiet_step_seconds(result: dict, args: list) -> float:
 
 
 def main():
+    from megatron_streaming.traffic import ring_all_reduce_bytes
+
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=300)
     ap.add_argument("--out", default=str(REPO / "runs" / "bench"))
@@ -90,7 +92,7 @@ def main():
                for name, args in METHODS.items()}
     dp = results["data parallel"]
     params = dp["parameters"]
-    dp_bytes = opts.iters * 2 * (2 * (2 - 1) / 2) * 4 * params
+    dp_bytes = opts.iters * ring_all_reduce_bytes(params, ranks=2)
     print(f"{opts.iters} iterations, {dp['tokens']:,} tokens per method, {params:,} parameters")
     print(f"{'method':34} {'valid loss':>10} {'cross-worker bytes':>20} {'vs DP':>8}")
     for name, r in results.items():

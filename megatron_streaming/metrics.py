@@ -26,6 +26,9 @@ class ScalarWriter:
 
 
 class TensorBoardWriter(ScalarWriter):
+    """Scalars as TensorBoard stores them: float32, so cumulative byte counts past 2^24 keep
+    only their leading 24 bits; --log-jsonl and --summary-json keep them exact."""
+
     def __init__(self, log_dir: str):
         from torch.utils.tensorboard import SummaryWriter
 

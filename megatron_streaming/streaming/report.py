@@ -3,6 +3,11 @@
 Collective over the worker's ranks (in-worker traffic only): every rank of the worker must
 call ``worker_scalars`` at the same iterations. Workers are symmetric (same layout, same
 shards), so worker 0's numbers stand for the run; traffic totals are multiplied by M.
+
+Per-fragment bytes count the exchanges merged since the last report;
+``streaming/cross_worker_bytes`` is the whole job's cumulative count, for plotting traffic
+against steps: the transport's own, as in the summary's ``cross_worker_bytes``, so an exchange
+counts once it completes, which with overlap may be a step or more before its merge.
 """
 
 from __future__ import annotations
@@ -20,12 +25,15 @@ _MAXED = ("latency", "wait", "quant_error")
 
 def worker_scalars(sync: StreamingSync, worker_group) -> Dict[str, float]:
     P = sync.schedule.num_fragments
-    sums = torch.zeros(P, len(_SUMMED) + 2, dtype=torch.float64)
+    # Rows 0..P-1: per fragment; row P: per rank (the transport's cumulative bytes sent),
+    # reduced in the same all-reduce rather than by a collective of its own.
+    sums = torch.zeros(P + 1, len(_SUMMED) + 2, dtype=torch.float64)
     maxes = torch.zeros(P, len(_MAXED), dtype=torch.float64)
     for p, stats in sync.stats.items():
         sums[p, :len(_SUMMED)] = torch.tensor([float(getattr(stats, k)) for k in _SUMMED])
         maxes[p] = torch.tensor([float(getattr(stats, k)) for k in _MAXED])
-    sums[:, len(_SUMMED):] = sync.drift_terms()
+    sums[:P, len(_SUMMED):] = sync.drift_terms()
+    sums[P, 0] = float(sync.transport.bytes_sent)
     dist.all_reduce(sums, group=worker_group)
     dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=worker_group)
     out: Dict[str, float] = {}
@@ -39,9 +47,11 @@ def worker_scalars(sync: StreamingSync, worker_group) -> Dict[str, float]:
         out[prefix + "send_to_merge_s"] = float(maxes[p, 0])
         out[prefix + "merge_wait_s"] = float(maxes[p, 1])
         out[prefix + "quant_rel_error"] = float(maxes[p, 2])
-    out["streaming/drift"] = _ratio(sums[:, 4].sum(), sums[:, 5].sum())
-    out["streaming/worker_bytes_sent"] = float(sums[:, 1].sum())
-    out["streaming/skipped_fragments"] = float(sums[:, 3].sum())
+    out["streaming/drift"] = _ratio(sums[:P, 4].sum(), sums[:P, 5].sum())
+    out["streaming/worker_bytes_sent"] = float(sums[:P, 1].sum())
+    out["streaming/skipped_fragments"] = float(sums[:P, 3].sum())
+    # transport.workers is M, the size of this rank's cross-worker group.
+    out["streaming/cross_worker_bytes"] = float(sums[P, 0]) * sync.transport.workers
     return out
 
 
