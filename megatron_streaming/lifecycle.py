@@ -133,7 +133,9 @@ class Liveness:
                 return
 
     def close(self) -> None:
+        """Stop the heartbeat before the store's host may exit (end of a run)."""
         self._stop.set()
+        self._thread.join(timeout=10)
 
     def mark_exiting(self, reason: str) -> None:
         """Tell the others this rank leaves on purpose (after an error it reported)."""
@@ -169,9 +171,10 @@ class Liveness:
         """Global rank 0 hosts the store unless an agent (torchrun) does."""
         return self.rank == 0 and not os.environ.get("TORCHELASTIC_USE_AGENT_STORE")
 
-    def linger(self, lost: List[int], seconds: float = 15.0) -> None:
+    def linger(self, lost: List[int], seconds: float = 8.0) -> None:
         """On the store's host: wait (bounded) until every rank that is not lost has left a
-        note, so their diagnosis can still read the store."""
+        note, so their diagnosis can still read the store. Bounded, because a peer blocked
+        in a collective with this rank is only released when this process exits."""
         if not self.hosts_store():
             return
         deadline = time.monotonic() + seconds
@@ -216,8 +219,8 @@ def failure_message(error: BaseException, layout, rank: int, iteration: int,
     # gloo appends advice to its errors ("This is typically caused by ..."): keep the fact.
     first_line = text.splitlines()[0].split(". This is typically")[0]
     if survey_error:
-        who = (f"lost the job's rendezvous store ({survey_error}); its host, "
-               f"{describe_rank(layout, 0)}, is gone or unreachable")
+        who = (f"cannot tell which rank was lost: {survey_error} (its host, "
+               f"{describe_rank(layout, 0)}, has exited or died; see its error)")
     elif survey["lost"]:
         who = "lost " + ", ".join(describe_rank(layout, r) for r in survey["lost"])
     else:

@@ -309,6 +309,9 @@ class Run:
             "test_loss": test_loss,
             "tokens": self.iteration * self.data.samples_per_iteration * self.cfg.model.seq_length,
             "cross_worker_bytes": sync_bytes,
+            # The per-step stop flag (lifecycle.StopAgreement), every rank alike.
+            "cross_worker_control_bytes":
+                self.stop.control_bytes * self.topology.layout.world_size,
             "parameters": parameters,
             "wall_seconds": time.perf_counter() - self.start_time,
             "workers": self.topology.layout.workers,
@@ -362,6 +365,6 @@ def _train_and_report(run: Run) -> Optional[dict]:
             write_summary(cfg.logging.summary_json, summary)
         log.info("done: %s", summary)
     run.writer.close()
-    run.topology.barrier()
     run.liveness.close()
+    run.topology.barrier()
     return summary

@@ -58,6 +58,7 @@ def main():
         torch.save({"local": local, "global": global_, "events": events,
                     "cross_worker_bytes": sync_bytes},
                    os.path.join(out_dir, f"{tag}.pt"))
+    run.liveness.close()
     topo.barrier()
 
 
