@@ -176,6 +176,8 @@ def _validate_streaming(cfg: Config) -> None:
     _require(0.0 <= s.diloco_alpha <= 1.0,
              f"--diloco-alpha must be in [0, 1], got {s.diloco_alpha}")
     _require(s.diloco_timeout > 0, f"--diloco-timeout must be > 0, got {s.diloco_timeout}")
+    _require(s.diloco_control_lag >= 1,
+             f"--diloco-control-lag must be >= 1, got {s.diloco_control_lag}")
     import torch
 
     for flag, backend in (("--diloco-backend", s.diloco_backend),

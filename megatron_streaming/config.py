@@ -118,6 +118,9 @@ class StreamingConfig:
                               choices=["auto", "gloo", "nccl"])
     diloco_timeout: float = arg(
         600.0, "Seconds to wait for a cross-worker exchange before failing.")
+    diloco_control_lag: int = arg(
+        1, "Steps between posting the per-step cross-worker stop flag and reading it: hides "
+        "link latency up to this many steps; a SIGTERM stops the job this many steps later.")
     eval_params: str = arg("global", "Evaluate the global (outer) or the local parameters.",
                            choices=["global", "local"])
     co2_gap_penalty: float = arg(

@@ -7,8 +7,9 @@
   only one cluster (one job per cluster), and ranks see it at different moments, so the flag is
   reduced every step: MAX over the worker (in-worker traffic), then MAX over the rank's
   cross-worker control group, issued asynchronously and read one step later, so no step waits
-  for a round trip over the slow link. Every rank reads the same reduced value at the same
-  iteration, hence the same decision. The same exchange notices a dead peer within a step.
+  for a round trip over the slow link (``--diloco-control-lag`` steps later: more when the
+  link's latency, or a fragment queued ahead on it, exceeds a step). Every rank reads the
+  same reduced value at the same iteration, hence the same decision. The same exchange notices a dead peer within a step.
 * ``Liveness`` keeps a heartbeat (and the current iteration) per rank in the job's rendezvous
   store, on a background thread. When a collective fails, it tells a dead rank (heartbeat
   frozen, no exit note) from a live but stuck one, so the error names the lost rank.
@@ -16,6 +17,7 @@
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import signal
@@ -50,14 +52,15 @@ class StopRequest:
 class StopAgreement:
     """Decides, identically on every rank, after which iteration to stop."""
 
-    def __init__(self, topology, request: StopRequest):
+    def __init__(self, topology, request: StopRequest, lag: int = 1):
         self.request = request
+        self.lag = lag
         self.worker_group = topology.groups["worker"]
         self.workers = topology.layout.workers
         self.cross_group = topology.groups["cross_worker_control"] if self.workers > 1 else None
         self.device = _device_of(self.worker_group)
         self.cross_device = _device_of(self.cross_group) if self.cross_group else None
-        self._pending = None  # (work, tensor) of the previous step's cross-worker reduction
+        self._pending = collections.deque()  # (work, tensor) of the last ``lag`` steps
         self.control_bytes = 0  # what this rank put on the cross-worker wire for this
 
     def should_stop(self) -> Optional[str]:
@@ -70,25 +73,24 @@ class StopAgreement:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.worker_group)
         if self.cross_group is None:
             return _signal_name(int(flag.item()))
-        decided = self._finish_pending()
         posted = flag.to(self.cross_device)
         work = dist.all_reduce(posted, op=dist.ReduceOp.MAX, group=self.cross_group,
                                async_op=True)
-        self._pending = (work, posted)
+        self._pending.append((work, posted))
         self.control_bytes += 2 * 4 * (self.workers - 1)
-        return decided
-
-    def _finish_pending(self) -> Optional[str]:
-        if self._pending is None:
+        if len(self._pending) <= self.lag:
             return None
-        work, posted = self._pending
-        self._pending = None
+        return self._finish_oldest()
+
+    def _finish_oldest(self) -> Optional[str]:
+        work, posted = self._pending.popleft()
         work.wait()
         return _signal_name(int(posted.item()))
 
     def close(self) -> None:
-        """Completes the last reduction (every rank issued it)."""
-        self._finish_pending()
+        """Completes the reductions still in flight (every rank issued the same ones)."""
+        while self._pending:
+            self._finish_oldest()
 
 
 class Liveness:

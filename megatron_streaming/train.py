@@ -85,7 +85,7 @@ class Run:
         from .lifecycle import Liveness, StopAgreement
 
         self.liveness = Liveness(self.topology)
-        self.stop = StopAgreement(self.topology, self.stop_request)
+        self.stop = StopAgreement(self.topology, self.stop_request, s.diloco_control_lag)
         setup_logging(self.topology.is_logging_rank())
         log.info("layout: %s; patches: %s", self.topology.describe(),
                  ", ".join(self.patches) or "none")

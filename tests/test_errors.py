@@ -126,6 +126,9 @@ VALIDATION_CASES = {
     "outer_momentum_out_of_range": (
         ["--mock-data", "--diloco-outer-momentum", "1.5"], 1,
         ["--diloco-outer-momentum (1.5)"]),
+    "control_lag_below_one": (
+        ["--mock-data", "--diloco-control-lag", "0"], 1,
+        ["--diloco-control-lag must be >= 1, got 0"]),
     "world_not_divisible_by_workers_times_ranks": (
         ["--mock-data", "--diloco-workers", "2", "--tensor-model-parallel-size", "2"], 6,
         ["world size 6", "--diloco-workers (2)", "--tensor-model-parallel-size (2)"]),
