@@ -1,68 +1,334 @@
-"""Step time over an emulated slow link: data parallel vs Streaming DiLoCo, as a ratio.
+"""Compute utilisation over an emulated slow link, per method and link rate (paper Figure 4).
 
-    sudo .venv/bin/python benchmarks/slow_link.py [--rate 50mbit] [--iters 60]
+    sudo .venv/bin/python benchmarks/slow_link.py --lock /tmp/bench.lock
+    sudo .venv/bin/python benchmarks/slow_link.py --rates 10,100 --out /tmp/sl   # a subset
 
 Needs root (network namespaces and tc, see launch/slow_link.sh). Two "clusters" of one rank
-each are joined by a rate-limited veth pair. Data parallel all-reduces its fp32 gradients
-across the link every step; Streaming DiLoCo (2 fragments, H=30, FP4, tau=1) sends one
-fragment's 4-bit outer gradient every 15 steps, overlapped with the next step. Reports the
-mean step time (after the first step) of each, measured in the same run.
+each, in two network namespaces joined by a veth pair rate-limited with ``tc tbf``; each
+worker is its own launch inside its namespace (``--diloco-worker-index W --master-addr
+--master-port``), so only cross-worker traffic crosses the limited link. Per rate, the
+methods run back to back:
+
+* ceiling: two workers with ``--no-diloco-sync`` (compute only; only the 8-byte per-step stop
+  flag and the rendezvous store's heartbeats cross the link);
+* data parallel: one worker of two ZeRO data-parallel ranks, one rank per namespace
+  (RANK/WORLD_SIZE from the environment), so its fp32 gradient traffic crosses every step;
+* DiLoCo: one fragment, blocking (tau = 0), fp32 outer gradients (as in the paper's Fig. 4);
+* Streaming DiLoCo + overlap + FP4: P fragments, tau = 1, FP4 E3M0, with the default
+  ``--diloco-control-lag 1`` and again with ``--diloco-control-lag 4``.
+
+Step time is wall clock on worker 0 between progress reports (tokens over
+``train/tokens_per_s``: it includes the stop-flag wait, which ``train/step_seconds`` does
+not), averaged over a window after warm-up that spans exactly one round of H steps, so every
+fragment's exchange (and DiLoCo's one sync) is counted once; data parallel, whose steps are
+all alike and seconds long at low rates, over 6 steps. Utilisation = ceiling step
+time / method step time, both measured at the same rate in the same sweep. Writes
+``slow_link.json`` and ``slow_link.png`` (utilisation against link rate, log x) under
+``--out``. Namespaces are removed on exit, also on an error, SIGINT or SIGTERM.
 """
 
 import argparse
+import fcntl
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
+from contextlib import contextmanager
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+LINK = str(REPO / "launch" / "slow_link.sh")
+MASTER_ADDR = "10.213.77.1"  # worker 0's end of the veth pair (launch/slow_link.sh)
+NAMESPACE_PREFIX = "ms-cluster"
+PYTHON = str(REPO / ".venv" / "bin" / "python")
+
+# 842k parameters, ~0.2 s per step per rank on this 2-core machine.
 MODEL = ["--mock-data", "--num-layers", "4", "--hidden-size", "128", "--num-attention-heads",
          "4", "--seq-length", "128", "--micro-batch-size", "8", "--eval-iters", "0",
-         "--log-interval", "10"]
+         "--lr-decay-style", "constant"]
+H, P, TAU = 40, 4, 1  # one fragment (one layer) every H/P = 10 steps, merged 1 step later
+STREAMING = ["--diloco-workers", "2", "--diloco-inner-steps", str(H), "--diloco-fragments",
+             str(P), "--diloco-overlap-steps", str(TAU), "--diloco-quantize", "fp4"]
+
+
+class Method:
+    """How to launch one method and which steps to time: ``measured`` steps after ``warmup``,
+    reported every ``log_interval`` steps (a multiple of it: the window is whole reports)."""
+
+    def __init__(self, kind, flags, warmup=10, measured=H, log_interval=10):
+        self.kind, self.flags = kind, flags
+        self.warmup, self.measured, self.log_interval = warmup, measured, log_interval
+
+
+# Progress reports every 10 steps for the sync methods: each one computes the sync's drift
+# norms over the whole shard (a few % of a step here, see benchmarks/micro.py), a cost the
+# ceiling does not pay; a real run reports every 10-100 steps, not every step.
 METHODS = {
-    "data parallel": ["--diloco-workers", "1", "--global-batch-size", "16"],
-    "Streaming DiLoCo + overlap + FP4": [
-        "--diloco-workers", "2", "--diloco-inner-steps", "30", "--diloco-fragments", "2",
-        "--diloco-overlap-steps", "1", "--diloco-quantize", "fp4"],
+    "ceiling (no cross-worker sync)": Method("workers", ["--diloco-workers", "2",
+                                                          "--no-diloco-sync"]),
+    "Streaming DiLoCo + overlap + FP4": Method("workers", STREAMING),
+    "Streaming DiLoCo + overlap + FP4, control lag 4": Method(
+        "workers", [*STREAMING, "--diloco-control-lag", "4"]),
+    "DiLoCo (blocking, fp32)": Method("workers", [
+        "--diloco-workers", "2", "--diloco-inner-steps", str(H), "--diloco-fragments", "1",
+        "--diloco-overlap-steps", "0", "--diloco-quantize", "none"]),
+    # Every step alike (and seconds long at low rates): a short window suffices.
+    "data parallel": Method("data_parallel", ["--diloco-workers", "1",
+                                              "--global-batch-size", "16"],
+                            warmup=2, measured=6, log_interval=1),
 }
+CEILING = "ceiling (no cross-worker sync)"
+RUN_TIMEOUT = 300  # seconds per run; a hung run fails the sweep (and tears down)
 
 
-def run_two_nodes(args, summary: Path) -> dict:
-    script = str(REPO / "launch" / "slow_link.sh")
-    peer = subprocess.Popen([script, "run", "1", "2", "1", *args], cwd=REPO,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    subprocess.run([script, "run", "0", "2", "1", *args, "--summary-json", str(summary)],
-                   cwd=REPO, check=True, capture_output=True)
-    peer.wait(timeout=120)
-    return json.loads(summary.read_text())
+class Terminated(Exception):
+    pass
+
+
+def _on_signal(signum, frame):
+    raise Terminated(signal.Signals(signum).name)
+
+
+def link(*args, check=True):
+    return subprocess.run([LINK, *map(str, args)], cwd=REPO, check=check,
+                          capture_output=True, text=True)
+
+
+def namespaces() -> list:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return [line.split()[0] for line in out.splitlines()
+            if line.startswith(NAMESPACE_PREFIX)]
+
+
+@contextmanager
+def bench_lock(path):
+    """Holds ``path`` (flock) for one rate's runs, so other benchmarks take turns."""
+    if not path:
+        yield
+        return
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+class Children:
+    """The processes of the current run; each in its own session, killed as a group."""
+
+    def __init__(self):
+        self.procs = []
+
+    def start(self, cmd, env, log_path):
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs.append(proc)
+        return proc
+
+    def kill_all(self):
+        for proc in self.procs:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            proc.wait()
+        self.procs = []
+
+
+def measure_link(rate_mbit: float, seconds: float = 1.5) -> float:
+    """Mbit/s of one TCP stream from namespace 1 to namespace 0 (a check of tbf's rate)."""
+    port = 29400
+    nbytes = int(rate_mbit * 1e6 / 8 * seconds)
+    server = subprocess.Popen(
+        [LINK, "exec", "0", PYTHON, "-c",
+         "import socket,sys,time\n"
+         f"s=socket.socket();s.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1)\n"
+         f"s.bind(('{MASTER_ADDR}',{port}));s.listen(1);c,_=s.accept();n=0;t=None\n"
+         f"while n<{nbytes}:\n b=c.recv(1<<20)\n if not b: break\n"
+         " t=t or time.perf_counter();n+=len(b)\n"
+         "print(n*8/(time.perf_counter()-t)/1e6)"],
+        cwd=REPO, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        client = ("import socket,time\n"
+                  "for i in range(100):\n"
+                  f" try: c=socket.create_connection(('{MASTER_ADDR}',{port}));break\n"
+                  " except OSError: time.sleep(0.1)\n"
+                  f"c.sendall(bytes({nbytes}));c.close()")
+        link("exec", "1", PYTHON, "-c", client)
+        out, _ = server.communicate(timeout=60)
+        return float(out.strip())
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+
+
+def report_intervals(jsonl: Path) -> list:
+    """(iteration, steps, wall seconds) per progress report of worker 0, since the previous
+    report: tokens over tokens/s, so everything between reports counts."""
+    rows = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    rows = [r for r in rows if "train/tokens_per_s" in r]
+    out, tokens, iteration = [], 0, 0
+    for r in rows:
+        out.append((r["iteration"], r["iteration"] - iteration,
+                    (r["train/tokens"] - tokens) / r["train/tokens_per_s"]))
+        tokens, iteration = r["train/tokens"], r["iteration"]
+    return out
+
+
+def run_method(children, method: Method, port, out: Path, tag: str) -> dict:
+    jsonl, summary = out / f"{tag}.jsonl", out / f"{tag}.summary.json"
+    for f in (jsonl, summary):
+        if f.exists():
+            f.unlink()
+    m = method
+    common = [PYTHON, str(REPO / "pretrain_gpt.py"), *MODEL, *m.flags,
+              "--train-iters", str(m.warmup + m.measured),
+              "--log-interval", str(m.log_interval)]
+    procs = []
+    for w in (1, 0):  # worker 0 last: it hosts the rendezvous store, the peer waits for it
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        cmd = [LINK, "exec", str(w), *common]
+        if m.kind == "workers":
+            cmd += ["--diloco-worker-index", str(w), "--master-addr", MASTER_ADDR,
+                    "--master-port", str(port)]
+        else:  # one data-parallel rank per namespace, placed by the environment
+            env.update(RANK=str(w), WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR=MASTER_ADDR,
+                       MASTER_PORT=str(port))
+        if w == 0:
+            cmd += ["--log-jsonl", str(jsonl), "--summary-json", str(summary)]
+        procs.append(children.start(cmd, env, out / f"{tag}.worker{w}.log"))
+    started = time.perf_counter()
+    for proc in procs:
+        remaining = RUN_TIMEOUT - (time.perf_counter() - started)
+        try:
+            code = proc.wait(timeout=max(remaining, 1))
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"{tag}: no result within {RUN_TIMEOUT} s; see {out}/{tag}.*.log")
+        if code:
+            raise RuntimeError(f"{tag}: a worker exited with {code}; see {out}/{tag}.*.log")
+    children.procs = []
+    reports = report_intervals(jsonl)
+    window = [(n, s) for i, n, s in reports if m.warmup < i <= m.warmup + m.measured]
+    steps = sum(n for n, _ in window)
+    if steps != m.measured:
+        raise RuntimeError(f"{tag}: reports cover {steps} of the {m.measured} measured steps")
+    result = json.loads(summary.read_text())
+    return {"ms_per_step": 1e3 * sum(s for _, s in window) / steps, "steps_measured": steps,
+            "ms_per_step_by_report": [(i, round(1e3 * s / n, 2)) for i, n, s in reports],
+            "cross_worker_bytes": result["cross_worker_bytes"],
+            "cross_worker_control_bytes": result.get("cross_worker_control_bytes"),
+            "parameters": result["parameters"], "run_wall_s": time.perf_counter() - started}
+
+
+def sweep(rates, methods, out: Path, lock) -> dict:
+    children = Children()
+    results, port = {}, 29610
+    try:
+        for rate in rates:
+            with bench_lock(lock):
+                link("up", f"{rate}mbit")
+                measured = measure_link(rate)
+                print(f"link {rate} Mbit/s: measured {measured:.1f} Mbit/s", flush=True)
+                point = {"measured_mbit": measured, "methods": {}}
+                ceilings = []
+                # The ceiling runs first and again last: the rate's ceiling is their mean, so
+                # a drift of the shared machine's speed during the rate's runs cancels.
+                for i, name in enumerate([*methods, CEILING]):
+                    port += 1
+                    tag = f"{rate}mbit_{name.split(' (')[0].replace(' ', '_').replace('+', 'p')}"
+                    tag = tag.replace(",", "") + ("_repeat" if i == len(methods) else "")
+                    r = run_method(children, METHODS[name], port, out, tag)
+                    print(f"  {name:50} {r['ms_per_step']:9.1f} ms/step "
+                          f"({r['steps_measured']} steps, run {r['run_wall_s']:.0f} s)",
+                          flush=True)
+                    if name == CEILING:
+                        ceilings.append(r["ms_per_step"])
+                        r["ms_per_step"] = sum(ceilings) / len(ceilings)
+                    point["methods"][name] = r
+                ceiling = point["methods"][CEILING]["ms_per_step"]
+                for r in point["methods"].values():
+                    r["utilisation"] = ceiling / r["ms_per_step"]
+                point["ceiling_runs_ms"] = [round(c, 2) for c in ceilings]
+                results[str(rate)] = point
+    finally:
+        children.kill_all()
+        link("down", check=False)
+    return results
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rates = sorted(results, key=float)
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    names = [n for n in results[rates[0]]["methods"] if n != CEILING]
+    for name in names:
+        ax.plot([float(r) for r in rates],
+                [100 * results[r]["methods"][name]["utilisation"] for r in rates],
+                marker="o", label=name, linestyle="--" if "lag 4" in name else "-")
+    ax.axhline(95, color="grey", linewidth=0.8, linestyle=":")
+    ax.axhline(50, color="grey", linewidth=0.8, linestyle=":")
+    ax.set_xscale("log")
+    ax.set_xticks([float(r) for r in rates], [str(r) for r in rates])
+    ax.set_ylim(0, 105)
+    ax.set_xlabel("link rate (Mbit/s, tc tbf)")
+    ax.set_ylabel("compute utilisation (%)")
+    ax.set_title("2 workers x 1 rank, 842k-param GPT, CPU + gloo")
+    ax.legend(fontsize=8, loc="lower right")
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rate", default="50mbit")
-    ap.add_argument("--iters", type=int, default=60)
+    ap.add_argument("--rates", default="10,30,100,300", help="Mbit/s, comma-separated")
+    ap.add_argument("--methods", default=",".join(str(i) for i in range(len(METHODS))),
+                    help="indices into METHODS (0 = ceiling, always run)")
+    ap.add_argument("--lock", default=None,
+                    help="flock this file around each rate's runs (e.g. /tmp/bench.lock)")
     ap.add_argument("--out", default=str(REPO / "runs" / "slow_link"))
     opts = ap.parse_args()
+    if os.geteuid() != 0:
+        sys.exit("benchmarks/slow_link.py: needs root (ip netns, tc)")
+    names = list(METHODS)
+    methods = [CEILING] + [names[int(i)] for i in opts.methods.split(",") if int(i) != 0]
+    rates = [float(r) if "." in r else int(r) for r in opts.rates.split(",")]
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
-    subprocess.run([str(REPO / "launch" / "slow_link.sh"), "up", opts.rate], check=True)
+    for s in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(s, _on_signal)
+    began = time.perf_counter()
     try:
-        results = {}
-        for i, (name, args) in enumerate(METHODS.items()):
-            results[name] = run_two_nodes([*MODEL, *args, "--train-iters", str(opts.iters)],
-                                          out / f"summary{i}.json")
+        results = sweep(rates, methods, out, opts.lock)
+    except (KeyboardInterrupt, Terminated) as e:
+        print(f"interrupted ({type(e).__name__} {e}): stopped the runs, removed the namespaces",
+              file=sys.stderr)
+        return 130
     finally:
-        subprocess.run([str(REPO / "launch" / "slow_link.sh"), "down"], check=False)
-    dp = results["data parallel"]["seconds_per_iteration"]
-    params = results["data parallel"]["parameters"]
-    # Data parallel's traffic is its gradient all-reduce (ring, fp32, 2 ranks), not counted
-    # by the streaming transport: 2 (N-1)/N x 4 bytes x parameters per rank per step.
-    dp_bytes = opts.iters * 2 * (2 * (2 - 1) / 2) * 4 * params
-    print(f"link {opts.rate}, {opts.iters} iterations, {params:,} parameters")
-    for name, r in results.items():
-        sent = dp_bytes if name == "data parallel" else r["cross_worker_bytes"]
-        print(f"{name:34} {r['seconds_per_iteration'] * 1e3:9.1f} ms/step  "
-              f"{dp / r['seconds_per_iteration']:6.2f}x faster  cross-worker bytes {sent:,.0f}")
+        left = namespaces()
+        print(f"namespaces left after teardown: {left or 'none'}", flush=True)
+    record = {"rates_mbit": rates, "results": results, "model_flags": MODEL,
+              "inner_steps": H, "fragments": P, "overlap_steps": TAU,
+              "methods": {n: vars(METHODS[n]) for n in methods},
+              "sweep_wall_s": time.perf_counter() - began, "namespaces_left": left}
+    (out / "slow_link.json").write_text(json.dumps(record, indent=1) + "\n")
+    plot(results, out / "slow_link.png")
+    for rate, point in results.items():
+        print(f"{rate} Mbit/s (measured {point['measured_mbit']:.1f}): ms/step, utilisation")
+        for name in methods:
+            r = point["methods"][name]
+            print(f"  {name:50} {r['ms_per_step']:8.1f} {100 * r['utilisation']:6.1f} %")
+    print(f"wrote {out / 'slow_link.json'} and {out / 'slow_link.png'}")
 
 
 if __name__ == "__main__":

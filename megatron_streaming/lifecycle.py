@@ -6,10 +6,11 @@
   checkpoint written on the way out is one consistent job-wide checkpoint. A signal may reach
   only one cluster (one job per cluster), and ranks see it at different moments, so the flag is
   reduced every step: MAX over the worker (in-worker traffic), then MAX over the rank's
-  cross-worker control group, issued asynchronously and read one step later, so no step waits
-  for a round trip over the slow link (``--diloco-control-lag`` steps later: more when the
-  link's latency, or a fragment queued ahead on it, exceeds a step). Every rank reads the
-  same reduced value at the same iteration, hence the same decision. The same exchange notices a dead peer within a step.
+  cross-worker control group, issued asynchronously and read ``--diloco-control-lag`` steps
+  later (default 1; more when the link's latency, or a fragment queued ahead on it, exceeds a
+  step), so no step waits for a round trip over the slow link. Every rank reads the same
+  reduced value at the same iteration, hence the same decision. The same exchange notices a
+  dead peer within a step.
 * ``Liveness`` keeps a heartbeat (and the current iteration) per rank in the job's rendezvous
   store, on a background thread. When a collective fails, it tells a dead rank (heartbeat
   frozen, no exit note) from a live but stuck one, so the error names the lost rank.
