@@ -375,3 +375,38 @@ def test_make_codec_errors_name_flag_and_value(name, block, flag, value):
     with pytest.raises(UsageError, match=f"{flag} {value}"):
         make_codec(name, block)
     assert issubclass(UsageError, ValueError)
+
+
+@pytest.mark.timeout(300)
+def test_fp4_fused_kernels_equal_the_eager_ones_on_large_tensors():
+    """Tensors of COMPILE_MIN_NUMEL elements and more go through torch.compile'd kernels
+    (on the transport's background thread in a real run): same codes, same decoded values,
+    including zero blocks, ties, values below the smallest magnitude and a short last block."""
+    import threading
+
+    from megatron_streaming.streaming import codec as codec_module
+
+    codec = make_codec("fp4", 128)
+    n = codec_module.COMPILE_MIN_NUMEL + 300  # a short last block
+    torch.manual_seed(0)
+    x = torch.randn(n) * torch.exp(2 * torch.randn(n))
+    x[:128] = 0  # an all-zero block
+    x[128:256] = torch.tensor([1.0, -1.5, 0.75, 2.0 ** -7, -(2.0 ** -7) * 0.999, 3.0 * 2.0 ** -8,
+                               1.5 * 2.0 ** -3, 1e-30] * 16)  # ties, the zero threshold
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(
+        encoded=codec.encode(x), decoded=codec.decode(codec.encode(x))))
+    thread.start()
+    thread.join()
+    blocks, absmax = codec._blocks_and_absmax(x)
+    eager_codes = codec_module._fp4_codes(blocks, absmax[:, None]).flatten()[:n]
+    assert torch.equal(result["encoded"].payload, pack_nibbles(eager_codes))
+    assert torch.equal(result["encoded"].scales, absmax)
+    eager_values = codec_module._fp4_values(x.device)[eager_codes.long()]
+    eager_decoded = (codec_module._blocks(eager_values, 128) * absmax[:, None]).flatten()[:n]
+    assert torch.equal(result["decoded"], eager_decoded)
+    import shutil
+
+    if shutil.which("g++") or shutil.which("c++"):  # inductor's CPU backend can build here
+        assert codec_module._compiled.get("encode") is not None
+        assert codec_module._compiled.get("decode") is not None

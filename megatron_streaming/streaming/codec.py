@@ -197,32 +197,82 @@ def unpack_nibbles(packed: torch.Tensor, numel: int) -> torch.Tensor:
 def _fp4_codes(blocks: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """Nearest E3M0 codes (uint8) for ``blocks`` (nb, block) with per-block ``scale`` (nb, 1).
 
-    The bracket 2^j <= |x|/s < 2^(j+1) comes from the rounded ratio, but the decision is made
-    on exact quantities: lo = s*2^j and hi = 2*lo are exact, and |x| - lo, hi - |x| are exact
-    by Sterbenz's lemma (|x| lies within a factor 2 of both). If the rounded ratio lands on
-    2^(j+1) while the true one is just below, lo > |x| and the comparison still picks the
-    right neighbour, so the documented error bounds need no fp32 slack.
+    The bracket 2^j <= |x|/s < 2^(j+1) comes from the exponent bits of the rounded ratio, but
+    the decision is made on exact quantities: lo = s*2^j and hi = 2*lo are exact, and |x| - lo,
+    hi - |x| are exact by Sterbenz's lemma (|x| lies within a factor 2 of both). If the rounded
+    ratio lands on 2^(j+1) while the true one is just below, lo > |x| and the comparison still
+    picks the right neighbour, so the documented error bounds need no fp32 slack. Integer and
+    in-place operations only past the division: this is the codec's hot loop.
     """
     mag = blocks.abs()
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))  # all-zero block: no 0/0
-    _, ratio_exp = torch.frexp(mag / safe)  # ratio = m * 2^ratio_exp, m in [0.5, 1)
-    # j below -8 only occurs for magnitudes that become zero below, so clamp for the table.
-    j = (ratio_exp - 1).clamp_(-8, 0)
-    powers = torch.tensor([2.0 ** k for k in range(-8, 1)], device=blocks.device)
-    lo = safe * powers[(j + 8).long()]
-    round_up = (mag - lo) >= (2 * lo - mag)
-    exponent = j + round_up  # the chosen magnitude is s * 2^exponent
-    field = (exponent - FP4_MIN_EXPONENT + 1).clamp_(1, 7)  # 2^-6 -> field 1, 2^0 -> field 7
+    ratio = mag / safe  # in [0, 1]: the scale is the block's absmax
+    # floor(log2(ratio)) from the fp32 exponent field; j below -8 only occurs for magnitudes
+    # that become zero below, so clamp (this also keeps 2^j a normal number).
+    j = (ratio.view(torch.int32) >> 23).sub_(127).clamp_(-8, 0)
+    lo = ((j + 127) << 23).view(torch.float32).mul_(safe)  # s * 2^j, exact
+    round_up = (mag - lo) >= (lo * 2 - mag)
+    # The chosen magnitude is s * 2^(j + round_up): 2^-6 -> field 1, ..., 2^0 -> field 7.
+    field = (j + round_up).add_(1 - FP4_MIN_EXPONENT).clamp_(1, 7)
     # Nearest of {0, 2^-6 s}: the midpoint 2^-7 s is exact, ties go to the larger magnitude.
-    field = torch.where(mag >= safe * 2.0 ** (FP4_MIN_EXPONENT - 1), field, 0)
+    field.masked_fill_(mag < safe * 2.0 ** (FP4_MIN_EXPONENT - 1), 0)
     negative = (blocks < 0) & (field > 0)  # never emit code 8 (negative zero)
-    return (field + 8 * negative).to(torch.uint8)
+    return field.add_(negative.to(torch.int32) * 8).to(torch.uint8)
 
 
 def _fp4_values(device: torch.device) -> torch.Tensor:
     """The 16 decoded values for scale 1, indexed by code."""
     mags = [0.0] + [2.0 ** k for k in range(FP4_MIN_EXPONENT, 1)]
     return torch.tensor(mags + [0.0] + [-m for m in mags[1:]], device=device)
+
+
+def _fp4_encode_blocks(blocks: torch.Tensor):
+    """(packed codes (nb, block/2) uint8, absmax (nb,)) of whole blocks (block even)."""
+    absmax = blocks.abs().amax(dim=1)
+    codes = _fp4_codes(blocks, absmax[:, None]).view(blocks.shape[0], blocks.shape[1] // 2, 2)
+    return codes[..., 0] | (codes[..., 1] << 4), absmax
+
+
+def _fp4_decode_blocks(packed: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tensor:
+    """(nb, block) fp32 values of whole blocks of packed codes (block even): the table in the
+    module docstring computed from the bits (field f > 0 is 2^(f - 7), bit 3 the sign)."""
+    codes = torch.stack((packed & 0x0F, packed >> 4), dim=-1).view(-1, block).to(torch.int32)
+    field = codes & 7
+    magnitude = ((field + (127 + FP4_MIN_EXPONENT - 1)) << 23).view(torch.float32)
+    signed = torch.where(codes >= 8, -magnitude, magnitude)
+    return torch.where(field > 0, signed, 0.0) * scales[:, None]
+
+
+# Large tensors go through kernels fused by torch.compile (one pass instead of ~15: within a
+# few times a memory copy, see benchmarks/micro.py); small ones, and every tensor where
+# compilation is unavailable, through the same functions eagerly. Both give identical codes.
+COMPILE_MIN_NUMEL = 1 << 20
+_compiled: Dict[str, object] = {}
+
+
+def _kernel(name: str, fn, numel: int):
+    if numel < COMPILE_MIN_NUMEL or _compiled.get(name, True) is None:
+        return fn
+    if name not in _compiled:
+        try:
+            _compiled[name] = torch.compile(fn, dynamic=True)
+        except Exception:  # no compiler for this platform: stay eager
+            _compiled[name] = None
+            return fn
+    kernel = _compiled[name]
+
+    def run(*args):
+        try:
+            return kernel(*args)
+        except Exception as e:  # e.g. no C++ compiler at the first call: stay eager
+            import warnings
+
+            warnings.warn(f"fp4 codec: torch.compile failed ({type(e).__name__}: {e}); using "
+                          "the eager kernels (identical results, slower)")
+            _compiled[name] = None
+            return fn(*args)
+
+    return run
 
 
 class Fp4Codec(_BlockCodec):
@@ -235,14 +285,20 @@ class Fp4Codec(_BlockCodec):
     name = "fp4"
 
     def encode(self, x: torch.Tensor) -> Encoded:
-        blocks, absmax = self._blocks_and_absmax(x)
-        codes = _fp4_codes(blocks, absmax[:, None]).flatten()[: x.numel()]
-        return Encoded(pack_nibbles(codes), absmax, x.numel())
+        self._check_input(x)
+        packed, absmax = _kernel("encode", _fp4_encode_blocks, x.numel())(
+            _blocks(x, self.block))
+        if not is_finite(absmax):  # amax propagates NaN: one small check for the whole input
+            raise self._non_finite()
+        return Encoded(packed.flatten()[: _ceil_div(x.numel(), 2)], absmax, x.numel())
 
     def decode(self, e: Encoded) -> torch.Tensor:
-        codes = unpack_nibbles(e.payload, e.numel).long()
-        values = _blocks(_fp4_values(e.payload.device)[codes], self.block)
-        return (values * e.scales[:, None]).flatten()[: e.numel]
+        packed = e.payload
+        whole = e.scales.numel() * self.block // 2  # the last block may be short: pad it
+        if packed.numel() < whole:
+            packed = torch.nn.functional.pad(packed, (0, whole - packed.numel()))
+        values = _kernel("decode", _fp4_decode_blocks, e.numel)(packed, e.scales, self.block)
+        return values.flatten()[: e.numel]
 
     def wire_bytes(self, numel: int) -> int:
         return _ceil_div(numel, 2) + 4 * _ceil_div(numel, self.block)
