@@ -4,7 +4,7 @@ Streaming DiLoCo (arXiv 2501.18512) is judged by the bytes it moves between work
 data-parallel run of the same model. A data-parallel step averages every gradient over the N
 ranks that hold a replica; with a ring all-reduce each of them sends ``2 (N-1)/N`` times the
 gradient's size (reduce-scatter, then all-gather). The run's TensorBoard scalars
-(``traffic/data_parallel_bytes``) and ``benchmarks/streaming_vs_dp.py`` both count it here, so
+(``traffic/data_parallel_bytes``) and ``benchmarks/quality_traffic.py`` both count it here, so
 the plot and the benchmark compare against the same number.
 """
 
