@@ -19,12 +19,14 @@ methods run back to back:
 
 Step time is wall clock on worker 0 between progress reports (tokens over
 ``train/tokens_per_s``: it includes the stop-flag wait, which ``train/step_seconds`` does
-not), averaged over a window after warm-up that spans exactly one round of H steps, so every
-fragment's exchange (and DiLoCo's one sync) is counted once; data parallel, whose steps are
+not), averaged over a window after warm-up that spans exactly two rounds of H steps, so every
+fragment's exchange (and DiLoCo's sync) is counted twice; data parallel, whose steps are
 all alike and seconds long at low rates, over 6 steps. Utilisation = ceiling step
-time / method step time, both measured at the same rate in the same sweep. Writes
-``slow_link.json`` and ``slow_link.png`` (utilisation against link rate, log x) under
-``--out``. Namespaces are removed on exit, also on an error, SIGINT or SIGTERM.
+time / method step time, both measured at the same rate in the same sweep. Each run also
+records the bytes both veth ends sent. Writes ``slow_link.json`` and ``slow_link.png``
+(utilisation against link rate, log x) under ``--out``; ``--plot-only`` redraws one.
+Namespaces are removed before each rate lets the lock go, also on an error, SIGINT or
+SIGTERM.
 """
 
 import argparse
@@ -44,7 +46,7 @@ MASTER_ADDR = "10.213.77.1"  # worker 0's end of the veth pair (launch/slow_link
 NAMESPACE_PREFIX = "ms-cluster"
 PYTHON = str(REPO / ".venv" / "bin" / "python")
 
-# 842k parameters, ~0.2 s per step per rank on this 2-core machine.
+# 842k parameters, ~125 ms per step per rank on this 2-core machine when it is quiet.
 MODEL = ["--mock-data", "--num-layers", "4", "--hidden-size", "128", "--num-attention-heads",
          "4", "--seq-length", "128", "--micro-batch-size", "8", "--eval-iters", "0",
          "--lr-decay-style", "constant"]
@@ -57,7 +59,7 @@ class Method:
     """How to launch one method and which steps to time: ``measured`` steps after ``warmup``,
     reported every ``log_interval`` steps (a multiple of it: the window is whole reports)."""
 
-    def __init__(self, kind, flags, warmup=10, measured=H, log_interval=10):
+    def __init__(self, kind, flags, warmup=10, measured=2 * H, log_interval=10):
         self.kind, self.flags = kind, flags
         self.warmup, self.measured, self.log_interval = warmup, measured, log_interval
 
@@ -78,7 +80,21 @@ METHODS = {
     "data parallel": Method("data_parallel", ["--diloco-workers", "1",
                                               "--global-batch-size", "16"],
                             warmup=2, measured=6, log_interval=1),
+    # Not in the default sweep (--methods 5,6): a longer overlap for a slower link. The stop
+    # flag posted after a send queues behind the fragment in tbf's FIFO: do steps stall on
+    # it when the lag is shorter than tau? (Not measurably at 3 Mbit/s, see
+    # docs/results/slow_link.md.)
+    "Streaming DiLoCo + overlap 3 + FP4": Method("workers", [
+        *STREAMING[:-4], "--diloco-overlap-steps", "3", "--diloco-quantize", "fp4"]),
+    "Streaming DiLoCo + overlap 3 + FP4, control lag 4": Method("workers", [
+        *STREAMING[:-4], "--diloco-overlap-steps", "3", "--diloco-quantize", "fp4",
+        "--diloco-control-lag", "4"]),
+    # With lag 1 every step waits for the other worker's flag of the step before, so the
+    # workers also wait for each other's slow steps; the ceiling under the same lag as method 2.
+    "ceiling, control lag 4": Method("workers", ["--diloco-workers", "2", "--no-diloco-sync",
+                                                 "--diloco-control-lag", "4"]),
 }
+DEFAULT_METHODS = "1,2,3,4"
 CEILING = "ceiling (no cross-worker sync)"
 RUN_TIMEOUT = 300  # seconds per run; a hung run fails the sweep (and tears down)
 
@@ -181,6 +197,16 @@ def report_intervals(jsonl: Path) -> list:
     return out
 
 
+def link_bytes() -> int:
+    """Bytes both ends of the veth pair have sent so far (frames, headers included): what
+    really crossed the limited link, whoever sent it."""
+    total = 0
+    for w in (0, 1):
+        total += int(link("exec", w, "cat", f"/sys/class/net/ms-veth{w}/statistics/tx_bytes")
+                     .stdout)
+    return total
+
+
 def run_method(children, method: Method, port, out: Path, tag: str) -> dict:
     jsonl, summary = out / f"{tag}.jsonl", out / f"{tag}.summary.json"
     for f in (jsonl, summary):
@@ -190,7 +216,7 @@ def run_method(children, method: Method, port, out: Path, tag: str) -> dict:
     common = [PYTHON, str(REPO / "pretrain_gpt.py"), *MODEL, *m.flags,
               "--train-iters", str(m.warmup + m.measured),
               "--log-interval", str(m.log_interval)]
-    procs = []
+    procs, sent_before = [], link_bytes()
     for w in (1, 0):  # worker 0 last: it hosts the rendezvous store, the peer waits for it
         env = dict(os.environ, OMP_NUM_THREADS="1")
         cmd = [LINK, "exec", str(w), *common]
@@ -213,6 +239,7 @@ def run_method(children, method: Method, port, out: Path, tag: str) -> dict:
         if code:
             raise RuntimeError(f"{tag}: a worker exited with {code}; see {out}/{tag}.*.log")
     children.procs = []
+    on_link = link_bytes() - sent_before
     reports = report_intervals(jsonl)
     window = [(n, s) for i, n, s in reports if m.warmup < i <= m.warmup + m.measured]
     steps = sum(n for n, _ in window)
@@ -223,42 +250,48 @@ def run_method(children, method: Method, port, out: Path, tag: str) -> dict:
             "ms_per_step_by_report": [(i, round(1e3 * s / n, 2)) for i, n, s in reports],
             "cross_worker_bytes": result["cross_worker_bytes"],
             "cross_worker_control_bytes": result.get("cross_worker_control_bytes"),
+            # The whole run (set-up and rendezvous included) over its training steps.
+            "link_bytes": on_link, "link_bytes_per_step": on_link / result["iteration"],
             "parameters": result["parameters"], "run_wall_s": time.perf_counter() - started}
+
+
+def measure_rate(rate, methods, out: Path, children, port: int) -> dict:
+    """Every method at one link rate; the ceiling runs first and again last, and the rate's
+    ceiling is their mean, so a drift of the shared machine's speed during the rate cancels."""
+    link("up", f"{rate}mbit")
+    measured = measure_link(rate)
+    print(f"link {rate} Mbit/s: measured {measured:.1f} Mbit/s", flush=True)
+    point, ceilings = {"measured_mbit": measured, "methods": {}}, []
+    for i, name in enumerate([*methods, CEILING]):
+        tag = f"{rate}mbit_{name.split(' (')[0].replace(' ', '_').replace('+', 'p')}"
+        tag = tag.replace(",", "") + ("_repeat" if i == len(methods) else "")
+        r = run_method(children, METHODS[name], port + i, out, tag)
+        print(f"  {name:50} {r['ms_per_step']:9.1f} ms/step ({r['steps_measured']} steps, "
+              f"run {r['run_wall_s']:.0f} s, {r['link_bytes_per_step'] / 1e3:.0f} kB/step "
+              "on the link)", flush=True)
+        if name == CEILING:
+            ceilings.append(r["ms_per_step"])
+            r["ms_per_step"] = sum(ceilings) / len(ceilings)
+        point["methods"][name] = r
+    ceiling = point["methods"][CEILING]["ms_per_step"]
+    for r in point["methods"].values():
+        r["utilisation"] = ceiling / r["ms_per_step"]
+    point["ceiling_runs_ms"] = [round(c, 2) for c in ceilings]
+    return point
 
 
 def sweep(rates, methods, out: Path, lock) -> dict:
     children = Children()
-    results, port = {}, 29610
-    try:
-        for rate in rates:
-            with bench_lock(lock):
-                link("up", f"{rate}mbit")
-                measured = measure_link(rate)
-                print(f"link {rate} Mbit/s: measured {measured:.1f} Mbit/s", flush=True)
-                point = {"measured_mbit": measured, "methods": {}}
-                ceilings = []
-                # The ceiling runs first and again last: the rate's ceiling is their mean, so
-                # a drift of the shared machine's speed during the rate's runs cancels.
-                for i, name in enumerate([*methods, CEILING]):
-                    port += 1
-                    tag = f"{rate}mbit_{name.split(' (')[0].replace(' ', '_').replace('+', 'p')}"
-                    tag = tag.replace(",", "") + ("_repeat" if i == len(methods) else "")
-                    r = run_method(children, METHODS[name], port, out, tag)
-                    print(f"  {name:50} {r['ms_per_step']:9.1f} ms/step "
-                          f"({r['steps_measured']} steps, run {r['run_wall_s']:.0f} s)",
-                          flush=True)
-                    if name == CEILING:
-                        ceilings.append(r["ms_per_step"])
-                        r["ms_per_step"] = sum(ceilings) / len(ceilings)
-                    point["methods"][name] = r
-                ceiling = point["methods"][CEILING]["ms_per_step"]
-                for r in point["methods"].values():
-                    r["utilisation"] = ceiling / r["ms_per_step"]
-                point["ceiling_runs_ms"] = [round(c, 2) for c in ceilings]
-                results[str(rate)] = point
-    finally:
-        children.kill_all()
-        link("down", check=False)
+    results = {}
+    for k, rate in enumerate(rates):
+        with bench_lock(lock):
+            # Torn down before the lock is let go: another sweep may build them next.
+            try:
+                results[str(rate)] = measure_rate(rate, methods, out, children,
+                                                  29610 + 10 * k)
+            finally:
+                children.kill_all()
+                link("down", check=False)
     return results
 
 
@@ -269,7 +302,13 @@ def plot(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rates = sorted(results, key=float)
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    fig, ax = plt.subplots(figsize=(6.4, 5.0))
+    x = [float(r) for r in rates]
+    # The two ceiling runs of each rate, relative to their mean: the run-to-run noise.
+    spread = [[100 * c / results[r]["methods"][CEILING]["ms_per_step"]
+               for c in results[r]["ceiling_runs_ms"]] for r in rates]
+    ax.fill_between(x, [min(s) for s in spread], [max(s) for s in spread], color="grey",
+                    alpha=0.25, label="ceiling runs (run-to-run spread)")
     names = [n for n in results[rates[0]]["methods"] if n != CEILING]
     for name in names:
         ax.plot([float(r) for r in rates],
@@ -279,11 +318,12 @@ def plot(results: dict, path: Path) -> None:
     ax.axhline(50, color="grey", linewidth=0.8, linestyle=":")
     ax.set_xscale("log")
     ax.set_xticks([float(r) for r in rates], [str(r) for r in rates])
-    ax.set_ylim(0, 105)
+    top = max(100 * p["methods"][n]["utilisation"] for p in results.values() for n in names)
+    ax.set_ylim(0, max(105, top + 5))
     ax.set_xlabel("link rate (Mbit/s, tc tbf)")
     ax.set_ylabel("compute utilisation (%)")
     ax.set_title("2 workers x 1 rank, 842k-param GPT, CPU + gloo")
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
     ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -292,12 +332,16 @@ def plot(results: dict, path: Path) -> None:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rates", default="10,30,100,300", help="Mbit/s, comma-separated")
-    ap.add_argument("--methods", default=",".join(str(i) for i in range(len(METHODS))),
-                    help="indices into METHODS (0 = ceiling, always run)")
+    ap.add_argument("--methods", default=DEFAULT_METHODS,
+                    help="indices into METHODS (the ceiling, 0, always runs)")
     ap.add_argument("--lock", default=None,
                     help="flock this file around each rate's runs (e.g. /tmp/bench.lock)")
     ap.add_argument("--out", default=str(REPO / "runs" / "slow_link"))
+    ap.add_argument("--plot-only", metavar="JSON", help="redraw the PNG of an earlier sweep")
     opts = ap.parse_args()
+    if opts.plot_only:
+        path = Path(opts.plot_only)
+        return plot(json.loads(path.read_text())["results"], path.with_suffix(".png"))
     if os.geteuid() != 0:
         sys.exit("benchmarks/slow_link.py: needs root (ip netns, tc)")
     names = list(METHODS)
