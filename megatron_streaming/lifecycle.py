@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import JobFailure
+from .topology import device_of
 
 log = logging.getLogger("megatron_streaming")
 
@@ -59,8 +60,8 @@ class StopAgreement:
         self.worker_group = topology.groups["worker"]
         self.workers = topology.layout.workers
         self.cross_group = topology.groups["cross_worker_control"] if self.workers > 1 else None
-        self.device = _device_of(self.worker_group)
-        self.cross_device = _device_of(self.cross_group) if self.cross_group else None
+        self.device = device_of(self.worker_group)
+        self.cross_device = device_of(self.cross_group) if self.cross_group else None
         self._pending = collections.deque()  # (work, tensor) of the last ``lag`` steps
         self.control_bytes = 0  # what this rank put on the cross-worker wire for this
 
@@ -254,7 +255,3 @@ def _signal_name(number: int) -> Optional[str]:
     return signal.Signals(number).name if number else None
 
 
-def _device_of(group) -> torch.device:
-    if group is not None and dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")

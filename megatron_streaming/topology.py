@@ -215,15 +215,13 @@ class Topology:
         import torch
         import torch.distributed as dist
 
-        from .lifecycle import _device_of
-
         flags = torch.zeros(self.layout.world_size, dtype=torch.int32,
-                            device=_device_of(self.groups["worker"]))
+                            device=device_of(self.groups["worker"]))
         flags[self.rank] = int(flag)
         dist.all_reduce(flags, group=self.groups["worker"])
         if self.layout.workers > 1:
             cross = self.groups["cross_worker_control"]
-            flags = flags.to(_device_of(cross))
+            flags = flags.to(device_of(cross))
             dist.all_reduce(flags, group=cross)
         return [int(r) for r in flags.nonzero().flatten().tolist()]
 
@@ -353,6 +351,16 @@ class WorkerMPU:
 
     def get_sequence_data_parallel_rank(self) -> int:
         return self._rank_in("sdp")
+
+
+def device_of(group):
+    """Where a tensor for a collective on ``group`` must live: CUDA for NCCL, else CPU."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def describe(layout: RankLayout, rank: Optional[int] = None) -> str:

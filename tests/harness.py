@@ -24,6 +24,15 @@ def env(extra: Optional[dict] = None) -> dict:
     return e
 
 
+def free_port() -> int:
+    """A TCP port free on the loopback right now (for a rendezvous or a daemon)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def command(nproc: int, args, script: str = "pretrain_gpt.py") -> list:
     if nproc == 1:
         return [sys.executable, script, *args]

@@ -23,6 +23,8 @@ import socket
 import subprocess
 import tempfile
 import time
+
+from harness import free_port
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional
 
@@ -84,12 +86,6 @@ def ensure_installed(timeout: float = 600) -> None:
     missing = [b for b in DAEMONS + CLIENTS if not _which(b)]
     if missing:
         raise Unavailable(f"installed {PACKAGES} but {missing} are still missing")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _node_line(node: str) -> str:

@@ -9,12 +9,11 @@ so such a run exiting at once shows the error came before any collective.
 
 import importlib.util
 import shutil
-import socket
 from pathlib import Path
 
 import pytest
 
-from harness import REPO, SHARED_DATA, run
+from harness import REPO, SHARED_DATA, free_port, run
 from megatron_streaming.arguments import ConfigError, parse_args, validate
 
 pytestmark = pytest.mark.filterwarnings(
@@ -25,15 +24,9 @@ MOCK = ["--mock-data", "--eval-iters", "0"]
 SUBPROCESS_TIMEOUT = 120  # far below the 10-minute rendezvous wait of a stuck rank
 
 
-def _free_port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
-
-
 def _one_process_env() -> dict:
     """A world of one on its own port: runs of other tests may hold the default 29500."""
-    return {"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0", "MASTER_PORT": _free_port()}
+    return {"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0", "MASTER_PORT": str(free_port())}
 
 
 def _fails_cleanly(args, *expected, world_size=None):

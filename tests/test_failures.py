@@ -15,20 +15,12 @@ import time
 import psutil
 import pytest
 
-from harness import TINY, read_jsonl, run, start, wait_for_line
+from harness import TINY, free_port, read_jsonl, run, start, wait_for_line
 
 STREAMING = [*TINY, "--num-layers", "2", "--eval-iters", "0", "--diloco-workers", "2",
              "--diloco-inner-steps", "4", "--diloco-fragments", "2",
              "--diloco-overlap-steps", "1"]
 SLOW = {"MEGATRON_STREAMING_SLOW_WORKER": "0:0.2"}  # paces the run so a test can act mid-way
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank_of(launcher: subprocess.Popen, local_rank: int) -> psutil.Process:
@@ -50,7 +42,7 @@ def _tracker(ckpt) -> int:
 @pytest.mark.timeout(420)
 def test_killed_rank_is_named_and_the_job_resumes_from_the_last_checkpoint(tmp_path):
     ckpt = tmp_path / "ckpt"
-    port = _free_port()
+    port = free_port()
     common = [*STREAMING, "--tensor-model-parallel-size", "2", "--train-iters", "400",
               "--save", str(ckpt), "--save-interval", "4", "--diloco-timeout", "120",
               "--master-addr", "127.0.0.1", "--master-port", str(port)]
@@ -79,7 +71,7 @@ def test_killed_rank_is_named_and_the_job_resumes_from_the_last_checkpoint(tmp_p
             f"--load {ckpt}.") in out0
 
     # The whole job resumes from it (same flags, --load added), worker by worker again.
-    port = _free_port()
+    port = free_port()
     resume = [*STREAMING, "--tensor-model-parallel-size", "2", "--train-iters", str(last + 3),
               "--load", str(ckpt), "--master-addr", "127.0.0.1", "--master-port", str(port)]
     logs = [tmp_path / "resume0.log", tmp_path / "resume1.log"]

@@ -14,12 +14,13 @@ fixture since imports dominate their run time:
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from harness import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER_PATH = Path(__file__).resolve().with_name("_patches_worker.py")
@@ -47,12 +48,6 @@ worker = _load_worker_module()
 # --------------------------------------------------------------------------------------------
 # Launching workers (pytest side)
 # --------------------------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _start(scenario: str, env: dict, log) -> subprocess.Popen:
@@ -110,14 +105,14 @@ def workers(tmp_path_factory):
     pool = _Workers(tmp_path_factory.mktemp("patch_workers"))
     # single_rank with every patch (key None) and with each patch skipped (key: its name).
     for skipped in (None, *ALL_PATCHES):
-        port = _free_port()
+        port = free_port()
         pool.shm_ports.append(port)
         pool.start(skipped, "single_rank", {SKIP_ENV: skipped or "", "MASTER_PORT": str(port)})
     for key, cuda, apex in (("cuda_with_apex", "1", "present"),
                             ("cuda_without_apex", "1", "blocked"),
                             ("cpu_without_apex", "0", "blocked")):
         pool.start(key, "selection", {"FAKE_CUDA": cuda, "FAKE_APEX": apex})
-    two_ranks = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    two_ranks = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     for rank in range(2):
         pool.start(("two_ranks", rank), "two_ranks", {**two_ranks, "RANK": str(rank)})
     try:

@@ -22,7 +22,7 @@ import time
 import pytest
 
 import slurm_cluster
-from harness import REPO
+from harness import REPO, free_port
 
 TRAIN_ITERS = 6
 # As small as a streaming run gets: 2 workers x TP=2, a sync every 2 steps, a few iterations.
@@ -70,7 +70,7 @@ def test_one_job_runs_each_worker_as_a_job_step(cluster, tmp_path):
     job = cluster.sbatch(["--nodes=1", f"--output={out}", "launch/slurm.sh", *TINY,
                           "--summary-json", str(tmp_path / "summary.json")],
                          cwd=REPO, env={**JOB_ENV, "GPUS_PER_NODE": "4",
-                                        "MASTER_PORT": str(slurm_cluster.free_port())})
+                                        "MASTER_PORT": str(free_port())})
     text = finished(cluster, job, out)
     check_summary(tmp_path / "summary.json")
     # Two steps, the node's four slots split between them.
@@ -82,7 +82,7 @@ def test_one_job_runs_each_worker_as_a_job_step(cluster, tmp_path):
 
 @pytest.mark.timeout(900)
 def test_one_job_per_cluster_meets_at_a_common_rendezvous(cluster, tmp_path):
-    port = slurm_cluster.free_port()
+    port = free_port()
     jobs = []
     for worker in (0, 1):
         flags = [*TINY, "--diloco-worker-index", str(worker), "--master-addr", "127.0.0.1",
@@ -117,7 +117,7 @@ def test_usr1_checkpoints_requeues_and_the_rerun_resumes(cluster, tmp_path):
              "--save", str(ckpt), "--load", str(ckpt), "--summary-json", str(summary)]
     job = cluster.sbatch(["--nodes=1", f"--output={out}", "launch/slurm.sh", *flags],
                          cwd=REPO, env={**JOB_ENV, "GPUS_PER_NODE": "4",
-                                        "MASTER_PORT": str(slurm_cluster.free_port())})
+                                        "MASTER_PORT": str(free_port())})
     deadline = time.monotonic() + JOB_TIMEOUT
     while not re.search(r"iteration +\d+0/", out.read_text() if out.exists() else ""):
         assert time.monotonic() < deadline and cluster.job(job)["JobState"] in (

@@ -227,7 +227,10 @@ def _fp4_values(device: torch.device) -> torch.Tensor:
 
 
 def _fp4_encode_blocks(blocks: torch.Tensor):
-    """(packed codes (nb, block/2) uint8, absmax (nb,)) of whole blocks (block even)."""
+    """(packed codes (nb, block/2) uint8, absmax (nb,)) of whole blocks (block even).
+
+    The same nibble order as ``pack_nibbles``, packed per block: the flat strided form fuses
+    about 4x worse under torch.compile."""
     absmax = blocks.abs().amax(dim=1)
     codes = _fp4_codes(blocks, absmax[:, None]).view(blocks.shape[0], blocks.shape[1] // 2, 2)
     return codes[..., 0] | (codes[..., 1] << 4), absmax
@@ -236,7 +239,7 @@ def _fp4_encode_blocks(blocks: torch.Tensor):
 def _fp4_decode_blocks(packed: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tensor:
     """(nb, block) fp32 values of whole blocks of packed codes (block even): the table in the
     module docstring computed from the bits (field f > 0 is 2^(f - 7), bit 3 the sign)."""
-    codes = torch.stack((packed & 0x0F, packed >> 4), dim=-1).view(-1, block).to(torch.int32)
+    codes = unpack_nibbles(packed, 2 * packed.numel()).view(-1, block).to(torch.int32)
     field = codes & 7
     magnitude = ((field + (127 + FP4_MIN_EXPONENT - 1)) << 23).view(torch.float32)
     signed = torch.where(codes >= 8, -magnitude, magnitude)
