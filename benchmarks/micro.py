@@ -6,7 +6,8 @@ Both parts run in one invocation and report ratios measured there (absolute time
 machine drift; ratios of interleaved repetitions do not, much):
 
 * Codec: for fp4 (E3M0), int8 and bf16, ``encode`` (quantize + pack) and ``decode`` (unpack +
-  dequantize) of one flat fp32 tensor, in GB/s of fp32 (``4 x numel`` bytes per call), against
+  dequantize, into a preallocated buffer as the transport does; fp4 also into a new tensor) of
+  one flat fp32 tensor, in GB/s of fp32 (``4 x numel`` bytes per call), against
   ``torch.Tensor.copy_`` of the same tensor into a preallocated one, at two sizes: 64M elements
   and 256k (about one fragment of the slow-link model; small tensors are timed over many calls
   per sample). The operations are interleaved, repetition by repetition; the figure is the
@@ -60,7 +61,12 @@ def codec_throughput(numel: int, reps: int) -> dict:
         codec = make_codec(name, 128)
         encoded = codec.encode(x)
         ops[f"{name} encode"] = (lambda c: lambda: c.encode(x))(codec)
-        ops[f"{name} decode"] = (lambda c, e: lambda: c.decode(e))(codec, encoded)
+        # Into a preallocated buffer, as the transport decodes into its receive buffers.
+        ops[f"{name} decode"] = (lambda c, e: lambda: c.decode(e, out=dst))(codec, encoded)
+    # For reference: into a fresh tensor on every call (for large tensors, the allocator maps
+    # new pages each time and faulting them in costs several copies).
+    fp4 = make_codec("fp4", 128)
+    ops["fp4 decode, new"] = (lambda e: lambda: fp4.decode(e))(fp4.encode(x))
     times = {op: [] for op in ops}
     for op in ops.values():  # warm-up: first-touch page faults, allocator growth, compiling
         op()
@@ -247,8 +253,8 @@ def plot(codec: dict, sync: dict, path: Path) -> None:
 
 def main():
     ap = argparse.ArgumentParser()
-    # 64M elements (a large shard: the fp4 codec's torch.compile path) and 256k (about one
-    # fragment of the slow-link model, below the codec's 1M threshold: its eager path).
+    # 64M elements (a large shard, beyond every cache) and 256k (about one
+    # fragment of the slow-link model; in cache, where a copy is fastest).
     ap.add_argument("--numel", default=f"{64 << 20},{256 << 10}",
                     help="tensor sizes, comma-separated")
     ap.add_argument("--reps", type=int, default=7)

@@ -46,9 +46,15 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 CORPUS = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
 
-MODEL = ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4",
-         "--seq-length", "128", "--clip-grad", "1.0", "--log-interval", "1"]
-MODEL_NOTE = "4 layers, hidden 128, 4 heads, seq 128, vocab 1024"
+
+
+def model_args(hidden: int) -> list[str]:
+    return ["--num-layers", "4", "--hidden-size", str(hidden), "--num-attention-heads", "4",
+            "--seq-length", "128", "--clip-grad", "1.0", "--log-interval", "1"]
+
+
+def model_note(hidden: int) -> str:
+    return f"4 layers, hidden {hidden}, 4 heads, seq 128, vocab 1024"
 
 
 @dataclass(frozen=True)
@@ -145,7 +151,7 @@ def measure(setting: Setting, data: list[str], common: list[str], outer: list[st
         if only and name not in only:
             continue
         ranks = setting.workers
-        r = launch([*MODEL, *common, *data, *args, "--train-iters", str(steps)], ranks, out,
+        r = launch([*common, *data, *args, "--train-iters", str(steps)], ranks, out,
                    reuse)
         if name == "data parallel":
             one_step = ring_all_reduce_bytes(r["parameters"], ranks=setting.workers)
@@ -290,6 +296,7 @@ def main():
     ap.add_argument("--also-methods", nargs="*",
                     default=["data parallel", "DiLoCo", "+ FP4"],
                     help="methods of the further settings")
+    ap.add_argument("--hidden-size", type=int, default=128, help="model width (4 layers)")
     ap.add_argument("--lr", default="2e-3", help="inner peak learning rate (every method)")
     ap.add_argument("--min-lr", default="2e-4", help="end of the inner cosine decay")
     ap.add_argument("--warmup", default="30", help="inner warmup iterations")
@@ -329,14 +336,14 @@ def main():
     results = []
     for i, s in enumerate(settings):
         only = opts.methods if i == 0 else (opts.also_methods or opts.methods)
-        common = ["--lr", opts.lr, "--min-lr", opts.min_lr, "--lr-warmup-iters", opts.warmup,
-                  "--eval-iters", opts.eval_iters, "--eval-interval",
-                  str(opts.eval_interval)]
+        common = [*model_args(opts.hidden_size), "--lr", opts.lr, "--min-lr", opts.min_lr,
+                  "--lr-warmup-iters", opts.warmup, "--eval-iters", opts.eval_iters,
+                  "--eval-interval", str(opts.eval_interval)]
         fp4 = ["--diloco-error-feedback"] if opts.error_feedback else []
         results.append(measure(s, data, common, outer, out, opts.reuse, only, fp4))
     wall = time.perf_counter() - started
     report = {"command": " ".join([Path(sys.executable).name, *sys.argv]),
-              "model": MODEL_NOTE, "corpus": CORPUS.name,
+              "model": model_note(opts.hidden_size), "corpus": CORPUS.name,
               "inner": {"lr": opts.lr, "min_lr": opts.min_lr, "warmup": opts.warmup,
                         "optimizer": "AdamW (pretrain_gpt.py defaults)", "clip_grad": 1.0},
               "outer": {"lr": opts.outer_lr, "momentum": opts.outer_momentum,

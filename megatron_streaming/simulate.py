@@ -26,7 +26,8 @@ The schedule, one worker, per inner step (all workers are alike, so one stands f
 Each choice is the one Table 4 asks for (48 of its 50 cells within 15 %): a barrier at the
 step boundary instead of per-layer waits misses 10B Streaming 99 % (23.3 vs 19.3 Gbit/s) and
 10B FP4 95 %; sequential fragments miss 1B Streaming 99 % (40.9 vs 28.1) and seven more
-cells; the fractional interval H/P (6.25 steps for 10B) misses four more.
+cells; the fractional interval H/P (6.25 steps for 10B) misses four more. Sharing the link
+among reductions in flight instead of first come, first served changes no cell.
 
 Utilisation is compute time over wall time of one period of the schedule (one step for data
 parallel, one round otherwise) in steady state. The bandwidth "needed" for a target is the

@@ -175,6 +175,11 @@ class Run:
             self.liveness.iteration = self.iteration
             faults.after_step(self.topology.worker, self.iteration)
             loss = result.loss
+            if self.sync is not None and self.iteration == t.train_iters:
+                merged = self.sync.finish()
+                if merged:
+                    log.info("merged %d fragment exchange(s) still in flight after the last "
+                             "step", merged)
             if self.iteration % cfg.logging.log_interval == 0 or self.iteration == t.train_iters:
                 self._log_step(result, throughput, progress_line)
             if t.eval_interval and self.iteration % t.eval_interval == 0:

@@ -123,7 +123,10 @@ def main():
                     for w in range(1, M):
                         total = total + (theta_g[n].detach() - local[w][n].detach())
                     pending[p][n] = total / M
-        for p in schedule.merges_after(step):
+        merging = list(schedule.merges_after(step))
+        if step == cfg.training.train_iters:  # the end: what is still in flight merges now
+            merging += sorted(set(pending) - set(merging))
+        for p in merging:
             mean = pending.pop(p)
             for n, d in mean.items():
                 theta_g[n].grad = d

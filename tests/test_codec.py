@@ -125,23 +125,32 @@ def test_fp4_rounding_boundaries_and_ties():
 
 
 def test_pack_all_codes_in_every_position():
+    # One block of 512 codes: byte i pairs code i (low nibble) with code i + 256 (high).
     low, high = torch.meshgrid(torch.arange(16), torch.arange(16), indexing="ij")
-    codes = torch.stack((low.flatten(), high.flatten()), dim=1).flatten().to(torch.uint8)
-    packed = pack_nibbles(codes)
+    codes = torch.cat((low.flatten(), high.flatten())).to(torch.uint8)
+    packed = pack_nibbles(codes, 512)
     assert torch.equal(packed, (low.flatten() | high.flatten() << 4).to(torch.uint8))
-    assert torch.equal(unpack_nibbles(packed, codes.numel()), codes)
-    shifted = codes[1:]  # every code also at the other parity, and an odd length
-    assert torch.equal(unpack_nibbles(pack_nibbles(shifted), shifted.numel()), shifted)
+    assert torch.equal(unpack_nibbles(packed, codes.numel(), 512), codes)
+    swapped = torch.cat((codes[256:], codes[:256]))  # every code also in the other nibble
+    assert torch.equal(unpack_nibbles(pack_nibbles(swapped, 512), 512, 512), swapped)
 
 
 @pytest.mark.parametrize("n", range(0, 34))
 def test_pack_odd_and_even_lengths(n):
+    block = 8
     codes = torch.randint(0, 16, (n,), generator=_gen(n), dtype=torch.uint8)
-    packed = pack_nibbles(codes)
+    packed = pack_nibbles(codes, block)
     assert packed.dtype == torch.uint8 and packed.numel() == (n + 1) // 2
-    assert torch.equal(unpack_nibbles(packed, n), codes)
-    if n % 2:
-        assert int(packed[-1]) >> 4 == 0  # padding nibble is zero
+    assert torch.equal(unpack_nibbles(packed, n, block), codes)
+    whole = n - n % block
+    for b in range(whole // block):  # whole blocks pair i with i + block/2
+        assert [int(v) for v in packed[4 * b:4 * b + 4]] == \
+            [int(codes[8 * b + i]) | int(codes[8 * b + i + 4]) << 4 for i in range(4)]
+    tail = n - whole  # the short last block pairs over its own (even) length
+    half = (tail + 1) // 2
+    for i in range(half):
+        high = int(codes[whole + i + half]) if i + half < tail else 0  # padding code is zero
+        assert int(packed[whole // 2 + i]) == int(codes[whole + i]) | high << 4
 
 
 @pytest.mark.parametrize("scale", [1.0, 3.7, 1e-3, 1e-30, 1e20])
@@ -149,11 +158,11 @@ def test_fp4_every_code_roundtrips(scale):
     canonical = [c for c in range(16) if c != 8]  # 8 (negative zero) is never emitted
     codes = torch.tensor([7] + canonical, dtype=torch.uint8)  # 7 = +1: fixes the absmax
     codec = make_codec("fp4", codes.numel())
-    sent = Encoded(pack_nibbles(codes), torch.tensor([scale]), codes.numel())
+    sent = Encoded(pack_nibbles(codes, codes.numel()), torch.tensor([scale]), codes.numel())
     again = codec.encode(codec.decode(sent))
     assert torch.equal(again.payload, sent.payload)
     assert torch.equal(again.scales, sent.scales)
-    negative_zero = Encoded(pack_nibbles(torch.tensor([7, 8], dtype=torch.uint8)),
+    negative_zero = Encoded(pack_nibbles(torch.tensor([7, 8], dtype=torch.uint8), 2),
                             torch.tensor([scale]), 2)
     assert codec.decode(negative_zero)[1].item() == 0.0
 
@@ -378,35 +387,58 @@ def test_make_codec_errors_name_flag_and_value(name, block, flag, value):
 
 
 @pytest.mark.timeout(300)
-def test_fp4_fused_kernels_equal_the_eager_ones_on_large_tensors():
+@pytest.mark.parametrize("name", ["fp4", "int8", "bf16"])
+def test_fused_kernels_equal_the_eager_ones_on_large_tensors(name, monkeypatch):
     """Tensors of COMPILE_MIN_NUMEL elements and more go through torch.compile'd kernels
-    (on the transport's background thread in a real run): same codes, same decoded values,
+    (on the transport's background thread in a real run): same payload, same scales, same
+    decoded values as the eager functions, also when decoding into a caller's buffer,
     including zero blocks, ties, values below the smallest magnitude and a short last block."""
+    import shutil
     import threading
 
     from megatron_streaming.streaming import codec as codec_module
 
-    codec = make_codec("fp4", 128)
-    n = codec_module.COMPILE_MIN_NUMEL + 300  # a short last block
+    codec = make_codec(name, 128)
+    n = codec_module.COMPILE_MIN_NUMEL + 301  # a short last block of odd length
     torch.manual_seed(0)
     x = torch.randn(n) * torch.exp(2 * torch.randn(n))
     x[:128] = 0  # an all-zero block
     x[128:256] = torch.tensor([1.0, -1.5, 0.75, 2.0 ** -7, -(2.0 ** -7) * 0.999, 3.0 * 2.0 ** -8,
                                1.5 * 2.0 ** -3, 1e-30] * 16)  # ties, the zero threshold
-    result = {}
-    thread = threading.Thread(target=lambda: result.update(
-        encoded=codec.encode(x), decoded=codec.decode(codec.encode(x))))
+    out = torch.full((n,), float("nan"))
+    fused = {}
+
+    def run():
+        encoded = codec.encode(x)
+        fused.update(encoded=encoded, decoded=codec.decode(encoded),
+                     into=codec.decode(encoded, out=out))
+
+    thread = threading.Thread(target=run)
     thread.start()
     thread.join()
-    blocks, absmax = codec._blocks_and_absmax(x)
-    eager_codes = codec_module._fp4_codes(blocks, absmax[:, None]).flatten()[:n]
-    assert torch.equal(result["encoded"].payload, pack_nibbles(eager_codes))
-    assert torch.equal(result["encoded"].scales, absmax)
-    eager_values = codec_module._fp4_values(x.device)[eager_codes.long()]
-    eager_decoded = (codec_module._blocks(eager_values, 128) * absmax[:, None]).flatten()[:n]
-    assert torch.equal(result["decoded"], eager_decoded)
-    import shutil
-
+    monkeypatch.setattr(codec_module, "COMPILE_MIN_NUMEL", 1 << 62)  # everything eager
+    eager = codec.encode(x)
+    assert torch.equal(fused["encoded"].payload, eager.payload)
+    if name != "bf16":
+        assert torch.equal(fused["encoded"].scales, eager.scales)
+    assert torch.equal(fused["decoded"], codec.decode(eager))
+    assert fused["into"] is out and torch.equal(out, fused["decoded"])
+    if name == "fp4":  # and both equal the per-element definition
+        blocks = torch.nn.functional.pad(x, (0, -n % 128)).view(-1, 128)
+        absmax = blocks.abs().amax(dim=1)
+        codes = codec_module._fp4_codes(blocks, absmax[:, None]).flatten()[:n]
+        assert torch.equal(unpack_nibbles(eager.payload, n, 128), codes)
+        assert torch.equal(eager.scales, absmax)
     if shutil.which("g++") or shutil.which("c++"):  # inductor's CPU backend can build here
-        assert codec_module._compiled.get("encode") is not None
-        assert codec_module._compiled.get("decode") is not None
+        assert codec_module._compiled.get(f"{name} encode") is not None
+        if name != "bf16":
+            assert codec_module._compiled.get(f"{name} decode") is not None
+
+
+def test_decode_into_checks_the_buffer():
+    codec = make_codec("fp4", 8)
+    e = codec.encode(torch.arange(10.0))
+    with pytest.raises(ValueError, match="flat float32 of 10 elements"):
+        codec.decode(e, out=torch.empty(9))
+    with pytest.raises(ValueError, match="dtype torch.float64"):
+        codec.decode(e, out=torch.empty(10, dtype=torch.float64))

@@ -131,7 +131,8 @@ def table4():
 
 
 # The two cells this model does not reproduce, and why: no single payload and schedule we
-# tried meets them together with the other 48 (strict: a fix shows up as XPASS).
+# tried meets them together with the other 48 (strict: a fix shows up as XPASS). The bounds
+# behind both are worked out in docs/results/simulate.md ("Why the last two cells stay off").
 KNOWN_OFF = {
     ("10B", "Data-parallel", 0.99): "with uniform layers only the last layer's reduction is "
     "exposed (99.1 % at 390.7 Gbit/s); the 1B 99 % cell pins that tail to one layer's",

@@ -114,18 +114,28 @@ class _Reference:
             self.sent_sq[fragment] += float(self.pending[i].double().pow(2).sum())
             self.events.append((s, "send", fragment, i))
         if self.merge.get(s) == fragment:
-            d = self.pending.pop(i)
-            if not torch.isfinite(d).all():
-                self.events.append((s, "skip", fragment, i))
-                return
-            self.events.append((s, "merge", fragment, i))
-            # Nesterov: m <- mu m + d; theta_g <- theta_g - lr (d + mu m).
-            self.momentum[i].mul_(MU).add_(d)
-            self.theta_g[i].sub_(d.add(self.momentum[i], alpha=MU), alpha=LR)
-            # theta_local <- alpha theta_local + (1 - alpha) theta_g.
-            local = self._flat(i) * self.alpha + self.theta_g[i] * (1 - self.alpha) \
-                if self.alpha else self.theta_g[i].clone()
-            self._write(i, local)
+            self._merge(s, i, fragment)
+
+    def finish(self, s):
+        """End of training after step s: what is still in flight merges now, and not again."""
+        for i in sorted(self.pending):
+            fragment = self.layout[i][1]
+            self._merge(s, i, fragment)
+            del self.merge[min(k for k, p in self.merge.items() if k > s and p == fragment)]
+
+    def _merge(self, s, i, fragment):
+        d = self.pending.pop(i)
+        if not torch.isfinite(d).all():
+            self.events.append((s, "skip", fragment, i))
+            return
+        self.events.append((s, "merge", fragment, i))
+        # Nesterov: m <- mu m + d; theta_g <- theta_g - lr (d + mu m).
+        self.momentum[i].mul_(MU).add_(d)
+        self.theta_g[i].sub_(d.add(self.momentum[i], alpha=MU), alpha=LR)
+        # theta_local <- alpha theta_local + (1 - alpha) theta_g.
+        local = self._flat(i) * self.alpha + self.theta_g[i] * (1 - self.alpha) \
+            if self.alpha else self.theta_g[i].clone()
+        self._write(i, local)
 
 
 def _assert_matches(sync, ref, context=""):
@@ -250,6 +260,38 @@ def test_state_dict_round_trip_with_an_exchange_in_flight():
     assert resumed.events[0] == (5, "merge", 1, 1)
 
 
+def test_finish_merges_what_is_in_flight_at_the_end():
+    """Training ends at step 4 with fragment 1 sent but not merged (tau = 1): finish() merges
+    it at once, pushes it to the model, and its scheduled merge step, if training goes on
+    (resumed with more iterations), does nothing, also across a checkpoint."""
+    H, P, tau, alpha = 6, 3, 1, 0.5
+    layout = _layout(P)
+    tensors = _initial_tensors(layout)
+    ref = _Reference(layout, tensors, H, P, tau, alpha)
+    sync, pushes = _build_sync(layout, tensors, SyncSchedule(H, P, tau), alpha)
+    _drive(sync, layout, range(1, 5))
+    for s in range(1, 5):
+        ref.step(s)
+    assert set(sync.pending) == {1}
+    before = sync.theta_g[1].clone()
+    assert sync.finish() == 1 and not sync.pending and pushes[-1] == 4
+    ref.finish(4)
+    assert not torch.equal(sync.theta_g[1], before)
+    _assert_matches(sync, ref, "finish")
+    assert sync.events[-1] == (4, "merge", 1, 1)
+    assert sync.finish() == 0 and pushes[-2:] == [4, 4]  # nothing left; still pushes
+    resumed, _ = _build_sync(layout, [[t.clone() for t in g.tensors] for g in sync.groups],
+                             SyncSchedule(H, P, tau), alpha)
+    resumed.load_state_dict(copy.deepcopy(sync.state_dict()))
+    for s in range(5, 13):
+        _drive(sync, layout, [s])
+        _drive(resumed, layout, [s])
+        ref.step(s)
+        _assert_matches(sync, ref, s)
+        _assert_matches(resumed, ref, s)
+    assert (5, "merge", 1, 1) not in sync.events and (11, "merge", 1, 1) in sync.events
+
+
 def test_after_step_runs_what_the_hook_missed():
     H, P, tau, alpha = 6, 3, 1, 0.5
     layout = _layout(P)
@@ -299,8 +341,8 @@ def test_worker_scalars_on_one_rank(megatron_world):
     for p in range(P):
         assert num[p] > 0
         assert scalars[f"streaming/fragment_{p}/drift"] == pytest.approx(
-            math.sqrt(num[p] / den[p]), rel=1e-6)
-    assert scalars["streaming/drift"] == pytest.approx(math.sqrt(sum(num) / sum(den)), rel=1e-6)
+            math.sqrt(num[p] / den[p]), rel=1e-5)  # accumulated in fp32
+    assert scalars["streaming/drift"] == pytest.approx(math.sqrt(sum(num) / sum(den)), rel=1e-5)
     # The outer-gradient norm of a fragment covers all its shards (both param groups).
     for p in range(P):
         assert scalars[f"streaming/fragment_{p}/outer_grad_norm"] == pytest.approx(

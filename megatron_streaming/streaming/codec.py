@@ -26,7 +26,9 @@ Codecs, chosen by ``--diloco-quantize`` with block size ``--diloco-quant-block``
   (worst at 1.5 * 2^k * s). Below ``2^-6 s``, ``|x| < 2^-7 s`` becomes 0 and the rest 2^-6 s,
   so the absolute error is <= 2^-7 s. Both bounds hold exactly in fp32: every rounding
   decision is an exact comparison (see ``_fp4_codes``), provided ``s * 2^-7`` is a normal fp32
-  (s >= 2^-119). Two codes per byte, even index in the low nibble; odd lengths pad a zero.
+  (s >= 2^-119). Two codes per byte, paired within a block of b codes: byte i holds code i
+  in its low nibble and code i + b/2 in its high one (``pack_nibbles``); a short last block
+  pairs the same way over its own length, rounded up to even with a zero code.
 
 Blocks are consecutive runs of ``block`` elements of the flat tensor; the last may be short.
 An all-zero block has scale 0 and decodes to exact zeros. ``encode`` requires finite input and
@@ -80,12 +82,23 @@ class Codec(abc.ABC):
         """Encode a flat finite fp32 tensor; raises ValueError on inf or NaN."""
 
     @abc.abstractmethod
-    def decode(self, e: Encoded) -> torch.Tensor:
-        """Flat fp32 tensor of ``e.numel`` elements on the payload's device."""
+    def decode(self, e: Encoded, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Flat fp32 tensor of ``e.numel`` elements on the payload's device; written into
+        ``out`` (flat fp32 of that size) when given, which saves allocating (and, for large
+        tensors, faulting in) a fresh output on every call."""
 
     @abc.abstractmethod
     def wire_bytes(self, numel: int) -> int:
         """Size of ``encode(x).nbytes()`` for ``numel`` elements, without encoding."""
+
+    @staticmethod
+    def _output(e: Encoded, out: Optional[torch.Tensor]) -> torch.Tensor:
+        if out is None:
+            return torch.empty(e.numel, dtype=torch.float32, device=e.payload.device)
+        if out.shape != (e.numel,) or out.dtype != torch.float32:
+            raise ValueError(f"decode: out must be flat float32 of {e.numel} elements, got "
+                             f"shape {tuple(out.shape)} dtype {out.dtype}")
+        return out
 
     def _check_input(self, x: torch.Tensor) -> None:
         if x.dim() != 1 or x.dtype != torch.float32:
@@ -108,11 +121,18 @@ class Fp32Codec(Codec):
             raise self._non_finite()
         return Encoded(x.clone(), None, x.numel())
 
-    def decode(self, e: Encoded) -> torch.Tensor:
-        return e.payload.clone()
+    def decode(self, e: Encoded, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return self._output(e, out).copy_(e.payload)
 
     def wire_bytes(self, numel: int) -> int:
         return 4 * numel
+
+
+def _bf16_rows(x: torch.Tensor):
+    """(bf16 values, all finite): checked after the cast, which also catches finite values
+    above the bf16 maximum; one fused pass under torch.compile."""
+    payload = x.to(torch.bfloat16)
+    return payload, torch.isfinite(payload).all()
 
 
 class Bf16Codec(Codec):
@@ -122,14 +142,13 @@ class Bf16Codec(Codec):
 
     def encode(self, x: torch.Tensor) -> Encoded:
         self._check_input(x)
-        payload = x.to(torch.bfloat16)
-        # Checked after the cast: it also catches finite values above the bf16 maximum.
-        if not is_finite(payload):
+        payload, finite = _kernel("bf16 encode", _bf16_rows, x.numel())(x)
+        if not bool(finite):
             raise self._non_finite()
         return Encoded(payload, None, x.numel())
 
-    def decode(self, e: Encoded) -> torch.Tensor:
-        return e.payload.float()
+    def decode(self, e: Encoded, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return self._output(e, out).copy_(e.payload)
 
     def wire_bytes(self, numel: int) -> int:
         return 2 * numel
@@ -139,27 +158,91 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
-    """View ``x`` as (num_blocks, block), zero-padding the short last block (absmax unchanged)."""
-    pad = _ceil_div(x.numel(), block) * block - x.numel()
-    if pad:
-        x = torch.nn.functional.pad(x, (0, pad))
-    return x.view(-1, block)
+# Tensors of 64k elements and more go through kernels fused by torch.compile (one or two passes
+# over memory instead of one per operation: 8x faster at 256k elements, see
+# benchmarks/micro.py); smaller ones, where the compiled call's fixed cost would dominate, and
+# every tensor where compilation is unavailable, through the same functions eagerly. Both give
+# identical results (tests/test_codec.py). A process compiles each kernel once, at its first
+# large exchange, on the transport's thread (seconds; torch's on-disk cache shortens it later).
+COMPILE_MIN_NUMEL = 1 << 16
+_compiled: Dict[str, object] = {}
+
+
+def _kernel(name: str, fn, numel: int):
+    if numel < COMPILE_MIN_NUMEL or _compiled.get(name, True) is None:
+        return fn
+    if name not in _compiled:
+        try:
+            _compiled[name] = torch.compile(fn, dynamic=True)
+        except Exception:  # no compiler for this platform: stay eager
+            _compiled[name] = None
+            return fn
+    kernel = _compiled[name]
+
+    def run(*args):
+        try:
+            return kernel(*args)
+        except Exception as e:  # e.g. no C++ compiler at the first call: stay eager
+            import warnings
+
+            warnings.warn(f"{name} codec: torch.compile failed ({type(e).__name__}: {e}); "
+                          "using the eager kernels (identical results, slower)")
+            _compiled[name] = None
+            return fn(*args)
+
+    return run
 
 
 class _BlockCodec(Codec):
-    """A codec with one fp32 scale per block of ``block`` consecutive elements."""
+    """A codec with one fp32 scale per block of ``block`` consecutive elements.
+
+    Subclasses give row functions: ``_encode_rows(rows (nb, b)) -> (payload rows, scales (nb,))``
+    and ``_decode_rows(payload rows, scales, out rows)``. Whole blocks go through them as one
+    (nb, block) matrix (fused when large); the short last block, if any, as one more row of its
+    own length (``_tail_multiple`` rounds it up with zeros, which leave its absmax unchanged).
+    """
+
+    _tail_multiple = 1
 
     def __init__(self, block: int):
         self.block = block
 
-    def _blocks_and_absmax(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    def _payload_per_block(self, b: int) -> int:
+        return b
+
+    def encode(self, x: torch.Tensor) -> Encoded:
         self._check_input(x)
-        blocks = _blocks(x, self.block)
-        absmax = blocks.abs().amax(dim=1)  # amax propagates NaN, so this small check suffices
-        if not is_finite(absmax):
+        whole = x.numel() - x.numel() % self.block
+        payload, scales = _kernel(f"{self.name} encode", self._encode_rows, whole)(
+            x[:whole].view(-1, self.block))
+        payload = payload.flatten()
+        if whole < x.numel():
+            tail = x[whole:]
+            tail = torch.nn.functional.pad(tail, (0, -tail.numel() % self._tail_multiple))
+            tail_payload, tail_scale = self._encode_rows(tail.view(1, -1))
+            payload = torch.cat((payload, tail_payload.flatten()))
+            scales = torch.cat((scales, tail_scale))
+        if not is_finite(scales):  # amax propagates NaN: one small check for the whole input
             raise self._non_finite()
-        return blocks, absmax
+        return Encoded(payload, scales, x.numel())
+
+    def decode(self, e: Encoded, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        out = self._output(e, out)
+        whole = e.numel - e.numel % self.block
+        blocks = whole // self.block
+        head = blocks * self._payload_per_block(self.block)
+        _kernel(f"{self.name} decode", self._decode_rows, whole)(
+            e.payload[:head].view(blocks, self._payload_per_block(self.block)), e.scales[:blocks], out[:whole].view(-1, self.block))
+        if whole < e.numel:
+            tail = e.payload[head:]
+            values = torch.empty(self._tail_rows(tail.numel()), dtype=torch.float32,
+                                 device=out.device)
+            self._decode_rows(tail.view(1, -1), e.scales[blocks:], values.view(1, -1))
+            out[whole:] = values[: e.numel - whole]
+        return out
+
+    def _tail_rows(self, payload_numel: int) -> int:
+        return payload_numel
 
 
 class Int8Codec(_BlockCodec):
@@ -167,31 +250,52 @@ class Int8Codec(_BlockCodec):
 
     name = "int8"
 
-    def encode(self, x: torch.Tensor) -> Encoded:
-        blocks, absmax = self._blocks_and_absmax(x)
-        step = absmax / INT8_MAX
+    @staticmethod
+    def _encode_rows(rows: torch.Tensor):
+        step = rows.abs().amax(dim=1) / INT8_MAX  # amax propagates NaN
         safe = torch.where(step > 0, step, torch.ones_like(step))  # all-zero block: no 0/0
-        codes = torch.round(blocks / safe[:, None]).clamp_(-INT8_MAX, INT8_MAX)
-        return Encoded(codes.to(torch.int8).flatten()[: x.numel()], step, x.numel())
+        codes = torch.round(rows / safe[:, None]).clamp_(-INT8_MAX, INT8_MAX)
+        return codes.to(torch.int8), step
 
-    def decode(self, e: Encoded) -> torch.Tensor:
-        codes = _blocks(e.payload.float(), self.block)
-        return (codes * e.scales[:, None]).flatten()[: e.numel]
+    @staticmethod
+    def _decode_rows(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
+        out.copy_(codes.float() * scales[:, None])
 
     def wire_bytes(self, numel: int) -> int:
         return numel + 4 * _ceil_div(numel, self.block)
 
 
-def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
-    """Pack 4-bit codes (uint8 < 16) two per byte: even index low nibble; odd length pads 0."""
-    if codes.numel() % 2:
-        codes = torch.nn.functional.pad(codes, (0, 1))
-    return codes[0::2] | (codes[1::2] << 4)
+def pack_nibbles(codes: torch.Tensor, block: int) -> torch.Tensor:
+    """Pack 4-bit codes (uint8 < 16) two per byte, per block of ``block`` (even) codes: byte i
+    of a block holds code i in its low nibble and code i + block/2 in its high one. A short
+    last block is one block of its own length, rounded up to even with a zero code."""
+    whole = codes.numel() - codes.numel() % block
+    packed = [_pack_rows(codes[:whole].view(-1, block)).flatten()]
+    if whole < codes.numel():
+        tail = codes[whole:]
+        packed.append(_pack_rows(torch.nn.functional.pad(tail, (0, tail.numel() % 2))[None]))
+    return torch.cat([p.flatten() for p in packed])
 
 
-def unpack_nibbles(packed: torch.Tensor, numel: int) -> torch.Tensor:
-    """Inverse of ``pack_nibbles``: the first ``numel`` codes."""
-    return torch.stack((packed & 0x0F, packed >> 4), dim=1).flatten()[:numel]
+def unpack_nibbles(packed: torch.Tensor, numel: int, block: int) -> torch.Tensor:
+    """Inverse of ``pack_nibbles``: the ``numel`` codes."""
+    whole = numel - numel % block
+    head = packed[: whole // 2]
+    codes = [_unpack_rows(head.view(-1, block // 2)).flatten()]
+    if whole < numel:
+        codes.append(_unpack_rows(packed[whole // 2:][None]).flatten()[: numel - whole])
+    return torch.cat(codes)
+
+
+def _pack_rows(codes: torch.Tensor) -> torch.Tensor:
+    """(rows, b) codes -> (rows, b/2) bytes: the two halves of each row are contiguous, so the
+    fused kernels load and store whole vectors (pairing neighbours instead is ~4x slower)."""
+    half = codes.shape[1] // 2
+    return codes[:, :half] | (codes[:, half:] << 4)
+
+
+def _unpack_rows(packed: torch.Tensor) -> torch.Tensor:
+    return torch.cat((packed & 0x0F, packed >> 4), dim=1)
 
 
 def _fp4_codes(blocks: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -220,62 +324,14 @@ def _fp4_codes(blocks: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return field.add_(negative.to(torch.int32) * 8).to(torch.uint8)
 
 
-def _fp4_values(device: torch.device) -> torch.Tensor:
-    """The 16 decoded values for scale 1, indexed by code."""
-    mags = [0.0] + [2.0 ** k for k in range(FP4_MIN_EXPONENT, 1)]
-    return torch.tensor(mags + [0.0] + [-m for m in mags[1:]], device=device)
-
-
-def _fp4_encode_blocks(blocks: torch.Tensor):
-    """(packed codes (nb, block/2) uint8, absmax (nb,)) of whole blocks (block even).
-
-    The same nibble order as ``pack_nibbles``, packed per block: the flat strided form fuses
-    about 4x worse under torch.compile."""
-    absmax = blocks.abs().amax(dim=1)
-    codes = _fp4_codes(blocks, absmax[:, None]).view(blocks.shape[0], blocks.shape[1] // 2, 2)
-    return codes[..., 0] | (codes[..., 1] << 4), absmax
-
-
-def _fp4_decode_blocks(packed: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tensor:
-    """(nb, block) fp32 values of whole blocks of packed codes (block even): the table in the
-    module docstring computed from the bits (field f > 0 is 2^(f - 7), bit 3 the sign)."""
-    codes = unpack_nibbles(packed, 2 * packed.numel()).view(-1, block).to(torch.int32)
+def _fp4_values(codes: torch.Tensor) -> torch.Tensor:
+    """fp32 values of codes for scale 1: the table in the module docstring computed from the
+    bits (field f > 0 is 2^(f - 7), bit 3 the sign)."""
+    codes = codes.to(torch.int32)
     field = codes & 7
     magnitude = ((field + (127 + FP4_MIN_EXPONENT - 1)) << 23).view(torch.float32)
     signed = torch.where(codes >= 8, -magnitude, magnitude)
-    return torch.where(field > 0, signed, 0.0) * scales[:, None]
-
-
-# Large tensors go through kernels fused by torch.compile (one pass instead of ~15: within a
-# few times a memory copy, see benchmarks/micro.py); small ones, and every tensor where
-# compilation is unavailable, through the same functions eagerly. Both give identical codes.
-COMPILE_MIN_NUMEL = 1 << 20
-_compiled: Dict[str, object] = {}
-
-
-def _kernel(name: str, fn, numel: int):
-    if numel < COMPILE_MIN_NUMEL or _compiled.get(name, True) is None:
-        return fn
-    if name not in _compiled:
-        try:
-            _compiled[name] = torch.compile(fn, dynamic=True)
-        except Exception:  # no compiler for this platform: stay eager
-            _compiled[name] = None
-            return fn
-    kernel = _compiled[name]
-
-    def run(*args):
-        try:
-            return kernel(*args)
-        except Exception as e:  # e.g. no C++ compiler at the first call: stay eager
-            import warnings
-
-            warnings.warn(f"fp4 codec: torch.compile failed ({type(e).__name__}: {e}); using "
-                          "the eager kernels (identical results, slower)")
-            _compiled[name] = None
-            return fn(*args)
-
-    return run
+    return torch.where(field > 0, signed, 0.0)
 
 
 class Fp4Codec(_BlockCodec):
@@ -286,22 +342,26 @@ class Fp4Codec(_BlockCodec):
     """
 
     name = "fp4"
+    _tail_multiple = 2
 
-    def encode(self, x: torch.Tensor) -> Encoded:
-        self._check_input(x)
-        packed, absmax = _kernel("encode", _fp4_encode_blocks, x.numel())(
-            _blocks(x, self.block))
-        if not is_finite(absmax):  # amax propagates NaN: one small check for the whole input
-            raise self._non_finite()
-        return Encoded(packed.flatten()[: _ceil_div(x.numel(), 2)], absmax, x.numel())
+    def _payload_per_block(self, b: int) -> int:
+        return b // 2
 
-    def decode(self, e: Encoded) -> torch.Tensor:
-        packed = e.payload
-        whole = e.scales.numel() * self.block // 2  # the last block may be short: pad it
-        if packed.numel() < whole:
-            packed = torch.nn.functional.pad(packed, (0, whole - packed.numel()))
-        values = _kernel("decode", _fp4_decode_blocks, e.numel)(packed, e.scales, self.block)
-        return values.flatten()[: e.numel]
+    def _tail_rows(self, payload_numel: int) -> int:
+        return 2 * payload_numel
+
+    @staticmethod
+    def _encode_rows(rows: torch.Tensor):
+        absmax = rows.abs().amax(dim=1)
+        return _pack_rows(_fp4_codes(rows, absmax[:, None])), absmax
+
+    @staticmethod
+    def _decode_rows(packed: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
+        # Each half straight into its place: unpacking first (a cat) costs a temporary of a
+        # byte per element, which for large tensors is mapped and faulted in on every call.
+        half = packed.shape[1]
+        out[:, :half].copy_(_fp4_values(packed & 0x0F) * scales[:, None])
+        out[:, half:].copy_(_fp4_values(packed >> 4) * scales[:, None])
 
     def wire_bytes(self, numel: int) -> int:
         return _ceil_div(numel, 2) + 4 * _ceil_div(numel, self.block)

@@ -167,10 +167,14 @@ class Transport:
         if encoded.scales is not None:
             parts.append(encoded.scales.view(M, -1))
         received = [_all_to_all(p.contiguous(), self.group) for p in parts]
-        total = torch.zeros(chunk, dtype=torch.float32, device=encoded.payload.device)
+        total = torch.empty(chunk, dtype=torch.float32, device=encoded.payload.device)
+        part = torch.empty_like(total)
         for w in range(M):  # fixed order: the sum is the same on every run
             scales = received[1][w] if len(received) > 1 else None
-            total += self.codec.decode(Encoded(received[0][w], scales, chunk))
+            decoded = self.codec.decode(Encoded(received[0][w], scales, chunk),
+                                        out=total if w == 0 else part)
+            if w:
+                total += decoded
         per_chunk = encoded.nbytes() // M
         return total / M, per_chunk * (M - 1), per_chunk * (M - 1)
 
@@ -180,8 +184,10 @@ class Transport:
         payloads = _all_gather(encoded.payload, self.group, M)
         scales = _all_gather(encoded.scales, self.group, M) if encoded.scales is not None \
             else [None] * M
-        mean = torch.cat([self.codec.decode(Encoded(payloads[w], scales[w], encoded.numel))
-                          for w in range(M)])
+        n = encoded.numel
+        mean = torch.empty(M * n, dtype=torch.float32, device=encoded.payload.device)
+        for w in range(M):
+            self.codec.decode(Encoded(payloads[w], scales[w], n), out=mean[w * n:(w + 1) * n])
         size = encoded.nbytes()
         return mean, size * (M - 1), size * (M - 1)
 
