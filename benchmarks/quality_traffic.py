@@ -18,8 +18,9 @@ Every method sees the same global batch B per step and the same total tokens:
 Inner hyperparameters (model, AdamW, learning-rate schedule, clipping) are the same for every
 method; only the outer ones (``--outer-lr``, ``--outer-momentum``, Nesterov) apply to the
 DiLoCo variants. Every method runs ``--iters`` + 1 steps: ``--iters`` is a multiple of H, and
-the extra step lets a fragment sent at step ``--iters`` with overlap merge before the final
-evaluation, so every DiLoCo variant is evaluated on global parameters of the same age.
+the extra step is where a fragment sent at step ``--iters`` with overlap merges, on schedule,
+before the final evaluation. (Training now also merges whatever is still in flight after its
+last step; the extra step keeps the published runs' configuration.)
 
 Reported per method (JSON, ``--out``/quality_traffic.json): validation loss on the global
 parameters (``--eval-params global``), its gap to data parallel in %; total cross-worker bytes

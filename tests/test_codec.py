@@ -389,10 +389,11 @@ def test_make_codec_errors_name_flag_and_value(name, block, flag, value):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name", ["fp4", "int8", "bf16"])
 def test_fused_kernels_equal_the_eager_ones_on_large_tensors(name, monkeypatch):
-    """Tensors of COMPILE_MIN_NUMEL elements and more go through torch.compile'd kernels
-    (on the transport's background thread in a real run): same payload, same scales, same
-    decoded values as the eager functions, also when decoding into a caller's buffer,
-    including zero blocks, ties, values below the smallest magnitude and a short last block."""
+    """Tensors of COMPILE_MIN_NUMEL elements and more go through torch.compile'd kernels,
+    compiled on the main thread (warm_up) and run on the transport's thread: same payload, same
+    scales, same decoded values as the eager functions, also when decoding into a caller's
+    buffer, including zero blocks, ties, values below the smallest magnitude and a short last
+    block; and the main thread's random numbers drawn meanwhile are untouched."""
     import shutil
     import threading
 
@@ -405,6 +406,7 @@ def test_fused_kernels_equal_the_eager_ones_on_large_tensors(name, monkeypatch):
     x[:128] = 0  # an all-zero block
     x[128:256] = torch.tensor([1.0, -1.5, 0.75, 2.0 ** -7, -(2.0 ** -7) * 0.999, 3.0 * 2.0 ** -8,
                                1.5 * 2.0 ** -3, 1e-30] * 16)  # ties, the zero threshold
+    codec_module.warm_up(codec, n)
     out = torch.full((n,), float("nan"))
     fused = {}
 
@@ -413,9 +415,14 @@ def test_fused_kernels_equal_the_eager_ones_on_large_tensors(name, monkeypatch):
         fused.update(encoded=encoded, decoded=codec.decode(encoded),
                      into=codec.decode(encoded, out=out))
 
+    torch.manual_seed(1)
+    expected_draws = [torch.rand(4) for _ in range(50)]
+    torch.manual_seed(1)
     thread = threading.Thread(target=run)
     thread.start()
+    draws = [torch.rand(4) for _ in range(50)]
     thread.join()
+    assert all(torch.equal(a, b) for a, b in zip(draws, expected_draws))
     monkeypatch.setattr(codec_module, "COMPILE_MIN_NUMEL", 1 << 62)  # everything eager
     eager = codec.encode(x)
     assert torch.equal(fused["encoded"].payload, eager.payload)
@@ -430,9 +437,28 @@ def test_fused_kernels_equal_the_eager_ones_on_large_tensors(name, monkeypatch):
         assert torch.equal(unpack_nibbles(eager.payload, n, 128), codes)
         assert torch.equal(eager.scales, absmax)
     if shutil.which("g++") or shutil.which("c++"):  # inductor's CPU backend can build here
-        assert codec_module._compiled.get(f"{name} encode") is not None
-        if name != "bf16":
-            assert codec_module._compiled.get(f"{name} decode") is not None
+        assert codec_module._compiled.get(f"{name} encode") is True
+        if name != "bf16":  # bf16 decodes with one copy_
+            assert codec_module._compiled.get(f"{name} decode") is True
+
+
+def test_other_threads_never_compile(monkeypatch):
+    """A kernel the main thread has not compiled runs eagerly elsewhere (compiling there would
+    rewind the main thread's random numbers)."""
+    import threading
+
+    from megatron_streaming.streaming import codec as codec_module
+
+    monkeypatch.setattr(codec_module, "_compiled", {})
+    codec = make_codec("int8", 128)
+    x = torch.linspace(-1, 1, codec_module.COMPILE_MIN_NUMEL)
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(e=codec.encode(x)))
+    thread.start()
+    thread.join()
+    assert codec_module._compiled == {}
+    monkeypatch.setattr(codec_module, "COMPILE_MIN_NUMEL", 1 << 62)
+    assert torch.equal(result["e"].payload, codec.encode(x).payload)
 
 
 def test_decode_into_checks_the_buffer():

@@ -9,7 +9,7 @@ import torch
 from ..config import Config
 from ..topology import Topology
 from ..weights import global_name
-from .codec import make_codec
+from .codec import make_codec, warm_up
 from .fragments import FragmentPlan
 from .outer import OuterOptimizer
 from .schedule import SyncSchedule
@@ -85,6 +85,7 @@ def build_sync(cfg: Config, topology: Topology, engine) -> Optional[StreamingSyn
                           s.diloco_timeout,
                           wire_device=f"cuda:{torch.cuda.current_device()}" if nccl else "cpu",
                           use_cuda_stream=nccl)
+    warm_up(transport.codec, max((transport.padded_numel(g.numel) for g in groups), default=0))
     sync = StreamingSync(groups, sync_schedule(cfg), transport, outer_optimizer(cfg),
                          s.diloco_alpha, s.diloco_error_feedback,
                          s.diloco_offload_outer_state, engine.push_to_model)

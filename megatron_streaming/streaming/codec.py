@@ -38,6 +38,7 @@ raises ``ValueError`` otherwise, so an inf or NaN never reaches the wire as fini
 from __future__ import annotations
 
 import abc
+import threading
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
@@ -162,35 +163,57 @@ def _ceil_div(a: int, b: int) -> int:
 # over memory instead of one per operation: 8x faster at 256k elements, see
 # benchmarks/micro.py); smaller ones, where the compiled call's fixed cost would dominate, and
 # every tensor where compilation is unavailable, through the same functions eagerly. Both give
-# identical results (tests/test_codec.py). A process compiles each kernel once, at its first
-# large exchange, on the transport's thread (seconds; torch's on-disk cache shortens it later).
+# identical results (tests/test_codec.py).
+#
+# Kernels are compiled on the main thread only (``warm_up``, at start-up): compiling saves the
+# process's random-number state and restores it when done, so a compile on the transport's
+# thread would rewind the dropout masks the main thread drew meanwhile (a resumed run would then
+# differ from an uninterrupted one). Other threads run what the main thread compiled, in
+# Dynamo's run-only mode (a guard miss runs eagerly instead of compiling).
 COMPILE_MIN_NUMEL = 1 << 16
-_compiled: Dict[str, object] = {}
+_compiled: Dict[str, bool] = {}  # kernel name -> compiled on the main thread (False: failed)
 
 
 def _kernel(name: str, fn, numel: int):
-    if numel < COMPILE_MIN_NUMEL or _compiled.get(name, True) is None:
+    if numel < COMPILE_MIN_NUMEL or _compiled.get(name) is False:
         return fn
-    if name not in _compiled:
-        try:
-            _compiled[name] = torch.compile(fn, dynamic=True)
-        except Exception:  # no compiler for this platform: stay eager
-            _compiled[name] = None
-            return fn
-    kernel = _compiled[name]
+    if threading.current_thread() is threading.main_thread():
+        kernel = torch.compile(fn, dynamic=True)
+    elif _compiled.get(name):
+        kernel = torch._dynamo.run(fn)
+    else:
+        return fn
 
     def run(*args):
         try:
-            return kernel(*args)
+            result = kernel(*args)
         except Exception as e:  # e.g. no C++ compiler at the first call: stay eager
             import warnings
 
             warnings.warn(f"{name} codec: torch.compile failed ({type(e).__name__}: {e}); "
                           "using the eager kernels (identical results, slower)")
-            _compiled[name] = None
+            _compiled[name] = False
             return fn(*args)
+        _compiled.setdefault(name, True)
+        return result
 
     return run
+
+
+def warm_up(codec: "Codec", numel: int) -> None:
+    """Compile ``codec``'s fused kernels now, on the main thread, if tensors of ``numel``
+    elements will use them: encode, and decode into slices of a buffer as the transport does
+    (views at an offset), so its thread later finds them compiled. Draws no random numbers."""
+    if numel < COMPILE_MIN_NUMEL or threading.current_thread() is not threading.main_thread():
+        return
+    n = 4 * max(COMPILE_MIN_NUMEL, codec.block)
+    encoded = codec.encode(torch.linspace(-1.0, 1.0, n).pow(3))
+    out = torch.empty(n)
+    codec.decode(encoded, out=out)
+    payload = encoded.payload.view(2, -1)
+    scales = encoded.scales.view(2, -1) if encoded.scales is not None else [None, None]
+    for w in range(2):  # chunk views in and out, as in the transport's exchange
+        codec.decode(Encoded(payload[w], scales[w], n // 2), out=out[w * n // 2:][:n // 2])
 
 
 class _BlockCodec(Codec):
