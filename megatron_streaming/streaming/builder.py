@@ -85,7 +85,8 @@ def build_sync(cfg: Config, topology: Topology, engine) -> Optional[StreamingSyn
                           s.diloco_timeout,
                           wire_device=f"cuda:{torch.cuda.current_device()}" if nccl else "cpu",
                           use_cuda_stream=nccl)
-    warm_up(transport.codec, max((transport.padded_numel(g.numel) for g in groups), default=0))
+    warm_up(transport.codec, max((transport.padded_numel(g.numel) for g in groups), default=0),
+            transport.wire_device)
     sync = StreamingSync(groups, sync_schedule(cfg), transport, outer_optimizer(cfg),
                          s.diloco_alpha, s.diloco_error_feedback,
                          s.diloco_offload_outer_state, engine.push_to_model)

@@ -202,15 +202,16 @@ def _kernel(name: str, fn, numel: int):
     return run
 
 
-def warm_up(codec: "Codec", numel: int) -> None:
-    """Compile ``codec``'s fused kernels now, on the main thread, if tensors of ``numel``
-    elements will use them: encode, and decode into slices of a buffer as the transport does
-    (views at an offset), so its thread later finds them compiled. Draws no random numbers."""
+def warm_up(codec: "Codec", numel: int, device: torch.device | str = "cpu") -> None:
+    """Compile ``codec``'s fused kernels for ``device`` now, on the main thread, if tensors of
+    ``numel`` elements will use them: encode, and decode into slices of a buffer as the
+    transport does (views at an offset), so its thread later finds them compiled. Draws no
+    random numbers."""
     if numel < COMPILE_MIN_NUMEL or threading.current_thread() is not threading.main_thread():
         return
     n = 4 * max(COMPILE_MIN_NUMEL, codec.block)
-    encoded = codec.encode(torch.linspace(-1.0, 1.0, n).pow(3))
-    out = torch.empty(n)
+    encoded = codec.encode(torch.linspace(-1.0, 1.0, n, device=device).pow(3))
+    out = torch.empty(n, device=device)
     codec.decode(encoded, out=out)
     payload = encoded.payload.view(2, -1)
     scales = encoded.scales.view(2, -1) if encoded.scales is not None else [None, None]
