@@ -213,28 +213,27 @@ def warm_up(codec: "Codec", numel: int, device: torch.device | str = "cpu") -> N
     encoded = codec.encode(torch.linspace(-1.0, 1.0, n, device=device).pow(3))
     out = torch.empty(n, device=device)
     codec.decode(encoded, out=out)
+    half = n // 2
     payload = encoded.payload.view(2, -1)
     scales = encoded.scales.view(2, -1) if encoded.scales is not None else [None, None]
     for w in range(2):  # chunk views in and out, as in the transport's exchange
-        codec.decode(Encoded(payload[w], scales[w], n // 2), out=out[w * n // 2:][:n // 2])
+        codec.decode(Encoded(payload[w], scales[w], half), out=out[w * half:(w + 1) * half])
 
 
 class _BlockCodec(Codec):
     """A codec with one fp32 scale per block of ``block`` consecutive elements.
 
     Subclasses give row functions: ``_encode_rows(rows (nb, b)) -> (payload rows, scales (nb,))``
-    and ``_decode_rows(payload rows, scales, out rows)``. Whole blocks go through them as one
-    (nb, block) matrix (fused when large); the short last block, if any, as one more row of its
-    own length (``_tail_multiple`` rounds it up with zeros, which leave its absmax unchanged).
+    and ``_decode_rows(payload rows, scales, out rows)``, with ``_codes_per_item`` codes in
+    each payload element. Whole blocks go through them as one (nb, block) matrix (fused when
+    large); the short last block, if any, as one more row of its own length, rounded up with
+    zeros (which leave its absmax unchanged) to a whole number of payload elements.
     """
 
-    _tail_multiple = 1
+    _codes_per_item = 1
 
     def __init__(self, block: int):
         self.block = block
-
-    def _payload_per_block(self, b: int) -> int:
-        return b
 
     def encode(self, x: torch.Tensor) -> Encoded:
         self._check_input(x)
@@ -244,7 +243,7 @@ class _BlockCodec(Codec):
         payload = payload.flatten()
         if whole < x.numel():
             tail = x[whole:]
-            tail = torch.nn.functional.pad(tail, (0, -tail.numel() % self._tail_multiple))
+            tail = torch.nn.functional.pad(tail, (0, -tail.numel() % self._codes_per_item))
             tail_payload, tail_scale = self._encode_rows(tail.view(1, -1))
             payload = torch.cat((payload, tail_payload.flatten()))
             scales = torch.cat((scales, tail_scale))
@@ -256,19 +255,17 @@ class _BlockCodec(Codec):
         out = self._output(e, out)
         whole = e.numel - e.numel % self.block
         blocks = whole // self.block
-        head = blocks * self._payload_per_block(self.block)
+        head = whole // self._codes_per_item
         _kernel(f"{self.name} decode", self._decode_rows, whole)(
-            e.payload[:head].view(blocks, self._payload_per_block(self.block)), e.scales[:blocks], out[:whole].view(-1, self.block))
+            e.payload[:head].view(blocks, self.block // self._codes_per_item),
+            e.scales[:blocks], out[:whole].view(-1, self.block))
         if whole < e.numel:
             tail = e.payload[head:]
-            values = torch.empty(self._tail_rows(tail.numel()), dtype=torch.float32,
+            values = torch.empty(tail.numel() * self._codes_per_item, dtype=torch.float32,
                                  device=out.device)
             self._decode_rows(tail.view(1, -1), e.scales[blocks:], values.view(1, -1))
             out[whole:] = values[: e.numel - whole]
         return out
-
-    def _tail_rows(self, payload_numel: int) -> int:
-        return payload_numel
 
 
 class Int8Codec(_BlockCodec):
@@ -368,13 +365,7 @@ class Fp4Codec(_BlockCodec):
     """
 
     name = "fp4"
-    _tail_multiple = 2
-
-    def _payload_per_block(self, b: int) -> int:
-        return b // 2
-
-    def _tail_rows(self, payload_numel: int) -> int:
-        return 2 * payload_numel
+    _codes_per_item = 2  # two nibbles per byte
 
     @staticmethod
     def _encode_rows(rows: torch.Tensor):

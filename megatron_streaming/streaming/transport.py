@@ -167,14 +167,13 @@ class Transport:
         if encoded.scales is not None:
             parts.append(encoded.scales.view(M, -1))
         received = [_all_to_all(p.contiguous(), self.group) for p in parts]
-        total = torch.empty(chunk, dtype=torch.float32, device=encoded.payload.device)
+        def chunk_of(w):
+            return Encoded(received[0][w], received[1][w] if len(received) > 1 else None, chunk)
+
+        total = self.codec.decode(chunk_of(0))
         part = torch.empty_like(total)
-        for w in range(M):  # fixed order: the sum is the same on every run
-            scales = received[1][w] if len(received) > 1 else None
-            decoded = self.codec.decode(Encoded(received[0][w], scales, chunk),
-                                        out=total if w == 0 else part)
-            if w:
-                total += decoded
+        for w in range(1, M):  # fixed order: the sum is the same on every run
+            total += self.codec.decode(chunk_of(w), out=part)
         per_chunk = encoded.nbytes() // M
         return total / M, per_chunk * (M - 1), per_chunk * (M - 1)
 
