@@ -17,11 +17,11 @@ def main(argv=None) -> int:
     from megatron_streaming.errors import JobFailure, UsageError
     from megatron_streaming.train import pretrain
 
-    cfg = parse_args(argv)
     try:
-        pretrain(cfg)
-    except UsageError as e:  # bad input: one line naming the flag; bugs keep their traceback
-        print(f"pretrain_gpt.py: error: {e}", file=sys.stderr, flush=True)
+        pretrain(parse_args(argv))
+    except UsageError as e:  # bad input: a line per problem; bugs keep their traceback
+        for line in str(e).splitlines():
+            print(f"pretrain_gpt.py: error: {line}", file=sys.stderr, flush=True)
         return 2
     except JobFailure as e:
         # Fatal for this job. A background thread may still sit in a dead collective, and

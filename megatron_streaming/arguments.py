@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import sys
 import typing
 from typing import List, Optional, Sequence
 
@@ -33,27 +34,36 @@ def _base_type(tp):
 def _add_field(group, f: dataclasses.Field, hints) -> None:
     meta = dict(f.metadata)
     help_text = meta.pop("help")
-    flag = meta.pop("flag", flag_name(f.name))
+    flags = [meta.pop("flag", flag_name(f.name)), *meta.pop("aliases", [])]
     tp = _base_type(hints[f.name])
     default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
     if tp is bool:
         if default:
-            group.add_argument("--no-" + flag[2:], dest=f.name, action="store_false",
-                               help=f"Turn off: {help_text}")
+            group.add_argument(*["--no-" + flag[2:] for flag in flags], dest=f.name,
+                               action="store_false", help=f"Turn off: {help_text}")
         else:
-            group.add_argument(flag, dest=f.name, action="store_true", help=help_text)
+            group.add_argument(*flags, dest=f.name, action="store_true", help=help_text)
         return
     if typing.get_origin(hints[f.name]) in (list, List):
         tp = str
-    if "choices" in meta and default is not None:
+    if default not in (None, []):
         help_text += f" (default {default})"
-    elif default not in (None, []):
-        help_text += f" (default {default})"
-    group.add_argument(flag, dest=f.name, type=tp, default=default, help=help_text, **meta)
+    group.add_argument(*flags, dest=f.name, **{"type": tp, "default": default,
+                                                "help": help_text, **meta})
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad flag is one line (a ConfigError), never the usage dump."""
+
+    def error(self, message):
+        raise ConfigError(message)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    from . import megatron_flags
+
+    parser = _Parser(
+        prog="pretrain_gpt.py",
         description="Train a GPT with Megatron-core inside DeepSpeed ZeRO, as one or more "
         "DiLoCo workers.", allow_abbrev=False)
     # Launchers pass this; LOCAL_RANK in the environment is what we use.
@@ -65,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             _add_field(group, f, hints)
+    megatron_flags.add_to_parser(parser)
     return parser
 
 
@@ -77,7 +88,56 @@ def config_from_namespace(ns: argparse.Namespace) -> Config:
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> Config:
-    return config_from_namespace(build_parser().parse_args(argv))
+    """Flags -> Config. Megatron-LM / Megatron-DeepSpeed flags that are not ours are mapped,
+    accepted or refused (``megatron_flags``); an unknown flag is refused by name. Every
+    problem is one line of the ConfigError; notes on accepted flags go to ``cfg.notes``."""
+    from . import megatron_flags
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    namespace, unknown = parser.parse_known_args(argv)
+    problems = _unknown_lines(argv, unknown, parser)
+    cfg = config_from_namespace(namespace)
+    try:
+        cfg.notes = megatron_flags.apply(cfg, namespace, megatron_flags.given_flags(argv))
+    except megatron_flags.Refusal as e:
+        problems.extend(str(e).splitlines())
+    if problems:
+        raise ConfigError("\n".join(problems))
+    return cfg
+
+
+def _unknown_lines(argv: Sequence[str], unknown: Sequence[str],
+                   parser: argparse.ArgumentParser) -> List[str]:
+    """One line per flag nothing takes (the values right after it need no line of their
+    own) and per stray value."""
+    from collections import Counter
+
+    left, lines, in_unknown_flag = Counter(unknown), [], False
+    for token in argv:
+        if not left[token]:
+            in_unknown_flag = False
+            continue
+        left[token] -= 1
+        if token.startswith("-"):
+            lines.append(_unknown_flag(token, parser))
+            in_unknown_flag = True
+        elif not in_unknown_flag:
+            lines.append(f"unexpected value {token!r} (no flag before it takes a value)")
+    return lines
+
+
+def _unknown_flag(token: str, parser: argparse.ArgumentParser) -> str:
+    """One line for a flag nothing takes, with the nearest known flag if one is close."""
+    import difflib
+
+    flag = token.split("=", 1)[0]
+    close = difflib.get_close_matches(flag, list(parser._option_string_actions), n=1,
+                                      cutoff=0.8)
+    hint = f"; did you mean {close[0]}?" if close else \
+        "; see the README's table of Megatron flags and `pretrain_gpt.py --help`"
+    return f"unrecognized argument {flag}: not a flag of this pretrain_gpt.py nor a known " \
+           f"Megatron-LM / Megatron-DeepSpeed flag{hint}"
 
 
 def world_size_from_env() -> int:
@@ -112,20 +172,24 @@ def validate(cfg: Config, world_size: int) -> None:
     _require(m.num_layers % pp == 0,
              f"--num-layers ({m.num_layers}) is not divisible by "
              f"--pipeline-model-parallel-size ({pp})")
-    ffn = m.ffn_hidden_size or 4 * m.hidden_size
+    ffn = m.ffn_size()
     _require(ffn % tp == 0, f"--ffn-hidden-size ({ffn}) is not divisible by "
              f"--tensor-model-parallel-size ({tp})")
+    _validate_attention(m, tp)
+    if p.sequence_parallel and tp == 1:  # Megatron-LM does the same
+        p.sequence_parallel = False
+        cfg.adjustments.append("--sequence-parallel switched off: it needs "
+                               "--tensor-model-parallel-size > 1")
     if p.sequence_parallel:
-        _require(tp > 1, "--sequence-parallel needs --tensor-model-parallel-size > 1, got "
-                 f"{tp}")
         _require(m.seq_length % tp == 0,
                  f"--seq-length ({m.seq_length}) is not divisible by "
                  f"--tensor-model-parallel-size ({tp}) as --sequence-parallel needs")
     max_pos = m.max_position_embeddings or m.seq_length
-    _require(m.position_embedding_type == "rope" or max_pos >= m.seq_length,
+    _require(m.position_embedding_type != "learned_absolute" or max_pos >= m.seq_length,
              f"--max-position-embeddings ({max_pos}) is smaller than --seq-length "
              f"({m.seq_length})")
     _validate_layer_kinds(cfg)
+    _validate_gpu_features(cfg)
     _validate_streaming(cfg)
     _validate_zero(cfg, pp)
     _validate_batches(cfg, dp)
@@ -139,6 +203,25 @@ def validate(cfg: Config, world_size: int) -> None:
     _validate_checkpoint(cfg)
 
 
+def _validate_attention(m, tp: int) -> None:
+    """Grouped-query attention, head size and RoPE: checked before megatron asserts."""
+    groups = m.query_groups()
+    _require(groups > 0, f"--num-query-groups must be > 0, got {groups}")
+    _require(m.num_attention_heads % groups == 0,
+             f"--num-attention-heads ({m.num_attention_heads}) is not divisible by "
+             f"--num-query-groups ({groups})")
+    # megatron-core also handles fewer groups than TP ranks by replicating key/value heads;
+    # that layout is not layout-free here (each rank would hold a copy), so it is refused.
+    _require(groups % tp == 0,
+             f"--num-query-groups ({groups}) is not divisible by --tensor-model-parallel-size "
+             f"({tp})")
+    _require(m.kv_channels is None or m.kv_channels > 0,
+             f"--kv-channels must be > 0, got {m.kv_channels}")
+    _require(0.0 < m.rotary_percent <= 1.0,
+             f"--rotary-percent must be in (0, 1], got {m.rotary_percent}")
+    _require(m.rotary_base > 0, f"--rotary-base must be > 0, got {m.rotary_base}")
+
+
 def _validate_layer_kinds(cfg: Config) -> None:
     """Ulysses and Ladder residual: checked up front (an uneven Ulysses split hangs gloo)."""
     m, p = cfg.model, cfg.parallel
@@ -146,7 +229,7 @@ def _validate_layer_kinds(cfg: Config) -> None:
         if p.ds_sequence_parallel_size > 1:
             from .ulysses import check_ulysses
 
-            check_ulysses(m.num_attention_heads, None, p.tensor_model_parallel_size,
+            check_ulysses(m.num_attention_heads, m.query_groups(), p.tensor_model_parallel_size,
                           p.ds_sequence_parallel_size, m.seq_length, p.sequence_parallel)
         if m.ladder_residual or m.ladder_layers:
             from .ladder import ladder_layer_set
@@ -161,6 +244,30 @@ def _validate_layer_kinds(cfg: Config) -> None:
              "--ladder-residual / --ladder-layers need --transformer-impl local (or auto)")
     _require(not (p.ds_sequence_parallel_size > 1 and m.transformer_impl == "transformer_engine"),
              "--ds-sequence-parallel-size > 1 needs --transformer-impl local (or auto)")
+
+
+def _validate_gpu_features(cfg: Config) -> None:
+    """FP8 and the flash/fused attention kernels exist only in Transformer Engine's layers on
+    a GPU: one line per flag where they cannot run."""
+    flags = cfg.te.gpu_only_flags()
+    if not flags:
+        return
+    from .model import have_transformer_engine
+
+    import torch
+
+    if not (torch.cuda.is_available() and have_transformer_engine()):
+        raise ConfigError("\n".join(
+            f"{flag}: needs Transformer Engine on a GPU, which this machine lacks; drop it "
+            "(attention then runs megatron-core's unfused kernel, the same math)"
+            for flag in flags))
+    m, p = cfg.model, cfg.parallel
+    local_only = [name for name, on in (
+        ("--transformer-impl local", m.transformer_impl == "local"),
+        ("--ladder-residual / --ladder-layers", m.ladder_residual or m.ladder_layers),
+        ("--ds-sequence-parallel-size > 1", p.ds_sequence_parallel_size > 1)) if on]
+    _require(not local_only, f"{', '.join(flags)} need Transformer Engine's layers, which "
+             f"{local_only[0] if local_only else ''} replaces with megatron-core's local ones")
 
 
 def _validate_streaming(cfg: Config) -> None:
@@ -180,10 +287,13 @@ def _validate_streaming(cfg: Config) -> None:
              f"--diloco-control-lag must be >= 1, got {s.diloco_control_lag}")
     import torch
 
-    for flag, backend in (("--diloco-backend", s.diloco_backend),
-                          ("--distributed-backend", cfg.parallel.distributed_backend)):
-        _require(backend != "nccl" or torch.cuda.is_available(),
-                 f"{flag} nccl needs CUDA, and this machine has no GPU")
+    _require(s.diloco_backend != "nccl" or torch.cuda.is_available(),
+             "--diloco-backend nccl needs CUDA, and this machine has no GPU")
+    if cfg.parallel.distributed_backend == "nccl" and not torch.cuda.is_available():
+        # Megatron launch scripts pass it as a matter of course; on CPU gloo is the only one.
+        cfg.parallel.distributed_backend = "gloo"
+        cfg.adjustments.append("--distributed-backend nccl: this machine has no GPU; "
+                               "using gloo")
     try:
         builder.fragment_plan(cfg)
         builder.sync_schedule(cfg)

@@ -13,6 +13,11 @@ from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
 
+def canonical_normalization(value: str) -> str:
+    """``rmsnorm`` / ``layernorm`` (Megatron-DeepSpeed's spelling) -> megatron-core's names."""
+    return {"layernorm": "LayerNorm", "rmsnorm": "RMSNorm"}.get(value.lower(), value)
+
+
 def arg(default: Any, help: str, **extra: Any) -> Any:
     """A dataclass field whose metadata feeds the flag generator (``choices``, ``flag``...)."""
     meta = {"help": help, **extra}
@@ -28,13 +33,36 @@ class ModelConfig:
     num_layers: int = arg(2, "Number of transformer layers.")
     hidden_size: int = arg(64, "Transformer hidden size.")
     num_attention_heads: int = arg(4, "Number of attention heads.")
-    ffn_hidden_size: Optional[int] = arg(None, "MLP hidden size (default 4 x hidden size).")
+    ffn_hidden_size: Optional[int] = arg(
+        None, "MLP hidden size (default 4 x hidden size; with --swiglu, 2/3 of that rounded "
+        "down to a multiple of 64, as Megatron-LM does).")
+    swiglu: bool = arg(False, "SwiGLU MLP: silu(x W_gate) * (x W_up), as in Llama.")
+    group_query_attention: bool = arg(
+        False, "Grouped-query attention: --num-query-groups key/value heads shared by the "
+        "query heads.")
+    num_query_groups: Optional[int] = arg(
+        None, "Key/value head groups with --group-query-attention (ignored without it, as in "
+        "Megatron-LM; Megatron-DeepSpeed's --num-key-value-heads N sets both).")
+    kv_channels: Optional[int] = arg(
+        None, "Head dimension (default --hidden-size / --num-attention-heads).")
     seq_length: int = arg(64, "Tokens per sample.")
     max_position_embeddings: Optional[int] = arg(
         None, "Learned position table size (default: --seq-length).")
     position_embedding_type: str = arg(
-        "learned_absolute", "Position embedding.", choices=["learned_absolute", "rope"])
-    normalization: str = arg("LayerNorm", "Norm layer.", choices=["LayerNorm", "RMSNorm"])
+        "learned_absolute", "Position embedding ('none': no position embedding).",
+        choices=["learned_absolute", "rope", "none"])
+    rotary_base: int = arg(10000, "RoPE base period (Llama 3: 500000).")
+    rotary_percent: float = arg(1.0, "Fraction of each head's dimensions that RoPE rotates.")
+    use_rope_scaling: bool = arg(
+        False, "Llama 3.1's RoPE frequency scaling (factor --rope-scaling-factor).")
+    rope_scaling_factor: float = arg(8.0, "RoPE scaling factor with --use-rope-scaling.")
+    normalization: str = arg("LayerNorm", "Norm layer (case-insensitive).",
+                             choices=["LayerNorm", "RMSNorm"], type=canonical_normalization)
+    norm_epsilon: float = arg(1e-5, "Epsilon of the norm layers.",
+                              aliases=["--layernorm-epsilon"])
+    apply_layernorm_1p: bool = arg(
+        False, "Zero-centred norm weights: the norm scales by weight + 1, weight starting at "
+        "0 (Megatron-LM's Llama 3 script).")
     untie_embeddings_and_output_weights: bool = arg(
         False, "Give the output layer its own weight instead of the input embedding's.")
     disable_bias_linear: bool = arg(False, "No biases in the linear layers.")
@@ -55,6 +83,22 @@ class ModelConfig:
         "or 'all', comma-separated (e.g. last:8 = the upper 8 layers).")
 
 
+    def ffn_size(self) -> int:
+        """The MLP width Megatron-LM derives when --ffn-hidden-size is not given."""
+        if self.ffn_hidden_size:
+            return self.ffn_hidden_size
+        if self.swiglu:
+            return int((4 * self.hidden_size * 2 / 3) / 64) * 64
+        return 4 * self.hidden_size
+
+    def query_groups(self) -> int:
+        """Key/value heads: --num-query-groups under --group-query-attention, else one per
+        attention head."""
+        if self.group_query_attention and self.num_query_groups:
+            return self.num_query_groups
+        return self.num_attention_heads
+
+
 @dataclass
 class ParallelConfig:
     """Parallelism inside one worker, and the number of workers."""
@@ -72,12 +116,47 @@ class ParallelConfig:
         "auto", "torch.distributed backend (auto: nccl with CUDA, else gloo).",
         choices=["auto", "gloo", "nccl"])
     distributed_timeout_minutes: float = arg(10.0, "Timeout of in-worker collectives.")
+    overlap_grad_reduce: bool = arg(
+        False, "Overlap the data-parallel gradient reduction with the backward (DeepSpeed's "
+        "overlap_comm).")
     master_addr: Optional[str] = arg(
         None, "Rendezvous host of the whole job (global rank 0's node) when each worker is "
         "launched on its own (--diloco-worker-index); default: the launcher's MASTER_ADDR.")
     master_port: Optional[int] = arg(
         None, "Rendezvous port that goes with --master-addr; default: the launcher's "
         "MASTER_PORT.")
+
+
+@dataclass
+class TransformerEngineConfig:
+    """GPU-only features, through Transformer Engine when it is importable on a GPU; refused
+    on a machine without them."""
+
+    attention_backend: str = arg(
+        "auto", "Attention kernel: flash and fused need Transformer Engine on a GPU; auto, "
+        "unfused and local run megatron-core's own attention anywhere.",
+        choices=["auto", "flash", "fused", "unfused", "local"])
+    fp8_format: Optional[str] = arg(
+        None, "FP8 training through Transformer Engine: e4m3 or hybrid.",
+        choices=["e4m3", "hybrid"])
+    fp8_recipe: str = arg("delayed", "Transformer Engine FP8 scaling recipe.",
+                          choices=["delayed", "tensorwise", "mxfp8", "blockwise"])
+    fp8_margin: int = arg(0, "FP8 scaling margin.")
+    fp8_amax_history_len: int = arg(1, "FP8 amax history length.")
+    fp8_amax_compute_algo: str = arg("most_recent", "FP8 amax from the history.",
+                                     choices=["most_recent", "max"])
+    fp8_param_gather: bool = arg(False, "Keep parameters in FP8 (Transformer Engine).")
+
+    def gpu_only_flags(self) -> list:
+        """The flags given that need Transformer Engine on a GPU."""
+        flags = []
+        if self.attention_backend in ("flash", "fused"):
+            flags.append(f"--attention-backend {self.attention_backend}")
+        if self.fp8_format:
+            flags.append(f"--fp8-format {self.fp8_format}")
+        if self.fp8_param_gather:
+            flags.append("--fp8-param-gather")
+        return flags
 
 
 @dataclass
@@ -209,6 +288,7 @@ class Config:
 
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    te: TransformerEngineConfig = field(default_factory=TransformerEngineConfig)
     streaming: StreamingConfig = field(default_factory=StreamingConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
@@ -216,8 +296,14 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
+    # Megatron flags that were accepted or mapped (``megatron_flags``), logged once per job
+    # at start-up; and what validation switched off where Megatron is lenient, warned once.
+    notes: List[str] = field(default_factory=list, metadata={"section": False})
+    adjustments: List[str] = field(default_factory=list, metadata={"section": False})
+
     def sections(self):
-        return [(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)]
+        return [(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)
+                if f.metadata.get("section", True)]
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

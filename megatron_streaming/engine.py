@@ -58,7 +58,8 @@ def deepspeed_config(cfg: Config) -> dict:
         # their number; DeepSpeed must not divide again.
         "gradient_accumulation_steps": 1,
         "managed_gradient_accumulation": False,
-        "zero_optimization": {"stage": cfg.parallel.zero_stage},
+        "zero_optimization": {"stage": cfg.parallel.zero_stage,
+                              "overlap_comm": cfg.parallel.overlap_grad_reduce},
         # DeepSpeed's default is 1.0: always say what we mean.
         "gradient_clipping": o.clip_grad,
         "steps_per_print": 2**62,

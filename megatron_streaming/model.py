@@ -8,10 +8,11 @@ Ladder residual) plug in; nothing here forks Megatron's files.
 from __future__ import annotations
 
 import logging
+from typing import Optional
 
 import torch
 
-from .config import ModelConfig, ParallelConfig
+from .config import ModelConfig, ParallelConfig, TransformerEngineConfig
 from .topology import Topology
 
 log = logging.getLogger(__name__)
@@ -61,8 +62,27 @@ def layer_spec(model_cfg: ModelConfig, sp_group=None):
     return gpt_layer_specs.get_gpt_layer_local_spec(normalization=model_cfg.normalization)
 
 
-def transformer_config(model_cfg: ModelConfig, parallel_cfg: ParallelConfig):
+def transformer_engine_settings(te_cfg: Optional[TransformerEngineConfig]) -> dict:
+    """TransformerConfig fields of the GPU-only features (validated to have TE and a GPU)."""
+    if te_cfg is None:
+        return {}
+    from megatron.core.transformer.enums import AttnBackend
+
+    settings = {"attention_backend": AttnBackend[te_cfg.attention_backend]}
+    if te_cfg.fp8_format:
+        settings.update(fp8=te_cfg.fp8_format, fp8_recipe=te_cfg.fp8_recipe,
+                        fp8_margin=te_cfg.fp8_margin,
+                        fp8_amax_history_len=te_cfg.fp8_amax_history_len,
+                        fp8_amax_compute_algo=te_cfg.fp8_amax_compute_algo,
+                        fp8_param=te_cfg.fp8_param_gather)
+    return settings
+
+
+def transformer_config(model_cfg: ModelConfig, parallel_cfg: ParallelConfig,
+                       te_cfg: Optional[TransformerEngineConfig] = None):
     from megatron.core.transformer.transformer_config import TransformerConfig
+
+    import torch.nn.functional as F
 
     dtype = torch.bfloat16 if model_cfg.bf16 else torch.float32
     on_gpu = torch.cuda.is_available()
@@ -70,8 +90,14 @@ def transformer_config(model_cfg: ModelConfig, parallel_cfg: ParallelConfig):
         num_layers=model_cfg.num_layers,
         hidden_size=model_cfg.hidden_size,
         num_attention_heads=model_cfg.num_attention_heads,
-        ffn_hidden_size=model_cfg.ffn_hidden_size or 4 * model_cfg.hidden_size,
+        num_query_groups=model_cfg.query_groups(),
+        kv_channels=model_cfg.kv_channels,
+        ffn_hidden_size=model_cfg.ffn_size(),
+        gated_linear_unit=model_cfg.swiglu,
+        activation_func=F.silu if model_cfg.swiglu else F.gelu,
         normalization=model_cfg.normalization,
+        layernorm_epsilon=model_cfg.norm_epsilon,
+        layernorm_zero_centered_gamma=model_cfg.apply_layernorm_1p,
         add_bias_linear=not model_cfg.disable_bias_linear,
         hidden_dropout=model_cfg.hidden_dropout,
         attention_dropout=model_cfg.attention_dropout,
@@ -92,15 +118,16 @@ def transformer_config(model_cfg: ModelConfig, parallel_cfg: ParallelConfig):
         masked_softmax_fusion=on_gpu,
         persist_layer_norm=on_gpu,
         apply_rope_fusion=False,
+        **transformer_engine_settings(te_cfg),
     )
 
 
 def build_model(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, topology: Topology,
-                vocab_size: int):
+                vocab_size: int, te_cfg: Optional[TransformerEngineConfig] = None):
     """This rank's pipeline stage of the GPT, its TP shard, on this rank's device."""
     from megatron.core.models.gpt import GPTModel
 
-    config = transformer_config(model_cfg, parallel_cfg)
+    config = transformer_config(model_cfg, parallel_cfg, te_cfg)
     spec = layer_spec(model_cfg, topology.groups.get("sp"))
     if model_cfg.ladder_residual or model_cfg.ladder_layers:
         from .ladder import ladder_block_spec, ladder_layer_set
@@ -118,6 +145,10 @@ def build_model(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, topology: 
         post_process=topology.is_last_stage,
         share_embeddings_and_output_weights=not model_cfg.untie_embeddings_and_output_weights,
         position_embedding_type=model_cfg.position_embedding_type,
+        rotary_percent=model_cfg.rotary_percent,
+        rotary_base=model_cfg.rotary_base,
+        rope_scaling=model_cfg.use_rope_scaling,
+        rope_scaling_factor=model_cfg.rope_scaling_factor,
         pg_collection=topology.pg_collection(),
     )
     if topology.layout.sp > 1 and model_cfg.position_embedding_type == "rope":

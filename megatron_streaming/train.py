@@ -87,6 +87,10 @@ class Run:
         self.liveness = Liveness(self.topology)
         self.stop = StopAgreement(self.topology, self.stop_request, s.diloco_control_lag)
         setup_logging(self.topology.is_logging_rank())
+        for note in cfg.notes:
+            log.info("flag %s", note)
+        for adjustment in cfg.adjustments:
+            log.warning("%s", adjustment)
         log.info("layout: %s; patches: %s", self.topology.describe(),
                  ", ".join(self.patches) or "none")
 
@@ -96,14 +100,16 @@ class Run:
 
         cfg, topo = self.cfg, self.topology
         distributed.seed_everything(cfg.training.seed, topo.tp_rank)
-        self.model = build_model(cfg.model, cfg.parallel, topo, self.tokenizer.vocab_size)
+        self.model = build_model(cfg.model, cfg.parallel, topo, self.tokenizer.vocab_size,
+                                 cfg.te)
         tied = not cfg.model.untie_embeddings_and_output_weights
         weights.initialize_weights(
             self.model, seed=cfg.training.seed, std=cfg.model.init_method_std,
             num_layers=cfg.model.num_layers,
             layer_offset=topo.pp_rank * (cfg.model.num_layers // topo.layout.pp),
             tp_rank=topo.tp_rank, tp_size=topo.layout.tp,
-            tied_output_name="embedding.word_embeddings.weight" if tied else None)
+            tied_output_name="embedding.word_embeddings.weight" if tied else None,
+            gated_mlp=cfg.model.swiglu, zero_centered_norms=cfg.model.apply_layernorm_1p)
 
     def _build_engine_and_sync(self) -> None:
         from .checkpoint import Checkpointer

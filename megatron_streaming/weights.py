@@ -36,32 +36,51 @@ def _draw(name: str, shape, std: float, seed: int) -> torch.Tensor:
     return torch.empty(shape).normal_(0.0, std, generator=gen)
 
 
-def init_value(name: str, shape, std: float, num_layers: int, seed: int) -> torch.Tensor:
-    """Megatron's scheme: N(0, std); std/sqrt(2L) for residual-branch outputs; norms 1, 0."""
+def init_value(name: str, shape, std: float, num_layers: int, seed: int,
+               zero_centered_norms: bool = False) -> torch.Tensor:
+    """Megatron's scheme: N(0, std); std/sqrt(2L) for residual-branch outputs; norms 1, 0
+    (weights 0 for zero-centred norms, which scale by weight + 1)."""
     leaf = name.rsplit(".", 1)[-1]
     is_norm = "norm" in name
     if leaf == "bias":
         return torch.zeros(shape)
     if is_norm:
-        return torch.ones(shape)
+        return torch.zeros(shape) if zero_centered_norms else torch.ones(shape)
     if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
         std = std / math.sqrt(2.0 * num_layers)
     return _draw(name, shape, std, seed)
 
 
+def tp_shard(name: str, full: torch.Tensor, partition_dim: int, tp_rank: int, tp_size: int,
+             gated: bool) -> torch.Tensor:
+    """This TP rank's slice of a full (TP=1) tensor.
+
+    A gated MLP's ``linear_fc1`` (SwiGLU) holds ``[gate; up]`` at TP=1, but each TP rank
+    holds ``[gate_r; up_r]``: the rank's rows of both halves (megatron-core's MLP splits its
+    local output in two), so a plain chunk of the full tensor would be another model."""
+    if gated and ".linear_fc1." in f".{name}":
+        halves = full.chunk(2, dim=partition_dim)
+        return torch.cat([h.chunk(tp_size, dim=partition_dim)[tp_rank] for h in halves],
+                         dim=partition_dim)
+    return full.chunk(tp_size, dim=partition_dim)[tp_rank]
+
+
 @torch.no_grad()
 def initialize_weights(model, *, seed: int, std: float, num_layers: int, layer_offset: int,
-                       tp_rank: int, tp_size: int, tied_output_name: str = None) -> None:
+                       tp_rank: int, tp_size: int, tied_output_name: str = None,
+                       gated_mlp: bool = False, zero_centered_norms: bool = False) -> None:
     """Overwrite every parameter of this rank's model chunk with its layout-free value.
 
     ``tied_output_name``: on a last stage that holds its own copy of the tied embedding,
     the copy gets the embedding's value, as Megatron's embedding-group all-reduce would do.
+    ``gated_mlp``: the MLP's first linear holds gate and up projections (``tp_shard``).
     """
     for name, param in model.named_parameters():
         gname = global_name(name, layer_offset)
         if tied_output_name and name == "output_layer.weight":
             gname = tied_output_name
-        full = init_value(gname, _full_shape(param, tp_size), std, num_layers, seed)
+        full = init_value(gname, _full_shape(param, tp_size), std, num_layers, seed,
+                          zero_centered_norms)
         if getattr(param, "tensor_model_parallel", False):
-            full = full.chunk(tp_size, dim=param.partition_dim)[tp_rank]
+            full = tp_shard(gname, full, param.partition_dim, tp_rank, tp_size, gated_mlp)
         param.copy_(full.to(param.dtype))

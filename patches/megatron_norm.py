@@ -1,18 +1,24 @@
-"""Sequence parallelism with torch's LayerNorm/RMSNorm (megatron-core 0.16.1, no apex).
+"""Torch norms that do what apex's FusedLayerNorm does (megatron-core 0.16.1, no apex).
 
 Why: without apex, the local GPT spec (``get_gpt_layer_local_spec``, and ``LocalSpecProvider``)
 builds its norms with ``transformer.torch_norm.WrappedTorchNorm``, whose ``__new__`` asserts
-``not config.sequence_parallel``. Nothing about a torch norm is incompatible with sequence
-parallelism: it normalizes each token over the hidden dimension, so running it on a sequence
-shard is exactly what megatron's apex ``FusedLayerNorm`` does. The one missing piece is that
-each TP rank then sees only its shard, so the norm's weight/bias gradients are partial sums
-that must be all-reduced over the TP group. ``FusedLayerNorm`` marks its parameters with
-``sequence_parallel=True`` for that; ``finalize_model_grads`` (and any caller-side grad sync)
-all-reduces exactly the parameters so marked.
+``not config.sequence_parallel`` and ``not config.layernorm_zero_centered_gamma``. Neither is
+incompatible with a torch norm:
 
-Fix: wrap ``WrappedTorchNorm.__new__``: with sequence parallelism on, build the norm from a
-shallow copy of the config with ``sequence_parallel=False`` (the caller's config is never
-mutated) and set ``sequence_parallel=True`` on the norm's parameters.
+* Sequence parallelism: a norm normalizes each token over the hidden dimension, so running it
+  on a sequence shard is exactly what megatron's apex ``FusedLayerNorm`` does. The one
+  missing piece is that each TP rank then sees only its shard, so the norm's weight/bias
+  gradients are partial sums that must be all-reduced over the TP group. ``FusedLayerNorm``
+  marks its parameters with ``sequence_parallel=True`` for that; ``finalize_model_grads`` (and
+  any caller-side grad sync) all-reduces exactly the parameters so marked.
+* Zero-centred weights (Megatron-LM's ``--apply-layernorm-1p``, used by its Llama 3 script):
+  the norm scales by ``weight + 1`` and its weight starts at 0, as ``FusedLayerNorm`` and
+  Transformer Engine's norms do with ``zero_centered_gamma``.
+
+Fix: wrap ``WrappedTorchNorm.__new__``: build the norm from a shallow copy of the config with
+both switched off (the caller's config is never mutated); with sequence parallelism set
+``sequence_parallel=True`` on the norm's parameters; with zero-centred weights give the norm
+a subclass whose forward adds 1 to the weight, and zero the weight.
 
 Needed whenever apex is not importable, since that alone makes megatron pick WrappedTorchNorm
 for the local spec (Transformer Engine does not change that choice; its own spec uses TENorm).
@@ -32,6 +38,29 @@ def _is_needed() -> bool:
     return not optional.HAVE_APEX
 
 
+def _zero_centered(norm):
+    """The same norm scaling by ``weight + 1``, weight zeroed."""
+    import torch
+    import torch.nn.functional as F
+
+    class ZeroCenteredLayerNorm(torch.nn.LayerNorm):
+        def forward(self, x):
+            return F.layer_norm(x, self.normalized_shape, self.weight + 1, self.bias, self.eps)
+
+    class ZeroCenteredRMSNorm(torch.nn.RMSNorm):
+        def forward(self, x):
+            return F.rms_norm(x, self.normalized_shape, self.weight + 1, self.eps)
+
+    for base, cls in ((torch.nn.LayerNorm, ZeroCenteredLayerNorm),
+                      (torch.nn.RMSNorm, ZeroCenteredRMSNorm)):
+        if type(norm) is base:
+            norm.__class__ = cls
+            with torch.no_grad():
+                norm.weight.zero_()
+            return norm
+    raise ValueError(f"--apply-layernorm-1p: no zero-centred form of {type(norm).__name__}")
+
+
 def install() -> None:
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
@@ -41,13 +70,19 @@ def install() -> None:
 
     @functools.wraps(original_new)
     def __new__(cls, config, hidden_size, *args, **kwargs):
-        if not config.sequence_parallel:
+        sequence_parallel = config.sequence_parallel
+        zero_centered = config.layernorm_zero_centered_gamma
+        if not (sequence_parallel or zero_centered):
             return original_new(cls, config, hidden_size, *args, **kwargs)
-        config_without_sp = copy.copy(config)
-        config_without_sp.sequence_parallel = False
-        norm = original_new(cls, config_without_sp, hidden_size, *args, **kwargs)
-        for param in norm.parameters():
-            param.sequence_parallel = True
+        plain_config = copy.copy(config)
+        plain_config.sequence_parallel = False
+        plain_config.layernorm_zero_centered_gamma = False
+        norm = original_new(cls, plain_config, hidden_size, *args, **kwargs)
+        if zero_centered:
+            norm = _zero_centered(norm)
+        if sequence_parallel:
+            for param in norm.parameters():
+                param.sequence_parallel = True
         return norm
 
     WrappedTorchNorm.__new__ = staticmethod(mark(__new__, NAME))

@@ -35,6 +35,7 @@ CHECK_NEEDS = {
     "rng_seed_and_fork": {"megatron_rng"},
     "rng_activation_checkpoint": {"megatron_rng"},
     "norm_sequence_parallel": {"megatron_norm"},
+    "norm_zero_centered": {"megatron_norm"},
     "dev_schedule_step": {"megatron_devices", "megatron_rng"},
     "dev_p2p_shapes": {"megatron_devices"},
     "dev_global_memory_buffer": {"megatron_devices"},
@@ -235,6 +236,24 @@ def _check_norm_sequence_parallel():
         assert all(getattr(p, "sequence_parallel", False) for p in norm.parameters())
 
 
+def _check_norm_zero_centered():
+    import torch
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    x = torch.randn(3, HIDDEN)
+    for normalization, plain in (("LayerNorm", torch.nn.LayerNorm(HIDDEN)),
+                                 ("RMSNorm", torch.nn.RMSNorm(HIDDEN))):
+        config = _tiny_config(normalization=normalization)
+        config.layernorm_zero_centered_gamma = True
+        norm = WrappedTorchNorm(config=config, hidden_size=HIDDEN, eps=1e-5)
+        assert config.layernorm_zero_centered_gamma, "the caller's config was modified"
+        assert torch.all(norm.weight == 0), "a zero-centred norm's weight starts at 0"
+        with torch.no_grad():  # weight w here acts as w + 1: the plain norm with weight 1 + w
+            norm.weight.normal_()
+            plain.weight.copy_(norm.weight + 1)
+        assert torch.allclose(norm(x), plain(x), atol=1e-6)
+
+
 def _check_schedule_step(pgs):
     import torch
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -323,6 +342,7 @@ def _single_rank_checks(port):
     checks["rng_seed_and_fork"] = _outcome(_check_rng_seed_and_fork)
     checks["rng_activation_checkpoint"] = _outcome(_check_rng_activation_checkpoint)
     checks["norm_sequence_parallel"] = _outcome(_check_norm_sequence_parallel)
+    checks["norm_zero_centered"] = _outcome(_check_norm_zero_centered)
     checks["dev_schedule_step"] = _outcome(partial(_check_schedule_step, pgs))
     checks["dev_p2p_shapes"] = _outcome(partial(_check_p2p_shapes, pgs))
     checks["dev_global_memory_buffer"] = _outcome(

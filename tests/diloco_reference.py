@@ -43,7 +43,8 @@ def _build(cfg, tokenizer, topo):
     model = build_model(cfg.model, ParallelConfig(), topo, tokenizer.vocab_size)
     weights.initialize_weights(model, seed=cfg.training.seed, std=cfg.model.init_method_std,
                                num_layers=cfg.model.num_layers, layer_offset=0, tp_rank=0,
-                               tp_size=1)
+                               tp_size=1, gated_mlp=cfg.model.swiglu,
+                               zero_centered_norms=cfg.model.apply_layernorm_1p)
     return model
 
 

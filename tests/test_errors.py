@@ -82,9 +82,6 @@ VALIDATION_CASES = {
         ["--zero-stage 2", "--pipeline-model-parallel-size 2"]),
     "bf16_without_zero": (
         ["--mock-data", "--bf16", "--zero-stage", "0"], 1, ["--bf16", "--zero-stage 0"]),
-    "sequence_parallel_without_tp": (
-        ["--mock-data", "--sequence-parallel"], 1,
-        ["--sequence-parallel", "--tensor-model-parallel-size > 1, got 1"]),
     "no_data_source": (
         [], 1, ["--data-path", "--train-data-path", "--mock-data"]),
     "missing_data_path": (

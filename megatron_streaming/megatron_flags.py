@@ -1,0 +1,264 @@
+"""Flags of Megatron-LM and Megatron-DeepSpeed launch scripts that are not fields of our config.
+
+Our own flags (``config.py``) carry Megatron's names and meanings wherever Megatron has the
+flag: those simply *work*. Every other flag that a public GPT/Llama pretraining script of
+either project passes is listed here, with what ``pretrain_gpt.py`` does with it:
+
+* ``accepted``: what it asks for is the only behaviour there is here (``--use-mcore-models``,
+  ``--data-impl mmap``), or it tunes something that does not exist here and changes no
+  math (a CUDA fusion switch, a logging option of a feature we always have); nothing changes;
+* ``mapped``: our equivalent is set (``--use-distributed-optimizer`` -> ZeRO-1);
+* ``refused``: one line naming the flag and what to use instead, before any process starts.
+
+Where it sits: ``arguments.build_parser`` registers these flags (hidden from ``--help``; the
+README's table lists them) and ``arguments.parse_args`` calls ``apply`` on what was given.
+``python -m megatron_streaming.megatron_flags`` prints the table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence
+
+ACCEPTED, MAPPED, REFUSED = "accepted", "mapped", "refused"
+SWITCH, ONE, MANY = 0, 1, "+"  # argparse nargs of the flag's value
+
+
+class Refusal(ValueError):
+    """A flag we do not honour; the message names it and says what to use instead."""
+
+
+@dataclass(frozen=True)
+class ForeignFlag:
+    """One Megatron flag that is not a field of our config."""
+
+    flag: str
+    kind: str  # ACCEPTED, MAPPED or REFUSED: the outcome for the table
+    note: str  # what we do with it (the table, and the refusal message)
+    nargs: object = SWITCH
+    # (cfg, value, given flags) -> None; sets our equivalent or raises Refusal. Default:
+    # nothing for ACCEPTED, the note as a refusal for REFUSED.
+    act: Optional[Callable] = None
+
+    def apply(self, cfg, value, given: set) -> None:
+        if self.act is not None:
+            self.act(cfg, value, given)
+        elif self.kind == REFUSED:
+            raise Refusal(f"{self.flag}: {self.note}")
+
+
+def _only(flag: str, allowed: Sequence[str], why: str) -> Callable:
+    """Accept these values only; any other is refused."""
+    def act(cfg, value, given):
+        if str(value) not in allowed:
+            raise Refusal(f"{flag} {value}: {why}")
+    return act
+
+
+def _at_most_one(flag: str, why: str) -> Callable:
+    """Accept a size of 1 (the feature is off); refuse more."""
+    def act(cfg, value, given):
+        if int(value) > 1:
+            raise Refusal(f"{flag} {value}: {why}")
+    return act
+
+
+def _distributed_optimizer(cfg, value, given):
+    if "--zero-stage" in given and cfg.parallel.zero_stage == 0:
+        raise Refusal("--use-distributed-optimizer: shards the optimizer state, which "
+                      "--zero-stage 0 does not; drop one of the two")
+    if "--zero-stage" not in given:
+        cfg.parallel.zero_stage = 1
+
+
+def _key_value_heads(cfg, value, given):
+    cfg.model.group_query_attention = True
+    cfg.model.num_query_groups = int(value)
+
+
+def _context_parallel(cfg, value, given):
+    size = int(value)
+    if size > 1:
+        if "--ds-sequence-parallel-size" in given and \
+                cfg.parallel.ds_sequence_parallel_size != size:
+            raise Refusal(f"--context-parallel-size {size}: conflicts with "
+                          f"--ds-sequence-parallel-size {cfg.parallel.ds_sequence_parallel_size}")
+        cfg.parallel.ds_sequence_parallel_size = size
+
+
+def _no_position_embedding(cfg, value, given):
+    if cfg.model.position_embedding_type == "learned_absolute":
+        cfg.model.position_embedding_type = "none"
+
+
+def _rotary(cfg, value, given):
+    cfg.model.position_embedding_type = "rope"
+
+
+def _flash_attention(flag: str) -> Callable:
+    def act(cfg, value, given):
+        from patches.optional import have_te
+        import torch
+
+        if not (torch.cuda.is_available() and have_te()):
+            raise Refusal(f"{flag}: flash attention needs a GPU and Transformer Engine; drop "
+                          "it on this machine (attention runs unfused, same math)")
+        cfg.te.attention_backend = "flash"
+    return act
+
+
+_FUSION = "a CUDA kernel-fusion switch: the math is the same fused or not"
+_LOG_ALWAYS = "TensorBoard always gets this here (see the README's Monitoring section)"
+_NO_EFFECT_LOG = "a logging option of a report this project does not make; no effect"
+_DENSE = "mixture-of-experts is not supported; a value of 1 (dense) is accepted"
+
+FLAGS: List[ForeignFlag] = [
+    # --- the only behaviour there is ------------------------------------------------------
+    ForeignFlag("--use-mcore-models", ACCEPTED, "megatron-core's GPTModel is the only model"),
+    ForeignFlag("--deepspeed", ACCEPTED, "DeepSpeed (ZeRO) always wraps the optimizer"),
+    ForeignFlag("--no-pipeline-parallel", ACCEPTED,
+                "pipeline stages always run megatron-core's schedule, never DeepSpeed's "
+                "pipeline engine"),
+    ForeignFlag("--data-impl", ACCEPTED, "memory-mapped indexed datasets are the only kind",
+                ONE, _only("--data-impl", ("mmap",), "only mmap indexed datasets exist here; "
+                           "use --data-impl mmap (or drop the flag)")),
+    ForeignFlag("--no-query-key-layer-scaling", ACCEPTED,
+                "megatron-core does not scale attention scores by the layer number"),
+    ForeignFlag("--attention-softmax-in-fp32", ACCEPTED,
+                "megatron-core runs the attention softmax in fp32 already"),
+    ForeignFlag("--override-opt_param-scheduler", ACCEPTED,
+                "the learning-rate schedule always follows the flags, also on --load"),
+    ForeignFlag("--override-opt-param-scheduler", ACCEPTED,
+                "the learning-rate schedule always follows the flags, also on --load"),
+    ForeignFlag("--exit-signal-handler", ACCEPTED,
+                "SIGTERM always checkpoints (with --save) and stops every worker at the same "
+                "step"),
+    ForeignFlag("--deepspeed-activation-checkpointing", ACCEPTED,
+                "recompute runs through megatron-core's checkpointing (--recompute-*)"),
+    ForeignFlag("--num-workers", ACCEPTED,
+                "samples are memory-mapped and read in the training process", ONE),
+    # --- CUDA fusions and kernels: same math ----------------------------------------------
+    *[ForeignFlag(flag, ACCEPTED, _FUSION) for flag in (
+        "--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-swiglu-fusion",
+        "--no-bias-dropout-fusion", "--no-rope-fusion", "--no-gradient-accumulation-fusion",
+        "--no-persist-layer-norm", "--no-async-tensor-model-parallel-allreduce",
+        "--cross-entropy-loss-fusion")],
+    # --- memory management of the CUDA allocator and Python's GC: no math -----------------
+    ForeignFlag("--empty-unused-memory-level", ACCEPTED,
+                "empties the CUDA caching allocator; no effect on CPU, no math", ONE),
+    ForeignFlag("--manual-gc", ACCEPTED, "Python's garbage collector stays automatic"),
+    ForeignFlag("--manual-gc-interval", ACCEPTED,
+                "Python's garbage collector stays automatic", ONE),
+    # --- logging ---------------------------------------------------------------------------
+    *[ForeignFlag(flag, ACCEPTED, _LOG_ALWAYS) for flag in (
+        "--log-throughput", "--log-timers-to-tensorboard", "--log-learning-rate-to-tensorboard",
+        "--log-loss-scale-to-tensorboard")],
+    *[ForeignFlag(flag, ACCEPTED, _NO_EFFECT_LOG) for flag in (
+        "--log-batch-size-to-tensorboard", "--log-validation-ppl-to-tensorboard",
+        "--log-memory-to-tensorboard", "--log-world-size-to-tensorboard",
+        "--log-params-norm", "--log-num-zeros-in-grad", "--log-optimizer-states-to-tensorboard",
+        "--log-progress")],
+    *[ForeignFlag(flag, ACCEPTED, _NO_EFFECT_LOG, ONE) for flag in (
+        "--tensorboard-queue-size", "--tensorboard-log-interval", "--timing-log-level",
+        "--timing-log-option")],
+    # --- our equivalent --------------------------------------------------------------------
+    ForeignFlag("--use-distributed-optimizer", MAPPED,
+                "ZeRO stage 1 (--zero-stage 1) over the worker's data-parallel ranks",
+                act=_distributed_optimizer),
+    ForeignFlag("--use-rotary-position-embeddings", MAPPED, "--position-embedding-type rope",
+                act=_rotary),
+    ForeignFlag("--no-position-embedding", MAPPED,
+                "no learned position table: --position-embedding-type none (rope when "
+                "rotary embeddings are asked for)", act=_no_position_embedding),
+    ForeignFlag("--num-key-value-heads", MAPPED,
+                "--group-query-attention --num-query-groups N", ONE, _key_value_heads),
+    ForeignFlag("--context-parallel-size", MAPPED,
+                "--ds-sequence-parallel-size N (DeepSpeed-Ulysses: the same model, the "
+                "sequence split over N ranks with all-to-all attention)", ONE,
+                _context_parallel),
+    ForeignFlag("--overlap-param-gather", ACCEPTED,
+                "ZeRO-1/2 all-gather the updated weights inside DeepSpeed's step"),
+    # --- refused ---------------------------------------------------------------------------
+    ForeignFlag("--use-flash-attn", REFUSED, "flash attention through Transformer Engine",
+                act=_flash_attention("--use-flash-attn")),
+    ForeignFlag("--use-flash-attn-v2", REFUSED, "flash attention through Transformer Engine",
+                act=_flash_attention("--use-flash-attn-v2")),
+    ForeignFlag("--use-flash-attn-triton", REFUSED,
+                "flash attention through Transformer Engine",
+                act=_flash_attention("--use-flash-attn-triton")),
+    ForeignFlag("--use-legacy-models", REFUSED,
+                "only megatron-core models exist here; drop the flag"),
+    ForeignFlag("--num-layers-per-virtual-pipeline-stage", REFUSED,
+                "the interleaved pipeline schedule is not supported; use "
+                "--pipeline-model-parallel-size alone", ONE),
+    ForeignFlag("--virtual-pipeline-model-parallel-size", REFUSED,
+                "the interleaved pipeline schedule is not supported; use "
+                "--pipeline-model-parallel-size alone", ONE),
+    ForeignFlag("--tp-comm-overlap", REFUSED,
+                "needs Transformer Engine's userbuffers; --ladder-residual overlaps the "
+                "tensor-parallel all-reduce instead"),
+    ForeignFlag("--decoupled-lr", REFUSED,
+                "a separate learning rate for the embedding and output layers is not "
+                "supported; every parameter trains at --lr", ONE),
+    ForeignFlag("--decoupled-min-lr", REFUSED,
+                "a separate learning rate for the embedding and output layers is not "
+                "supported; every parameter decays to --min-lr", ONE),
+    ForeignFlag("--use-torch-fsdp2", REFUSED,
+                "data parallelism inside a worker is DeepSpeed ZeRO; use --zero-stage"),
+    ForeignFlag("--cpu-optimizer", REFUSED,
+                "optimizer offload (ZeRO-Offload) is not supported; drop the flag"),
+    ForeignFlag("--num-experts", ACCEPTED, _DENSE, ONE,
+                _at_most_one("--num-experts", "mixture-of-experts is not supported; train a "
+                             "dense model (drop the flag)")),
+    ForeignFlag("--moe-expert-parallel-size", ACCEPTED, _DENSE, ONE,
+                _at_most_one("--moe-expert-parallel-size", "mixture-of-experts is not "
+                             "supported; train a dense model (drop the flag)")),
+    ForeignFlag("--expert-model-parallel-size", ACCEPTED, _DENSE, ONE,
+                _at_most_one("--expert-model-parallel-size", "mixture-of-experts is not "
+                             "supported; train a dense model (drop the flag)")),
+]
+
+BY_FLAG: Dict[str, ForeignFlag] = {f.flag: f for f in FLAGS}
+
+
+def dest(flag: str) -> str:
+    """The argparse destination of a foreign flag (never clashes with a config field)."""
+    return "megatron__" + flag.lstrip("-").replace("-", "_")
+
+
+def add_to_parser(parser) -> None:
+    """Register every foreign flag, hidden from ``--help`` (the README lists them)."""
+    import argparse
+
+    group = parser.add_argument_group("Megatron-LM / Megatron-DeepSpeed flags (see README)")
+    for f in FLAGS:
+        if f.nargs == SWITCH:
+            group.add_argument(f.flag, dest=dest(f.flag), action="store_const", const=True,
+                               default=None, help=argparse.SUPPRESS)
+        else:
+            group.add_argument(f.flag, dest=dest(f.flag), nargs=None if f.nargs == ONE
+                               else f.nargs, default=None, help=argparse.SUPPRESS)
+
+
+def given_flags(argv: Sequence[str]) -> set:
+    """The ``--flags`` that appear in ``argv`` (``--x=1`` counts as ``--x``)."""
+    return {token.split("=", 1)[0] for token in argv if token.startswith("--")}
+
+
+def apply(cfg, namespace, given: set) -> List[str]:
+    """Apply every foreign flag that was given; raise Refusal with one line per refused
+    flag. Returns notes on what was accepted or mapped, one line each."""
+    refusals, notes = [], []
+    for f in FLAGS:
+        value = getattr(namespace, dest(f.flag), None)
+        if value is None:
+            continue
+        try:
+            f.apply(cfg, value, given)
+        except Refusal as e:
+            refusals.append(str(e))
+            continue
+        notes.append(f"{f.flag}: {f.kind} ({f.note})")
+    if refusals:
+        raise Refusal("\n".join(refusals))
+    return notes

@@ -1,0 +1,90 @@
+"""A Llama-class model trains the same whatever the layout, and under the streaming sync.
+
+The toy Llama: SwiGLU MLP, grouped-query attention (4 query heads sharing 2 key/value
+heads), RoPE with Llama 3's base of 500000, RMSNorm with eps 1e-5, untied output layer, no
+linear biases, zero-centred norm weights (``--apply-layernorm-1p``, as Megatron-LM's Llama 3
+script). TP, PP, Ulysses SP and Ladder residual must reproduce the single-process losses,
+and two streaming workers the single-process DiLoCo reference (tests/diloco_reference.py).
+Real text: GPT-2 BPE tokenizer files and JSONL data built here (tests/conftest.py).
+"""
+
+import pytest
+
+from harness import TINY, train_losses
+from megatron_streaming.arguments import ConfigError, parse_args, validate
+
+LLAMA = ["--swiglu", "--group-query-attention", "--num-query-groups", "2",
+         "--position-embedding-type", "rope", "--rotary-base", "500000",
+         "--normalization", "rmsnorm", "--norm-epsilon", "1e-5", "--apply-layernorm-1p",
+         "--untie-embeddings-and-output-weights", "--disable-bias-linear"]
+ITERS = ["--train-iters", "3", "--eval-iters", "0"]
+
+
+def _close(got, want):
+    assert len(got) == len(want) == 3
+    assert got == pytest.approx(want, rel=1e-5, abs=0)
+    assert got[-1] < got[0]
+
+
+@pytest.mark.timeout(600)
+def test_llama_layouts_match_single_process(tmp_path):
+    """TP=2, PP=2, Ulysses SP=2 and ZeRO-2 over DP=2 against one process; Ladder residual
+    at TP=2 against its own single-process run."""
+    args = [*TINY, *LLAMA, *ITERS]
+    ref = train_losses(1, args, tmp_path, "ref")
+    for name, extra in (("tp2", ["--tensor-model-parallel-size", "2"]),
+                        ("pp2", ["--pipeline-model-parallel-size", "2"]),
+                        ("ulysses_sp2", ["--ds-sequence-parallel-size", "2"]),
+                        ("zero2_dp2", ["--zero-stage", "2"])):
+        _close(train_losses(2, [*args, *extra], tmp_path, name), ref)
+    ladder = [*args, "--ladder-residual"]
+    _close(train_losses(2, [*ladder, "--tensor-model-parallel-size", "2"], tmp_path, "ladder"),
+           train_losses(1, ladder, tmp_path, "ladder_ref"))
+
+
+def test_swiglu_fc1_shards_keep_gate_and_up_together():
+    """Each TP rank holds its rows of the gate and of the up projection, as megatron-core's
+    MLP expects: a plain chunk of [gate; up] would give rank 0 only gate rows."""
+    import torch
+
+    from megatron_streaming.weights import tp_shard
+
+    full = torch.arange(8.0).view(8, 1)  # gate rows 0-3, up rows 4-7
+    name = "decoder.layers.0.mlp.linear_fc1.weight"
+    assert tp_shard(name, full, 0, 0, 2, gated=True).view(-1).tolist() == [0, 1, 4, 5]
+    assert tp_shard(name, full, 0, 1, 2, gated=True).view(-1).tolist() == [2, 3, 6, 7]
+    assert tp_shard(name, full, 0, 1, 2, gated=False).view(-1).tolist() == [4, 5, 6, 7]
+
+
+def test_swiglu_default_width_is_megatrons():
+    cfg = parse_args(["--mock-data", "--hidden-size", "4096", "--swiglu"])
+    assert cfg.model.ffn_size() == 10880  # int(4 * 4096 * 2 / 3 / 64) * 64
+    assert parse_args(["--mock-data", "--hidden-size", "64"]).model.ffn_size() == 256
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--tensor-model-parallel-size", "2", "--ds-sequence-parallel-size", "2",
+      "--group-query-attention", "--num-query-groups", "2"],
+     "--num-query-groups (2) must be divisible by --tensor-model-parallel-size (2) x "
+     "--ds-sequence-parallel-size (2) = 4"),
+    (["--group-query-attention", "--num-query-groups", "3"],
+     "--num-attention-heads (4) is not divisible by --num-query-groups (3)"),
+    (["--tensor-model-parallel-size", "4", "--group-query-attention", "--num-query-groups",
+      "2"], "--num-query-groups (2) is not divisible by --tensor-model-parallel-size (4)"),
+    (["--rotary-percent", "0"], "--rotary-percent must be in (0, 1], got 0.0"),
+])
+def test_attention_layouts_that_cannot_split_are_refused(flags, message):
+    cfg = parse_args(["--mock-data", "--hidden-size", "64", "--num-attention-heads", "4",
+                      *flags])
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, 4)
+    assert message in str(err.value)
+
+
+def test_num_key_value_heads_turns_grouped_query_attention_on():
+    cfg = parse_args(["--mock-data", "--num-attention-heads", "8", "--num-key-value-heads",
+                      "2"])
+    assert cfg.model.query_groups() == 2
+    # Megatron-LM ignores --num-query-groups without --group-query-attention.
+    cfg = parse_args(["--mock-data", "--num-attention-heads", "8", "--num-query-groups", "2"])
+    assert cfg.model.query_groups() == 8

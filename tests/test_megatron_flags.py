@@ -1,0 +1,107 @@
+"""Megatron-LM / Megatron-DeepSpeed flags: accepted, mapped or refused one line each, and
+lenient where Megatron is lenient. In-process (parse_args + validate), no training."""
+
+import pytest
+
+from megatron_streaming import megatron_flags
+from megatron_streaming.arguments import ConfigError, parse_args, validate
+
+MOCK = ["--mock-data"]
+
+
+def _errors(argv):
+    with pytest.raises(ConfigError) as err:
+        parse_args(argv)
+    return str(err.value).splitlines()
+
+
+def test_unknown_flags_are_named_one_line_each_with_a_suggestion():
+    lines = _errors([*MOCK, "--foo", "3", "--num-layer", "3", "--hidden-size", "64", "7"])
+    assert len(lines) == 3, lines
+    assert lines[0].startswith("unrecognized argument --foo: not a flag of this ")
+    assert lines[1].endswith("did you mean --num-layers?")
+    assert lines[2] == "unexpected value '7' (no flag before it takes a value)"
+
+
+def test_a_bad_value_is_one_line_without_the_usage():
+    assert _errors([*MOCK, "--num-layers", "x"]) == [
+        "argument --num-layers: invalid int value: 'x'"]
+
+
+def test_refused_flags_say_what_to_use_instead():
+    lines = _errors([*MOCK, "--data-impl", "lazy", "--num-experts", "8",
+                     "--num-layers-per-virtual-pipeline-stage", "2", "--tp-comm-overlap"])
+    assert lines == [
+        "--data-impl lazy: only mmap indexed datasets exist here; use --data-impl mmap (or "
+        "drop the flag)",
+        "--num-layers-per-virtual-pipeline-stage: the interleaved pipeline schedule is not "
+        "supported; use --pipeline-model-parallel-size alone",
+        "--tp-comm-overlap: needs Transformer Engine's userbuffers; --ladder-residual overlaps "
+        "the tensor-parallel all-reduce instead",
+        "--num-experts 8: mixture-of-experts is not supported; train a dense model (drop the "
+        "flag)"]
+
+
+def test_accepted_flags_change_nothing_and_are_noted():
+    plain = parse_args(MOCK)
+    cfg = parse_args([*MOCK, "--use-mcore-models", "--data-impl", "mmap",
+                      "--no-query-key-layer-scaling", "--deepspeed", "--num-experts", "1",
+                      "--no-masked-softmax-fusion", "--num-workers", "2"])
+    assert [section for _, section in cfg.sections()] == \
+        [section for _, section in plain.sections()]
+    assert any(n.startswith("--use-mcore-models: accepted") for n in cfg.notes)
+    assert len(cfg.notes) == 7
+
+
+@pytest.mark.parametrize("argv, check", [
+    (["--use-distributed-optimizer", "--zero-stage", "2"],
+     lambda c: c.parallel.zero_stage == 2),
+    (["--use-distributed-optimizer"], lambda c: c.parallel.zero_stage == 1),
+    (["--use-rotary-position-embeddings", "--no-position-embedding"],
+     lambda c: c.model.position_embedding_type == "rope"),
+    (["--no-position-embedding"], lambda c: c.model.position_embedding_type == "none"),
+    (["--num-key-value-heads", "2", "--num-attention-heads", "8"],
+     lambda c: c.model.query_groups() == 2),
+    (["--context-parallel-size", "2"], lambda c: c.parallel.ds_sequence_parallel_size == 2),
+    (["--context-parallel-size", "1"], lambda c: c.parallel.ds_sequence_parallel_size == 1),
+    (["--overlap-grad-reduce"], lambda c: c.parallel.overlap_grad_reduce),
+    (["--normalization", "rmsnorm"], lambda c: c.model.normalization == "RMSNorm"),
+    (["--layernorm-epsilon", "1e-6"], lambda c: c.model.norm_epsilon == 1e-6),
+])
+def test_mapped_flags_set_our_equivalent(argv, check):
+    assert check(parse_args([*MOCK, *argv]))
+
+
+def test_distributed_optimizer_conflicts_with_zero_stage_0():
+    assert _errors([*MOCK, "--use-distributed-optimizer", "--zero-stage", "0"]) == [
+        "--use-distributed-optimizer: shards the optimizer state, which --zero-stage 0 does "
+        "not; drop one of the two"]
+
+
+def test_lenient_where_megatron_is():
+    cfg = parse_args([*MOCK, "--sequence-parallel", "--distributed-backend", "nccl"])
+    validate(cfg, 1)
+    assert not cfg.parallel.sequence_parallel
+    assert cfg.parallel.distributed_backend == "gloo"  # no GPU here
+    assert len(cfg.adjustments) == 2
+
+
+def test_gpu_only_features_are_refused_on_cpu_one_line_each():
+    cfg = parse_args([*MOCK, "--attention-backend", "fused", "--fp8-format", "hybrid",
+                      "--fp8-param-gather"])
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, 1)
+    lines = str(err.value).splitlines()
+    assert [line.split(":")[0] for line in lines] == [
+        "--attention-backend fused", "--fp8-format hybrid", "--fp8-param-gather"]
+    assert all("needs Transformer Engine on a GPU" in line for line in lines)
+    validate(parse_args([*MOCK, "--attention-backend", "unfused"]), 1)
+
+
+def test_every_foreign_flag_is_distinct_from_our_own():
+    from megatron_streaming.arguments import build_parser
+
+    ours = {s for a in build_parser()._actions for s in a.option_strings
+            if not a.dest.startswith("megatron__")}
+    assert not ours & set(megatron_flags.BY_FLAG)
+    assert len(megatron_flags.BY_FLAG) == len(megatron_flags.FLAGS)
