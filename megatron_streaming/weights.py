@@ -65,6 +65,15 @@ def tp_shard(name: str, full: torch.Tensor, partition_dim: int, tp_rank: int, tp
     return full.chunk(tp_size, dim=partition_dim)[tp_rank]
 
 
+def tp_unshard(name: str, parts, partition_dim: int, gated: bool) -> torch.Tensor:
+    """The full (TP=1) tensor from every TP rank's slice, in rank order: ``tp_shard``'s
+    inverse."""
+    if gated and ".linear_fc1." in f".{name}":
+        halves = [p.chunk(2, dim=partition_dim) for p in parts]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=partition_dim)
+    return torch.cat(list(parts), dim=partition_dim)
+
+
 @torch.no_grad()
 def initialize_weights(model, *, seed: int, std: float, num_layers: int, layer_offset: int,
                        tp_rank: int, tp_size: int, tied_output_name: str = None,

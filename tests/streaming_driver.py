@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_streaming.arguments import parse_args  # noqa: E402
 from megatron_streaming.train import Run  # noqa: E402
-from megatron_streaming.weights import global_name  # noqa: E402
+from megatron_streaming.weights import global_name, tp_unshard  # noqa: E402
 
 
 def full_parameters(run) -> dict:
@@ -30,7 +30,7 @@ def full_parameters(run) -> dict:
         if getattr(param, "tensor_model_parallel", False) and topo.layout.tp > 1:
             parts = [torch.empty_like(tensor) for _ in range(topo.layout.tp)]
             dist.all_gather(parts, tensor.contiguous(), group=topo.groups["tp"])
-            tensor = torch.cat(parts, dim=param.partition_dim)
+            tensor = tp_unshard(name, parts, param.partition_dim, run.cfg.model.swiglu)
         if name == "output_layer.weight" and not run.cfg.model.untie_embeddings_and_output_weights:
             continue  # the last stage's copy of the tied embedding
         out[global_name(name, offset)] = tensor.clone()

@@ -47,13 +47,15 @@ def test_swiglu_fc1_shards_keep_gate_and_up_together():
     MLP expects: a plain chunk of [gate; up] would give rank 0 only gate rows."""
     import torch
 
-    from megatron_streaming.weights import tp_shard
+    from megatron_streaming.weights import tp_shard, tp_unshard
 
     full = torch.arange(8.0).view(8, 1)  # gate rows 0-3, up rows 4-7
     name = "decoder.layers.0.mlp.linear_fc1.weight"
     assert tp_shard(name, full, 0, 0, 2, gated=True).view(-1).tolist() == [0, 1, 4, 5]
     assert tp_shard(name, full, 0, 1, 2, gated=True).view(-1).tolist() == [2, 3, 6, 7]
     assert tp_shard(name, full, 0, 1, 2, gated=False).view(-1).tolist() == [4, 5, 6, 7]
+    parts = [tp_shard(name, full, 0, r, 4, gated=True) for r in range(4)]
+    assert torch.equal(tp_unshard(name, parts, 0, gated=True), full)
 
 
 def test_swiglu_default_width_is_megatrons():

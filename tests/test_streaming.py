@@ -77,6 +77,13 @@ CASES = {
     "ulysses_sp2_p3_tau1": (4, [
         "--num-layers", "3", "--ds-sequence-parallel-size", "2", "--diloco-inner-steps", "6",
         "--diloco-fragments", "3", "--diloco-overlap-steps", "1"]),
+    # A Llama-class model (tests/test_llama.py) under the sync, with TP inside each worker.
+    "llama_tp2_p2_tau1": (4, [
+        "--num-layers", "2", "--tensor-model-parallel-size", "2", "--diloco-inner-steps", "4",
+        "--diloco-fragments", "2", "--diloco-overlap-steps", "1", "--swiglu",
+        "--group-query-attention", "--num-query-groups", "2", "--position-embedding-type",
+        "rope", "--rotary-base", "500000", "--normalization", "RMSNorm",
+        "--untie-embeddings-and-output-weights", "--apply-layernorm-1p"]),
     "zero0_p3_tau1_alpha05": (2, [
         "--num-layers", "3", "--zero-stage", "0", "--diloco-inner-steps", "6",
         "--diloco-fragments", "3", "--diloco-overlap-steps", "1", "--diloco-alpha", "0.5"]),
