@@ -13,6 +13,9 @@ import traceback
 
 
 def main(argv=None) -> int:
+    from megatron_streaming import quiet
+
+    quiet.install()  # before deepspeed and megatron are imported: they warn on import
     from megatron_streaming.arguments import parse_args
     from megatron_streaming.errors import JobFailure, UsageError
     from megatron_streaming.train import pretrain

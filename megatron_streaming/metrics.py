@@ -84,6 +84,9 @@ def make_writer(logging_cfg, is_writer: bool) -> ScalarWriter:
 def setup_logging(is_logging_rank: bool) -> None:
     level = logging.INFO if is_logging_rank else logging.WARNING
     logging.basicConfig(level=level, format="%(message)s", force=True)
+    from .quiet import attach_to_root_handlers
+
+    attach_to_root_handlers()
     # Megatron's dataset builder and DeepSpeed narrate every step of their set-up at INFO.
     for name in ("megatron", "DeepSpeed", "deepspeed"):
         logging.getLogger(name).setLevel(logging.WARNING)
