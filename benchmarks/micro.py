@@ -42,7 +42,8 @@ CODECS = ("fp4", "int8", "bf16")
 # The slow-link benchmark's model and streaming settings, with H so large nothing is sent.
 MODEL = ["--mock-data", "--num-layers", "4", "--hidden-size", "128", "--num-attention-heads",
          "4", "--seq-length", "128", "--micro-batch-size", "8", "--eval-iters", "0",
-         "--lr-decay-style", "constant"]
+         "--lr-decay-style", "constant", "--hidden-dropout", "0", "--attention-dropout", "0",
+         "--adam-beta2", "0.95"]
 QUIET_SYNC = ["--diloco-workers", "2", "--diloco-inner-steps", "100000", "--diloco-fragments",
               "4", "--diloco-overlap-steps", "1", "--diloco-quantize", "fp4"]
 

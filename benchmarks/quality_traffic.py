@@ -51,7 +51,10 @@ CORPUS = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
 
 def model_args(hidden: int) -> list[str]:
     return ["--num-layers", "4", "--hidden-size", str(hidden), "--num-attention-heads", "4",
-            "--seq-length", "128", "--clip-grad", "1.0", "--log-interval", "1"]
+            "--seq-length", "128", "--clip-grad", "1.0", "--log-interval", "1",
+            # The published runs' settings, from before the defaults became Megatron's.
+            "--hidden-dropout", "0", "--attention-dropout", "0", "--adam-beta2", "0.95",
+            "--lr-decay-style", "cosine"]
 
 
 def model_note(hidden: int) -> str:

@@ -49,7 +49,8 @@ PYTHON = str(REPO / ".venv" / "bin" / "python")
 # 842k parameters, ~125 ms per step per rank on this 2-core machine when it is quiet.
 MODEL = ["--mock-data", "--num-layers", "4", "--hidden-size", "128", "--num-attention-heads",
          "4", "--seq-length", "128", "--micro-batch-size", "8", "--eval-iters", "0",
-         "--lr-decay-style", "constant"]
+         "--lr-decay-style", "constant", "--hidden-dropout", "0", "--attention-dropout", "0",
+         "--adam-beta2", "0.95"]
 H, P, TAU = 40, 4, 1  # one fragment (one layer) every H/P = 10 steps, merged 1 step later
 STREAMING = ["--diloco-workers", "2", "--diloco-inner-steps", str(H), "--diloco-fragments",
              str(P), "--diloco-overlap-steps", str(TAU), "--diloco-quantize", "fp4"]

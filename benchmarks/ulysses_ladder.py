@@ -18,10 +18,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 LADDER_MODEL = ["--mock-data", "--num-layers", "4", "--hidden-size", "256",
                 "--num-attention-heads", "8", "--seq-length", "256", "--micro-batch-size", "4",
-                "--tensor-model-parallel-size", "2", "--eval-iters", "0"]
+                "--tensor-model-parallel-size", "2", "--eval-iters", "0", "--hidden-dropout",
+                "0", "--attention-dropout", "0"]
 LONG_SEQUENCE = ["--mock-data", "--num-layers", "2", "--hidden-size", "128",
                  "--num-attention-heads", "8", "--seq-length", "4096", "--micro-batch-size", "1",
-                 "--max-position-embeddings", "4096", "--eval-iters", "0"]
+                 "--max-position-embeddings", "4096", "--eval-iters", "0", "--hidden-dropout",
+                 "0", "--attention-dropout", "0"]
 
 
 def run(nproc: int, args: list, summary: Path) -> dict:

@@ -22,6 +22,7 @@ exec .venv/bin/deepspeed --num_gpus 4 pretrain_gpt.py \
   --diloco-inner-steps 20 --diloco-fragments 2 --diloco-overlap-steps 1 --diloco-quantize fp4 \
   --num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 128 \
   --micro-batch-size 4 --global-batch-size 8 --train-iters 100 \
-  --lr 3e-3 --min-lr 3e-4 --lr-warmup-iters 10 --eval-interval 50 --eval-iters 4 \
+  --lr 3e-3 --min-lr 3e-4 --lr-warmup-iters 10 --lr-decay-style cosine --adam-beta2 0.95 \
+  --hidden-dropout 0 --attention-dropout 0 --eval-interval 50 --eval-iters 4 \
   --log-interval 10 --tensorboard-dir "$out/tensorboard" --save "$out/checkpoints" \
   --summary-json "$out/summary.json" "$@"

@@ -66,8 +66,9 @@ class ModelConfig:
     untie_embeddings_and_output_weights: bool = arg(
         False, "Give the output layer its own weight instead of the input embedding's.")
     disable_bias_linear: bool = arg(False, "No biases in the linear layers.")
-    hidden_dropout: float = arg(0.0, "Dropout on the residual branches.")
-    attention_dropout: float = arg(0.0, "Dropout on the attention probabilities.")
+    hidden_dropout: float = arg(0.1, "Dropout on the residual branches (Megatron's default).")
+    attention_dropout: float = arg(
+        0.1, "Dropout on the attention probabilities (Megatron's default).")
     init_method_std: float = arg(0.02, "Std of the normal weight initialisation.")
     make_vocab_size_divisible_by: int = arg(
         128, "Pad the vocabulary to a multiple of this times the tensor-parallel size.")
@@ -216,13 +217,13 @@ class OptimizerConfig:
                          choices=["adam", "sgd"])
     lr: float = arg(1e-3, "Peak learning rate.")
     min_lr: float = arg(0.0, "Learning rate at the end of the decay.")
-    lr_decay_style: str = arg("cosine", "Decay after warmup.",
+    lr_decay_style: str = arg("linear", "Decay after warmup (Megatron's default: linear).",
                               choices=["constant", "linear", "cosine"])
     lr_warmup_iters: int = arg(0, "Linear warmup iterations.")
     lr_decay_iters: Optional[int] = arg(None, "Decay iterations (default: --train-iters).")
     weight_decay: float = arg(0.01, "AdamW weight decay (not on biases and norms).")
     adam_beta1: float = arg(0.9, "AdamW beta1.")
-    adam_beta2: float = arg(0.95, "AdamW beta2.")
+    adam_beta2: float = arg(0.999, "AdamW beta2 (Megatron's default).")
     adam_eps: float = arg(1e-8, "AdamW epsilon.")
     sgd_momentum: float = arg(0.0, "SGD momentum.")
     clip_grad: float = arg(1.0, "Clip the global gradient norm to this (0 = off).")

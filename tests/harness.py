@@ -10,8 +10,11 @@ from typing import Optional
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
 
+# Dropout draws different masks under different layouts: off wherever runs are compared.
+NO_DROPOUT = ["--hidden-dropout", "0", "--attention-dropout", "0"]
 # A model small enough for 2 cores, big enough that every parallel axis has work to split.
-TINY = ["--mock-data", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+TINY = [*NO_DROPOUT, "--mock-data", "--num-layers", "4", "--hidden-size", "64",
+        "--num-attention-heads", "4",
         "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4",
         "--lr", "1e-3", "--lr-warmup-iters", "1", "--clip-grad", "0.5", "--log-interval", "1"]
 

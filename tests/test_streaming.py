@@ -17,9 +17,9 @@ import sys
 import pytest
 import torch
 
-from harness import REPO, env, run
+from harness import NO_DROPOUT, REPO, env, run
 
-BASE = ["--mock-data", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+BASE = [*NO_DROPOUT, "--mock-data", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
         "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "12",
         "--lr", "1e-3", "--clip-grad", "0.5", "--eval-iters", "0", "--diloco-workers", "2",
         "--diloco-quantize", "none", "--disable-bias-linear"]
