@@ -178,7 +178,26 @@ FLAGS: List[ForeignFlag] = [
                 _context_parallel),
     ForeignFlag("--overlap-param-gather", ACCEPTED,
                 "ZeRO-1/2 all-gather the updated weights inside DeepSpeed's step"),
+    ForeignFlag("--calculate-per-token-loss", ACCEPTED,
+                "every token of a sample counts in the loss (no loss mask), so the mean over "
+                "tokens equals the mean over micro-batches it replaces"),
+    ForeignFlag("--no-create-attention-mask-in-dataloader", ACCEPTED,
+                "the causal mask is one shared tensor per micro-batch; the same attention"),
+    ForeignFlag("--no-mmap-bin-files", ACCEPTED,
+                "the .bin files are memory-mapped; the same tokens are read"),
+    ForeignFlag("--ckpt-format", ACCEPTED,
+                "checkpoints are written in this project's format (one file per rank, "
+                "committed atomically); `torch` and `torch_dist` are accepted", ONE,
+                _only("--ckpt-format", ("torch", "torch_dist"),
+                      "only torch and torch_dist are known; drop the flag")),
+    ForeignFlag("--profile", ACCEPTED,
+                "opens no profiler range (Megatron's marks steps for nsys on a GPU)"),
+    *[ForeignFlag(flag, ACCEPTED, "goes with --profile", ONE)
+      for flag in ("--profile-step-start", "--profile-step-end")],
     # --- refused ---------------------------------------------------------------------------
+    ForeignFlag("--universal-checkpoint", REFUSED,
+                "loading a checkpoint into another parallel layout is not supported; resume "
+                "with the layout that saved it"),
     ForeignFlag("--use-flash-attn", REFUSED, "flash attention through Transformer Engine",
                 act=_flash_attention("--use-flash-attn")),
     ForeignFlag("--use-flash-attn-v2", REFUSED, "flash attention through Transformer Engine",
