@@ -74,7 +74,8 @@ def _configs(tp=1, pp=1):
     from megatron_streaming.model import transformer_config
 
     cfg = ModelConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS,
-                      seq_length=SEQ, transformer_impl="local")
+                      seq_length=SEQ, transformer_impl="local", hidden_dropout=0.0,
+                      attention_dropout=0.0)
     parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     return cfg, parallel, transformer_config(cfg, parallel)
 

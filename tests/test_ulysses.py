@@ -104,8 +104,8 @@ def _config(num_query_groups=None, position_embedding_type="learned_absolute", t
     from megatron_streaming.model import transformer_config
 
     cfg = ModelConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS,
-                      seq_length=SEQ, transformer_impl="local",
-                      position_embedding_type=position_embedding_type)
+                      seq_length=SEQ, transformer_impl="local", hidden_dropout=0.0,
+                      attention_dropout=0.0, position_embedding_type=position_embedding_type)
     config = transformer_config(cfg, ParallelConfig(tensor_model_parallel_size=tp,
                                                     sequence_parallel=megatron_sp))
     if num_query_groups is not None:
