@@ -98,13 +98,26 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> Config:
     namespace, unknown = parser.parse_known_args(argv)
     problems = _unknown_lines(argv, unknown, parser)
     cfg = config_from_namespace(namespace)
+    given = megatron_flags.given_flags(argv)
     try:
-        cfg.notes = megatron_flags.apply(cfg, namespace, megatron_flags.given_flags(argv))
+        cfg.notes = megatron_flags.apply(cfg, namespace, given)
     except megatron_flags.Refusal as e:
         problems.extend(str(e).splitlines())
+    problems.extend(_apply_schedule_flags(cfg, given))
     if problems:
         raise ConfigError("\n".join(problems))
     return cfg
+
+
+def _apply_schedule_flags(cfg: Config, given: set) -> List[str]:
+    """Rules that need to know which flags were typed: training length, and the keys of a
+    --deepspeed_config JSON that set flags not given. Returns one line per problem."""
+    from . import ds_config, schedules
+
+    problems = schedules.apply_given(cfg, given)
+    notes, json_problems = ds_config.apply_user_config(cfg, given)
+    cfg.notes.extend(notes)
+    return problems + json_problems
 
 
 def _unknown_lines(argv: Sequence[str], unknown: Sequence[str],
@@ -176,6 +189,7 @@ def validate(cfg: Config, world_size: int) -> None:
     _require(ffn % tp == 0, f"--ffn-hidden-size ({ffn}) is not divisible by "
              f"--tensor-model-parallel-size ({tp})")
     _validate_attention(m, tp)
+    _validate_recompute(m)
     if p.sequence_parallel and tp == 1:  # Megatron-LM does the same
         p.sequence_parallel = False
         cfg.adjustments.append("--sequence-parallel switched off: it needs "
@@ -192,6 +206,8 @@ def validate(cfg: Config, world_size: int) -> None:
     _validate_gpu_features(cfg)
     _validate_streaming(cfg)
     _validate_zero(cfg, pp)
+    _validate_precision(cfg)
+    _validate_schedules(cfg, dp)
     _validate_batches(cfg, dp)
     _require(o.lr >= 0 and o.min_lr >= 0, f"--lr ({o.lr}) and --min-lr ({o.min_lr}) must be "
              ">= 0")
@@ -199,6 +215,9 @@ def validate(cfg: Config, world_size: int) -> None:
     _require(o.lr_warmup_iters >= 0, f"--lr-warmup-iters must be >= 0, got {o.lr_warmup_iters}")
     _require(cfg.logging.log_interval > 0,
              f"--log-interval must be > 0, got {cfg.logging.log_interval}")
+    _require(not cfg.logging.wandb_project or cfg.logging.wandb_exp_name,
+             f"--wandb-project {cfg.logging.wandb_project} needs --wandb-exp-name (the run's "
+             "name, as in Megatron-LM)")
     _validate_data(d)
     _validate_checkpoint(cfg)
 
@@ -220,6 +239,39 @@ def _validate_attention(m, tp: int) -> None:
     _require(0.0 < m.rotary_percent <= 1.0,
              f"--rotary-percent must be in (0, 1], got {m.rotary_percent}")
     _require(m.rotary_base > 0, f"--rotary-base must be > 0, got {m.rotary_base}")
+
+
+def _validate_recompute(m) -> None:
+    """Megatron-LM's rules, checked before megatron-core's config asserts."""
+    if m.recompute_granularity is None:
+        _require(m.recompute_method is None and m.recompute_num_layers is None,
+                 "--recompute-method / --recompute-num-layers need --recompute-granularity")
+        return
+    if m.recompute_granularity == "selective":
+        _require(m.recompute_method is None and m.recompute_num_layers is None,
+                 "--recompute-granularity selective takes no --recompute-method or "
+                 "--recompute-num-layers (they choose layers for full recompute)")
+        allowed = {"core_attn", "mlp", "layernorm"}
+        bad = sorted(set(m.recompute_modules or []) - allowed)
+        _require(not bad, f"--recompute-modules {' '.join(bad)}: choose from "
+                 f"{', '.join(sorted(allowed))}")
+        from patches.optional import have_te
+        import torch
+
+        # megatron-core 0.16.1 recomputes layernorm through Transformer Engine only, and its
+        # MLP recompute never returns from the backward on CPU (a reentrant checkpoint).
+        gpu_only = sorted(set(m.recompute_modules or []) & {"mlp", "layernorm"})
+        _require(not gpu_only or (torch.cuda.is_available() and have_te()),
+                 f"--recompute-modules {' '.join(gpu_only)}: needs a GPU with Transformer "
+                 "Engine here; use core_attn (the default)")
+        return
+    _require(m.recompute_method is not None,
+             "--recompute-granularity full needs --recompute-method uniform or block")
+    _require(m.recompute_num_layers is None or m.recompute_num_layers > 0,
+             f"--recompute-num-layers must be > 0, got {m.recompute_num_layers}")
+    _require(not (m.ladder_residual or m.ladder_layers),
+             "--recompute-granularity full is not supported with --ladder-residual / "
+             "--ladder-layers; use --recompute-granularity selective")
 
 
 def _validate_layer_kinds(cfg: Config) -> None:
@@ -312,9 +364,52 @@ def _validate_zero(cfg: Config, pp: int) -> None:
     _require(not (stage == 2 and pp > 1),
              f"--zero-stage 2 cannot be combined with --pipeline-model-parallel-size {pp}; "
              "use --zero-stage 1 with pipeline parallelism")
-    _require(not (stage == 0 and cfg.model.bf16),
-             "--bf16 needs --zero-stage 1 or 2 (the fp32 master weights live in the ZeRO "
-             "optimizer), got --zero-stage 0")
+
+
+def _validate_precision(cfg: Config) -> None:
+    """Megatron's loss-scaling flags, in the forms DeepSpeed's fp16 section can take."""
+    p = cfg.precision
+    _require(not (p.fp16 and p.bf16), "--fp16 and --bf16 are mutually exclusive; choose one")
+    if not p.fp16:
+        return  # Megatron ignores the loss-scaling flags without --fp16, and so do we
+    if p.loss_scale is not None:
+        _require(p.loss_scale > 0, f"--loss-scale must be > 0, got {p.loss_scale}")
+        return
+    import math
+
+    initial = p.initial_loss_scale
+    # DeepSpeed takes the initial dynamic scale as a power of two (fp16.initial_scale_power).
+    _require(initial > 0 and math.log2(initial).is_integer(),
+             f"--initial-loss-scale {initial:g}: DeepSpeed's dynamic loss scale starts at a "
+             "power of two (e.g. 65536 = 2**16)")
+    for flag, value in (("--min-loss-scale", p.min_loss_scale),
+                        ("--loss-scale-window", p.loss_scale_window)):
+        _require(value >= 1 and float(value).is_integer(),
+                 f"{flag} {value:g}: DeepSpeed's loss scaler takes a whole number >= 1")
+    _require(p.min_loss_scale <= initial,
+             f"--min-loss-scale ({p.min_loss_scale:g}) is larger than --initial-loss-scale "
+             f"({initial:g})")
+    _require(p.hysteresis >= 1, f"--hysteresis must be >= 1, got {p.hysteresis}")
+    if cfg.parallel.zero_stage == 0 and p.hysteresis > 1:
+        cfg.adjustments.append(
+            f"--hysteresis {p.hysteresis}: without ZeRO (--zero-stage 0) DeepSpeed's fp16 "
+            "optimizer halves the loss scale at every overflow (hysteresis 1)")
+
+
+def _validate_schedules(cfg: Config, dp: int) -> None:
+    """Iterations, batch ramp-up and learning-rate flags (Megatron's rules; resolves the
+    iteration count of --train-samples / --train-tokens), and the --deepspeed_config JSON
+    against the generated DeepSpeed config."""
+    from . import ds_config, schedules
+    from .engine import deepspeed_config
+
+    try:
+        batches = schedules.check_and_resolve(cfg, dp)
+        if cfg.training.deepspeed_config:
+            ds_config.check_accumulation(cfg, batches.final_micro_batches, dp)
+            deepspeed_config(cfg)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _validate_batches(cfg: Config, dp: int) -> None:
@@ -337,8 +432,20 @@ def _validate_data(d) -> None:
     _require(sum(sources) == 1,
              "give exactly one data source: --data-path, --train-data-path (with "
              "--valid-data-path/--test-data-path), or --mock-data")
+    from .data.tokenizers import TokenizerSpec, problems
+
+    if d.mock_data and d.tokenizer_type is None:
+        _require(d.vocab_size is None or d.vocab_size > 1,
+                 f"--vocab-size must be > 1, got {d.vocab_size}")
+        return
+    if not d.mock_data:
+        _require(d.tokenizer_model is not None or d.tokenizer_type is not None
+                 or (d.vocab_file and d.merge_file),
+                 "--tokenizer-model (or --tokenizer-type with its files) is required with "
+                 "--data-path / --train-data-path")
+    found = problems(TokenizerSpec.of(d))
+    _require(not found, "\n".join(found))
     if d.mock_data:
-        _require(d.vocab_size > 1, f"--vocab-size must be > 1, got {d.vocab_size}")
         return
     for flag, prefixes in (("--data-path", d.data_path), ("--train-data-path",
                            d.train_data_path), ("--valid-data-path", d.valid_data_path),
@@ -349,10 +456,6 @@ def _validate_data(d) -> None:
             for suffix in (".bin", ".idx"):
                 _require(os.path.isfile(prefix + suffix),
                          f"{flag} {prefix}: {prefix + suffix} does not exist")
-    _require(d.tokenizer_model is not None,
-             "--tokenizer-model is required with --data-path / --train-data-path")
-    _require(os.path.isfile(d.tokenizer_model) and os.access(d.tokenizer_model, os.R_OK),
-             f"--tokenizer-model {d.tokenizer_model}: not a readable file")
 
 
 def _is_number(text: str) -> bool:

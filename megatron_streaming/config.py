@@ -75,7 +75,19 @@ class ModelConfig:
     transformer_impl: str = arg(
         "auto", "Layer implementation: Transformer Engine when importable on a GPU (auto), "
         "or megatron-core's local spec.", choices=["auto", "local", "transformer_engine"])
-    bf16: bool = arg(False, "Train in bf16 (fp32 master weights in ZeRO).")
+    recompute_granularity: Optional[str] = arg(
+        None, "Activation recompute: a whole layer's activations (full) or only the core "
+        "attention's (selective), recomputed in the backward.", choices=["full", "selective"])
+    recompute_method: Optional[str] = arg(
+        None, "With --recompute-granularity full: uniform (every --recompute-num-layers "
+        "layers as one recompute unit) or block (the first --recompute-num-layers layers of "
+        "each pipeline stage).", choices=["uniform", "block"])
+    recompute_num_layers: Optional[int] = arg(
+        None, "Layers per recompute unit (uniform) or recomputed per stage (block); default 1 "
+        "with --recompute-granularity full, as in Megatron-DeepSpeed.")
+    recompute_modules: Optional[List[str]] = arg(
+        None, "With --recompute-granularity selective: the submodules to recompute "
+        "(core_attn, mlp, layernorm; default core_attn).", nargs="*")
     ladder_residual: bool = arg(
         False, "Ladder residual (arXiv 2501.06589) on every layer: each sub-block's "
         "tensor-parallel all-reduce overlaps the next sub-block's compute.")
@@ -161,6 +173,32 @@ class TransformerEngineConfig:
 
 
 @dataclass
+class PrecisionConfig:
+    """Training precision (DeepSpeed's ``fp16`` / ``bf16`` sections): 16-bit weights and
+    activations, fp32 master weights in the optimizer, and fp16's loss scaling."""
+
+    fp16: bool = arg(False, "Train in fp16 with fp32 master weights and loss scaling.")
+    bf16: bool = arg(False, "Train in bf16 with fp32 master weights.")
+    grad_reduce_in_bf16: bool = arg(
+        False, "With --bf16: reduce gradients across data-parallel ranks in bf16; without it "
+        "they are reduced in fp32, as in Megatron-LM.")
+    loss_scale: Optional[float] = arg(
+        None, "Static loss scale with --fp16; without it the loss scale is dynamic.")
+    initial_loss_scale: float = arg(
+        2.0**32, "Initial dynamic loss scale with --fp16 (a power of two).")
+    min_loss_scale: float = arg(1.0, "Minimum dynamic loss scale with --fp16.")
+    loss_scale_window: float = arg(
+        1000, "Steps without overflow after which the dynamic loss scale doubles.")
+    hysteresis: int = arg(
+        2, "Overflows the dynamic loss scale tolerates before it halves (refilled when it "
+        "doubles).")
+
+    @property
+    def dtype_name(self) -> str:
+        return "fp16" if self.fp16 else "bf16" if self.bf16 else "fp32"
+
+
+@dataclass
 class StreamingConfig:
     """Streaming DiLoCo between workers (DESIGN.md "Streaming DiLoCo")."""
 
@@ -217,10 +255,27 @@ class OptimizerConfig:
                          choices=["adam", "sgd"])
     lr: float = arg(1e-3, "Peak learning rate.")
     min_lr: float = arg(0.0, "Learning rate at the end of the decay.")
-    lr_decay_style: str = arg("linear", "Decay after warmup (Megatron's default: linear).",
-                              choices=["constant", "linear", "cosine"])
-    lr_warmup_iters: int = arg(0, "Linear warmup iterations.")
+    lr_decay_style: str = arg(
+        "linear", "Decay after warmup (Megatron's default: linear); WSD: constant, then "
+        "--lr-wsd-decay-style over the last --lr-wsd-decay-iters/-samples.",
+        choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"])
+    lr_wsd_decay_style: str = arg("exponential", "Annealing shape of WSD's last phase.",
+                                  choices=["exponential", "linear", "cosine", "minus_sqrt"])
+    lr_warmup_iters: int = arg(0, "Linear warmup iterations (iteration-based training).")
+    lr_warmup_samples: int = arg(0, "Linear warmup samples per worker (with --train-samples).")
+    lr_warmup_fraction: Optional[float] = arg(
+        None, "Warmup as a fraction of the decay length (instead of --lr-warmup-iters/-samples).")
+    lr_warmup_tokens: Optional[int] = arg(
+        None, "Linear warmup tokens per worker (Megatron-DeepSpeed; with --lr-decay-tokens).")
+    lr_warmup_init: float = arg(0.0, "Learning rate the warmup starts from.")
     lr_decay_iters: Optional[int] = arg(None, "Decay iterations (default: --train-iters).")
+    lr_decay_samples: Optional[int] = arg(
+        None, "Decay samples per worker (with --train-samples; default: --train-samples).")
+    lr_decay_tokens: Optional[int] = arg(
+        None, "Decay tokens per worker (Megatron-DeepSpeed): the whole schedule counts tokens.")
+    lr_wsd_decay_iters: Optional[int] = arg(None, "Iterations of WSD's annealing phase.")
+    lr_wsd_decay_samples: Optional[int] = arg(
+        None, "Samples per worker of WSD's annealing phase (with --train-samples).")
     weight_decay: float = arg(0.01, "AdamW weight decay (not on biases and norms).")
     adam_beta1: float = arg(0.9, "AdamW beta1.")
     adam_beta2: float = arg(0.999, "AdamW beta2 (Megatron's default).")
@@ -237,7 +292,21 @@ class TrainingConfig:
     global_batch_size: Optional[int] = arg(
         None, "Samples per step in one worker (micro batch x data-parallel size x "
         "accumulation); default one micro-batch per data-parallel rank.")
-    train_iters: int = arg(20, "Training iterations.")
+    train_iters: Optional[int] = arg(
+        20, "Training iterations (derived from --train-samples when that is given instead).")
+    train_samples: Optional[int] = arg(
+        None, "Train on this many samples per worker (instead of --train-iters); "
+        "iterations = samples / --global-batch-size, ramp-up included.")
+    train_tokens: Optional[int] = arg(
+        None, "Also stop once each worker has trained on this many tokens (Megatron-DeepSpeed).")
+    rampup_batch_size: Optional[List[int]] = arg(
+        None, "START INCREMENT SAMPLES: each worker's global batch grows from START by "
+        "INCREMENT to --global-batch-size over its first SAMPLES samples (megatron-core's "
+        "calculator).", nargs=3, type=int, metavar=("START", "INCREMENT", "SAMPLES"))
+    step_batch_size_schedule: Optional[str] = arg(
+        None, "Megatron-LM's step schedule of each worker's global batch: 'TOKENS:BATCH ...' "
+        "by tokens trained per worker (K/M/B/T suffixes), e.g. '0:16 2.4B:320 4.8B:624'; the "
+        "last batch is the global batch size.")
     eval_interval: int = arg(0, "Evaluate every this many iterations (0 = only at the end).")
     eval_iters: int = arg(2, "Global batches per evaluation (0 = no evaluation).")
     seed: int = arg(1234, "Random seed (model init and data order).")
@@ -245,6 +314,13 @@ class TrainingConfig:
     exit_interval: int = arg(
         0, "Stop once the iteration is a multiple of this (saving first with --save); "
         "the schedule still runs to --train-iters on resume.")
+    exit_duration_in_mins: Optional[float] = arg(
+        None, "Stop (saving first with --save) once this many minutes have passed since "
+        "start-up; every rank of every worker stops after the same iteration.")
+    deepspeed_config: Optional[str] = arg(
+        None, "A DeepSpeed JSON to merge into the generated one: keys that map to our flags "
+        "set them (or must agree), DeepSpeed tuning keys pass through, the rest is refused.",
+        flag="--deepspeed_config", aliases=["--deepspeed-config"])
 
 
 @dataclass
@@ -258,8 +334,21 @@ class DataConfig:
     valid_data_path: List[str] = arg([], "Validation dataset prefix(es).", nargs="*")
     test_data_path: List[str] = arg([], "Test dataset prefix(es).", nargs="*")
     mock_data: bool = arg(False, "Synthetic data (megatron MockGPTDataset); no files needed.")
-    tokenizer_model: Optional[str] = arg(None, "SentencePiece model of the dataset.")
-    vocab_size: int = arg(256, "Vocabulary size with --mock-data.")
+    tokenizer_type: Optional[str] = arg(
+        None, "Megatron's tokenizer name: SentencePieceTokenizer (the default with "
+        "--tokenizer-model), GPTSentencePieceTokenizer, Llama2Tokenizer, GPT2BPETokenizer, "
+        "HuggingFaceTokenizer, TikTokenizer or NullTokenizer.")
+    tokenizer_model: Optional[str] = arg(
+        None, "The tokenizer: a sentencepiece model, a Hugging Face tokenizer directory "
+        "(HuggingFaceTokenizer) or a tiktoken vocabulary (TikTokenizer).")
+    vocab_file: Optional[str] = arg(None, "GPT2BPETokenizer's vocab.json.")
+    merge_file: Optional[str] = arg(None, "GPT2BPETokenizer's merges.txt.")
+    tiktoken_pattern: Optional[str] = arg(None, "TikTokenizer's split pattern (default v2).",
+                                          choices=["v1", "v2"])
+    tiktoken_num_special_tokens: int = arg(1000, "TikTokenizer's special-token ids.")
+    vocab_size: Optional[int] = arg(
+        None, "Vocabulary of --mock-data without --tokenizer-type (default 256), of "
+        "NullTokenizer (plus its end-of-document id), or TikTokenizer's cap.")
     data_cache_path: Optional[str] = arg(None, "Where dataset index caches are written.")
 
 
@@ -272,6 +361,12 @@ class LoggingConfig:
     summary_json: Optional[str] = arg(None, "Write a JSON summary of the run here at the end.")
     log_jsonl: Optional[str] = arg(
         None, "Append one JSON line per logged iteration and evaluation to this file.")
+    wandb_project: Optional[str] = arg(
+        None, "Log the same scalars to this Weights & Biases project (when wandb imports).")
+    wandb_exp_name: Optional[str] = arg(None, "The W&B run name (needed with --wandb-project).")
+    wandb_save_dir: Optional[str] = arg(
+        None, "Where W&B keeps its local files (default: --save/wandb, else wandb's own).")
+    wandb_entity: Optional[str] = arg(None, "The W&B entity (team) of the project.")
 
 
 @dataclass
@@ -290,6 +385,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     te: TransformerEngineConfig = field(default_factory=TransformerEngineConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     streaming: StreamingConfig = field(default_factory=StreamingConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)

@@ -12,6 +12,7 @@ exposed so that hooks (the streaming sync) can attach to its step without a fork
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from functools import partial
@@ -23,30 +24,26 @@ from . import grads
 from .config import Config
 from .topology import Topology
 
+log = logging.getLogger("megatron_streaming")
+
 
 def dist_rank(group) -> int:
     return torch.distributed.get_rank(group=group)
 
 
-def lr_at(iteration: int, cfg: Config) -> float:
-    """Linear warmup, then constant, linear or cosine decay to ``--min-lr``."""
-    o = cfg.optimizer
-    if o.lr_warmup_iters and iteration < o.lr_warmup_iters:
-        return o.lr * (iteration + 1) / o.lr_warmup_iters
-    if o.lr_decay_style == "constant":
-        return o.lr
-    decay_iters = (o.lr_decay_iters or cfg.training.train_iters) - o.lr_warmup_iters
-    progress = min(max(iteration - o.lr_warmup_iters, 0) / max(decay_iters, 1), 1.0)
-    if o.lr_decay_style == "linear":
-        coeff = 1.0 - progress
-    else:
-        coeff = 0.5 * (1.0 + math.cos(math.pi * progress))
-    return o.min_lr + coeff * (o.lr - o.min_lr)
+def lr_at(iteration: int, cfg: Config, dp: int = 1) -> float:
+    """The learning rate of step ``iteration`` (0-based), as Megatron's scheduler sets it
+    after the samples of the steps before (``schedules.LrSchedule``)."""
+    from .schedules import BatchSchedule, LrSchedule
+
+    return LrSchedule(cfg, BatchSchedule(cfg.training, cfg.model.seq_length, dp))(iteration)
 
 
 def num_microbatches(cfg: Config, dp: int) -> int:
-    t = cfg.training
-    return (t.global_batch_size or t.micro_batch_size * dp) // (t.micro_batch_size * dp)
+    """Micro-batches of a full step (after any batch ramp-up)."""
+    from .schedules import BatchSchedule
+
+    return BatchSchedule(cfg.training, cfg.model.seq_length, dp).final_micro_batches
 
 
 def deepspeed_config(cfg: Config) -> dict:
@@ -66,9 +63,31 @@ def deepspeed_config(cfg: Config) -> dict:
         "wall_clock_breakdown": False,
         "zero_allow_untested_optimizer": True,
     }
-    if cfg.model.bf16:
-        ds["bf16"] = {"enabled": True}
+    ds.update(precision_config(cfg.precision))
+    if cfg.training.deepspeed_config:
+        from .ds_config import load_user_config, merge_user_config
+
+        ds = merge_user_config(ds, load_user_config(cfg.training.deepspeed_config), cfg)
     return ds
+
+
+def precision_config(p) -> dict:
+    """DeepSpeed's ``fp16`` / ``bf16`` sections from Megatron's flags (validated): a static
+    ``--loss-scale``, else dynamic scaling from ``--initial-loss-scale`` (a power of two),
+    ``--min-loss-scale``, ``--loss-scale-window`` and ``--hysteresis``."""
+    if p.bf16:
+        # DeepSpeed reduces in the parameters' dtype unless told otherwise; Megatron in fp32.
+        return {"bf16": {"enabled": True},
+                "communication_data_type": "bf16" if p.grad_reduce_in_bf16 else "fp32"}
+    if not p.fp16:
+        return {}
+    if p.loss_scale is not None:
+        return {"fp16": {"enabled": True, "loss_scale": p.loss_scale}}
+    return {"fp16": {"enabled": True, "loss_scale": 0,  # 0: dynamic
+                     "initial_scale_power": int(math.log2(p.initial_loss_scale)),
+                     "loss_scale_window": int(p.loss_scale_window),
+                     "hysteresis": p.hysteresis,
+                     "min_loss_scale": int(p.min_loss_scale)}}
 
 
 def inner_optimizer(cfg: Config, groups: List[dict]) -> torch.optim.Optimizer:
@@ -104,6 +123,8 @@ class StepResult:
     loss: Optional[float]  # mean over micro-batches; None off the last pipeline stage
     grad_norm: Optional[float]
     lr: float
+    skipped: bool = False  # the optimizer skipped the update (a gradient overflow)
+    loss_scale: Optional[float] = None  # --fp16: the loss scale after this step
 
 
 def _loss_func(loss_mask: torch.Tensor, sp_group, output_tensor: torch.Tensor):
@@ -136,6 +157,16 @@ def _forward_step(forward, sequence, data_iterator, model):
     return output, partial(_loss_func, batch["loss_mask"], sp_group)
 
 
+def _undo_warm_up_step(optimizer) -> None:
+    """FP16_UnfusedOptimizer's constructor runs one inner step on zero gradients to create
+    the optimizer state; AdamW's decoupled weight decay moves the fp32 masters in it and
+    Adam's step count starts at 1. Undo both, so that --zero-stage 0 trains the same math
+    as ZeRO (whose constructor steps nothing): the masters are reset from the 16-bit weights,
+    which hold the initial values exactly, and the state is created at the first real step."""
+    optimizer.refresh_fp32_params()
+    optimizer.optimizer.state.clear()
+
+
 class WorkerEngine:
     """The model wrapped by DeepSpeed, and the train / eval steps of one worker."""
 
@@ -145,8 +176,12 @@ class WorkerEngine:
         from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
         self.cfg, self.topology, self.model = cfg, topology, model
-        dp = topology.layout.dp
-        self.num_microbatches = num_microbatches(cfg, dp)
+        from .schedules import BatchSchedule, LrSchedule
+
+        # The batch (and so the micro-batch count) and the learning rate of every step.
+        self.batches = BatchSchedule(cfg.training, cfg.model.seq_length, topology.layout.dp)
+        self.lr_at = LrSchedule(cfg, self.batches)
+        self.num_microbatches = self.batches.final_micro_batches  # evaluation's
         grads.mark_pipeline_replicas(model, topology)
         self._hooks = grads.register_sequence_parallel_grad_hooks(model, topology.groups["tp"])
         groups = param_groups(model, cfg.optimizer.weight_decay)
@@ -160,6 +195,15 @@ class WorkerEngine:
         # Without ZeRO, DeepSpeed refuses a backward it did not start; its step() then does
         # the plain data-parallel all-reduce of the accumulated gradients itself.
         self._forward = self.engine if cfg.parallel.zero_stage > 0 else model
+        if self.sixteen_bit_without_zero:
+            _undo_warm_up_step(self.optimizer)
+        if cfg.precision.fp16:
+            # The schedule runs the backward itself, so it applies the loss scale (megatron's
+            # hook for exactly this); DeepSpeed's step unscales and checks for overflow.
+            model.config.grad_scale_func = self._scale_loss
+            if self.zero and not topology.is_last_stage:
+                self._forward = self._forward_declaring_scaled_backward
+                self._loss_stand_in = torch.ones((), requires_grad=True) * 1.0
         sp = topology.layout.sp
         self._sequence = (topology.coords["sp"], sp, topology.groups["sp"]) if sp > 1 else None
         self.pg_collection = topology.pg_collection()
@@ -177,10 +221,38 @@ class WorkerEngine:
     def zero(self) -> bool:
         return hasattr(self.optimizer, "single_partition_of_fp32_groups")
 
+    @property
+    def sixteen_bit_without_zero(self) -> bool:
+        """--bf16 / --fp16 at --zero-stage 0: DeepSpeed's FP16_UnfusedOptimizer (for bf16
+        too, outside its pipeline engine) keeps an fp32 master copy of every parameter."""
+        return hasattr(self.optimizer, "fp32_groups") and hasattr(self.optimizer, "fp16_groups")
+
+    def _scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        if self.zero:  # DeepSpeed's own scaling, which also tells it the loss was scaled
+            return self.engine.scale(loss)
+        return loss * self.optimizer.loss_scale
+
+    def _forward_declaring_scaled_backward(self, *args, **kwargs):
+        """Under ZeRO with --fp16 DeepSpeed checks every backward for a loss that went through
+        ``engine.scale``; before the last pipeline stage the backward starts from the next
+        stage's gradient, which carries the loss scale already. When that gradient arrives,
+        say so through ``engine.scale`` (on a stand-in; its product is not used)."""
+        output = self.engine(*args, **kwargs)
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(self._declare_scaled)
+        return output
+
+    def _declare_scaled(self, grad: torch.Tensor) -> torch.Tensor:
+        self.engine.scale(self._loss_stand_in)
+        return grad
+
     def master_views(self) -> List[List[tuple]]:
         """Per param group, ``(parameter, fp32 view)`` for every parameter with elements on
         this rank: the view is the parameter's slice of this rank's flat ZeRO partition (or,
-        without ZeRO, the parameter itself)."""
+        without ZeRO, its fp32 master copy under --bf16 / --fp16, else the parameter)."""
+        if self.sixteen_bit_without_zero:
+            return [list(zip(low, master)) for low, master in
+                    zip(self.optimizer.fp16_groups, self.optimizer.fp32_groups)]
         if not self.zero:
             return [[(p, p) for p in g["params"]] for g in self.inner_optimizer.param_groups]
         opt = self.optimizer
@@ -203,6 +275,11 @@ class WorkerEngine:
         """After editing fp32 partitions outside a step: copy them into the model weights."""
         if self.zero:
             self.optimizer.update_lp_params()
+        elif self.sixteen_bit_without_zero:
+            with torch.no_grad():
+                for group in self.master_views():
+                    for low, master in group:
+                        low.copy_(master)
 
     def _run_schedule(self, data_iterator: Iterator, forward_only: bool,
                       num_microbatches: int):
@@ -229,20 +306,39 @@ class WorkerEngine:
         return float(loss) / self.topology.layout.dp
 
     def train_step(self, data_iterator: Iterator, iteration: int) -> StepResult:
-        lr = lr_at(iteration, self.cfg)
+        lr = self.lr_at(iteration)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.engine.train()
-        outputs = self._run_schedule(data_iterator, False, self.num_microbatches)
+        outputs = self._run_schedule(data_iterator, False, self.batches.micro_batches(iteration))
         grads.allreduce_tied_embedding_grads(self.model, self.topology)
         for hook in self.step_hooks:
             hook.before_step(iteration + 1)
+        skipped_before, scale = self.skipped_iterations, self.loss_scale()
         self.engine.step()
         for hook in self.step_hooks:
             hook.after_step()
         norm = self.engine.get_global_grad_norm()
-        norm = float(norm) if norm is not None else None
-        return StepResult(self._mean_loss(outputs), norm, lr)
+        if norm is not None and self.sixteen_bit_without_zero and scale:
+            norm = norm / scale  # FP16_UnfusedOptimizer reports the norm of scaled gradients
+        result = StepResult(self._mean_loss(outputs), float(norm) if norm is not None else None,
+                            lr, skipped=self.skipped_iterations > skipped_before,
+                            loss_scale=self.loss_scale())
+        if result.skipped and self.topology.is_worker_reporter():
+            log.warning("iteration %d (worker %d): gradient overflow, the optimizer step was "
+                        "skipped%s", iteration + 1, self.topology.worker,
+                        f"; loss scale now {result.loss_scale:g}"
+                        if result.loss_scale is not None else "")
+        return result
+
+    @property
+    def skipped_iterations(self) -> int:
+        """Optimizer steps skipped for a non-finite gradient so far (fp16 overflows)."""
+        return self.engine.skipped_steps
+
+    def loss_scale(self) -> Optional[float]:
+        """The current loss scale under --fp16, else None."""
+        return float(self.optimizer.loss_scale) if self.cfg.precision.fp16 else None
 
     @torch.no_grad()
     def eval_step(self, data_iterator: Iterator) -> Optional[float]:

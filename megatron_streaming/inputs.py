@@ -12,15 +12,21 @@ from __future__ import annotations
 from typing import Iterator, Optional
 
 from .config import Config
-from .data import MicroBatchSampler, MockTokenizer, build_datasets, build_iterator, load_tokenizer
-from .engine import num_microbatches
+from .data import MicroBatchSampler, MockTokenizer, build_datasets, build_iterator
+from .data.tokenizers import TokenizerSpec, build_tokenizer
+from .schedules import BatchSchedule
 from .topology import Topology
 
 
+MOCK_VOCAB_SIZE = 256
+
+
 def load_run_tokenizer(cfg: Config):
-    if cfg.data.mock_data:
-        return MockTokenizer(cfg.data.vocab_size)
-    return load_tokenizer(cfg.data.tokenizer_model)
+    """--mock-data without --tokenizer-type: ids only; else the tokenizer the flags name."""
+    d = cfg.data
+    if d.mock_data and d.tokenizer_type is None:
+        return MockTokenizer(d.vocab_size or MOCK_VOCAB_SIZE)
+    return build_tokenizer(TokenizerSpec.of(d))
 
 
 class RunData:
@@ -29,14 +35,13 @@ class RunData:
     def __init__(self, cfg: Config, topology: Topology, tokenizer):
         self.cfg, self.topology = cfg, topology
         layout, t, d = topology.layout, cfg.training, cfg.data
-        self.micro_batches = num_microbatches(cfg, layout.dp)
-        # Samples one iteration consumes across all workers.
-        self.samples_per_iteration = (t.micro_batch_size * self.micro_batches * layout.dp
-                                      * layout.workers)
-        eval_samples = t.eval_iters * t.micro_batch_size * self.micro_batches * layout.dp
+        # Each worker's batch per step (ramp-up included); evaluation uses the full batch.
+        self.batches = BatchSchedule(t, cfg.model.seq_length, layout.dp)
+        self.workers = layout.workers
+        eval_samples = t.eval_iters * self.batches.final_batch
         self.train, self.valid, self.test = build_datasets(
             tokenizer=tokenizer, seq_length=cfg.model.seq_length, seed=t.seed,
-            train_samples=0 if t.skip_train else t.train_iters * self.samples_per_iteration,
+            train_samples=0 if t.skip_train else self.samples_through(t.train_iters),
             valid_samples=eval_samples, test_samples=eval_samples,
             data_path=d.data_path or None, split=d.split,
             train_data_path=d.train_data_path or None,
@@ -44,9 +49,20 @@ class RunData:
             test_data_path=d.test_data_path or None,
             mock=d.mock_data, data_cache_path=d.data_cache_path)
 
+    def samples_through(self, iteration: int) -> int:
+        """Training samples all workers consumed in iterations ``0 .. iteration - 1``: a
+        function of the iteration alone, so a resume needs no other state."""
+        return self.batches.consumed(iteration) * self.workers
+
+    def tokens_through(self, iteration: int) -> int:
+        return self.samples_through(iteration) * self.cfg.model.seq_length
+
     def train_iterator(self, start_iteration: int) -> Iterator:
+        # Every micro-step of every rank takes the next micro-batch of one stream, so a step
+        # with more micro-batches (ramp-up) simply reads further: only the start depends on
+        # the batch schedule.
         index, count = self.topology.data_shard
-        sampler = MicroBatchSampler(len(self.train), start_iteration * self.samples_per_iteration,
+        sampler = MicroBatchSampler(len(self.train), self.samples_through(start_iteration),
                                     self.cfg.training.micro_batch_size, index, count)
         return build_iterator(self.train, sampler)
 

@@ -35,6 +35,9 @@ from .topology import device_of
 log = logging.getLogger("megatron_streaming")
 
 HEARTBEAT_SECONDS = 1.0
+# A stop reason that is not a signal: --exit-duration-in-mins ran out. Above every signal
+# number, so the MAX reduction of the stop flag carries it like one.
+EXIT_DURATION = 1000
 
 
 class StopRequest:
@@ -47,8 +50,12 @@ class StopRequest:
                 signal.signal(s, self._handle)
 
     def _handle(self, signum, frame) -> None:
+        self.request(signum)
+
+    def request(self, reason: int) -> None:
+        """Ask to stop for ``reason`` (a signal number or ``EXIT_DURATION``); the first wins."""
         if self.received is None:
-            self.received = int(signum)
+            self.received = int(reason)
 
 
 class StopAgreement:
@@ -252,6 +259,8 @@ def checkpoint_advice(save: Optional[str]) -> str:
 
 
 def _signal_name(number: int) -> Optional[str]:
+    if number == EXIT_DURATION:
+        return "exit-duration-in-mins"
     return signal.Signals(number).name if number else None
 
 

@@ -71,6 +71,14 @@ def _distributed_optimizer(cfg, value, given):
         cfg.parallel.zero_stage = 1
 
 
+def _checkpoint_activations(cfg, value, given):
+    """Megatron-DeepSpeed's legacy switch: recompute every layer in full."""
+    m = cfg.model
+    if m.recompute_granularity is None:
+        m.recompute_granularity, m.recompute_method = "full", "uniform"
+        m.recompute_num_layers = m.recompute_num_layers or 1
+
+
 def _key_value_heads(cfg, value, given):
     cfg.model.group_query_attention = True
     cfg.model.num_query_groups = int(value)
@@ -165,6 +173,10 @@ FLAGS: List[ForeignFlag] = [
     ForeignFlag("--use-distributed-optimizer", MAPPED,
                 "ZeRO stage 1 (--zero-stage 1) over the worker's data-parallel ranks",
                 act=_distributed_optimizer),
+    ForeignFlag("--checkpoint-activations", MAPPED,
+                "--recompute-granularity full --recompute-method uniform "
+                "--recompute-num-layers 1 (unless --recompute-* say otherwise)",
+                act=_checkpoint_activations),
     ForeignFlag("--use-rotary-position-embeddings", MAPPED, "--position-embedding-type rope",
                 act=_rotary),
     ForeignFlag("--no-position-embedding", MAPPED,

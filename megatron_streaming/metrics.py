@@ -1,7 +1,8 @@
 """What a run reports: progress lines, TensorBoard scalars and the end-of-run summary.
 
 Exactly one rule picks the rank that writes (``Topology.is_logging_rank``); everything here is
-a no-op elsewhere. TensorBoard is imported only when a directory is given.
+a no-op elsewhere. TensorBoard is imported only when a directory is given, wandb only with
+``--wandb-project`` (and skipped with one line when it is not installed).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import json
 import logging
 import os
 import time
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional
 
 log = logging.getLogger("megatron_streaming")
 
@@ -59,6 +60,40 @@ class JsonLinesWriter(ScalarWriter):
         self._file.close()
 
 
+class WandbWriter(ScalarWriter):
+    """The same scalars in a Weights & Biases run (Megatron's --wandb-* flags); ``mode`` and
+    credentials come from wandb's own environment (``WANDB_MODE=offline``...)."""
+
+    def __init__(self, wandb, logging_cfg, save_dir: Optional[str], config: Optional[dict]):
+        options = {"project": logging_cfg.wandb_project, "name": logging_cfg.wandb_exp_name,
+                   "config": config}
+        if logging_cfg.wandb_entity:
+            options["entity"] = logging_cfg.wandb_entity
+        if save_dir:
+            os.makedirs(save_dir, exist_ok=True)
+            options["dir"] = save_dir
+        self._run = wandb.init(**options)
+
+    def scalars(self, step: int, values: Dict[str, float]) -> None:
+        self._run.log({k: v for k, v in values.items() if v is not None}, step=step)
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+def _wandb_writer(logging_cfg, cfg) -> Optional[ScalarWriter]:
+    try:
+        import wandb
+    except ImportError:
+        log.warning("--wandb-project %s: wandb is not installed; not logging to W&B "
+                    "(pip install wandb)", logging_cfg.wandb_project)
+        return None
+    save_dir = logging_cfg.wandb_save_dir
+    if save_dir is None and cfg is not None and cfg.checkpoint.save:
+        save_dir = os.path.join(cfg.checkpoint.save, "wandb")  # Megatron's default
+    return WandbWriter(wandb, logging_cfg, save_dir, cfg.to_dict() if cfg is not None else None)
+
+
 class Writers(ScalarWriter):
     def __init__(self, writers):
         self._writers = writers
@@ -72,13 +107,16 @@ class Writers(ScalarWriter):
             w.close()
 
 
-def make_writer(logging_cfg, is_writer: bool) -> ScalarWriter:
+def make_writer(logging_cfg, is_writer: bool, cfg=None) -> ScalarWriter:
+    """The logging rank's writers; ``cfg`` (the whole Config) goes to W&B as the run config."""
     writers = []
     if is_writer and logging_cfg.tensorboard_dir:
         writers.append(TensorBoardWriter(logging_cfg.tensorboard_dir))
     if is_writer and logging_cfg.log_jsonl:
         writers.append(JsonLinesWriter(logging_cfg.log_jsonl))
-    return Writers(writers)
+    if is_writer and logging_cfg.wandb_project:
+        writers.append(_wandb_writer(logging_cfg, cfg))
+    return Writers([w for w in writers if w is not None])
 
 
 def setup_logging(is_logging_rank: bool) -> None:
@@ -93,20 +131,21 @@ def setup_logging(is_logging_rank: bool) -> None:
 
 
 class Throughput:
-    """Tokens per second over the iterations since the last report."""
+    """Tokens per second over the iterations since the last report; ``tokens_through(i)`` is
+    the tokens trained in iterations ``0 .. i - 1`` (the batch may ramp up)."""
 
-    def __init__(self, tokens_per_iteration: int, start_iteration: int = 0):
-        self.tokens_per_iteration = tokens_per_iteration
+    def __init__(self, tokens_through: Callable[[int], int], start_iteration: int = 0):
+        self.tokens_through = tokens_through
         self.start = time.perf_counter()
         self._last_time = self.start
         self._last_iteration = start_iteration
 
     def rate(self, iteration: int) -> float:
         now = time.perf_counter()
-        done = iteration - self._last_iteration
+        done = self.tokens_through(iteration) - self.tokens_through(self._last_iteration)
         elapsed = now - self._last_time
         self._last_time, self._last_iteration = now, iteration
-        return done * self.tokens_per_iteration / max(elapsed, 1e-9)
+        return done / max(elapsed, 1e-9)
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.start

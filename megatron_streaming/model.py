@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from .config import ModelConfig, ParallelConfig, TransformerEngineConfig
+from .config import ModelConfig, ParallelConfig, PrecisionConfig, TransformerEngineConfig
 from .topology import Topology
 
 log = logging.getLogger(__name__)
@@ -62,6 +62,18 @@ def layer_spec(model_cfg: ModelConfig, sp_group=None):
     return gpt_layer_specs.get_gpt_layer_local_spec(normalization=model_cfg.normalization)
 
 
+def recompute_settings(model_cfg: ModelConfig) -> dict:
+    """megatron-core's activation recompute, from Megatron's flags (validated)."""
+    if model_cfg.recompute_granularity is None:
+        return {}
+    settings = {"recompute_granularity": model_cfg.recompute_granularity,
+                "recompute_modules": model_cfg.recompute_modules}
+    if model_cfg.recompute_granularity == "full":
+        settings.update(recompute_method=model_cfg.recompute_method,
+                        recompute_num_layers=model_cfg.recompute_num_layers or 1)
+    return settings
+
+
 def transformer_engine_settings(te_cfg: Optional[TransformerEngineConfig]) -> dict:
     """TransformerConfig fields of the GPU-only features (validated to have TE and a GPU)."""
     if te_cfg is None:
@@ -79,12 +91,15 @@ def transformer_engine_settings(te_cfg: Optional[TransformerEngineConfig]) -> di
 
 
 def transformer_config(model_cfg: ModelConfig, parallel_cfg: ParallelConfig,
-                       te_cfg: Optional[TransformerEngineConfig] = None):
+                       te_cfg: Optional[TransformerEngineConfig] = None,
+                       precision: Optional[PrecisionConfig] = None):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     import torch.nn.functional as F
 
-    dtype = torch.bfloat16 if model_cfg.bf16 else torch.float32
+    precision = precision or PrecisionConfig()
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision.dtype_name,
+                                                                 torch.float32)
     on_gpu = torch.cuda.is_available()
     return TransformerConfig(
         num_layers=model_cfg.num_layers,
@@ -107,7 +122,8 @@ def transformer_config(model_cfg: ModelConfig, parallel_cfg: ParallelConfig,
         sequence_parallel=parallel_cfg.sequence_parallel,
         params_dtype=dtype,
         pipeline_dtype=dtype,
-        bf16=model_cfg.bf16,
+        bf16=precision.bf16,
+        fp16=precision.fp16,
         # Deterministic CPU initialisation: the same weights whatever the TP layout, which
         # is what lets TP=2 be compared with TP=1 exactly.
         use_cpu_initialization=True,
@@ -118,16 +134,18 @@ def transformer_config(model_cfg: ModelConfig, parallel_cfg: ParallelConfig,
         masked_softmax_fusion=on_gpu,
         persist_layer_norm=on_gpu,
         apply_rope_fusion=False,
+        **recompute_settings(model_cfg),
         **transformer_engine_settings(te_cfg),
     )
 
 
 def build_model(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, topology: Topology,
-                vocab_size: int, te_cfg: Optional[TransformerEngineConfig] = None):
+                vocab_size: int, te_cfg: Optional[TransformerEngineConfig] = None,
+                precision: Optional[PrecisionConfig] = None):
     """This rank's pipeline stage of the GPT, its TP shard, on this rank's device."""
     from megatron.core.models.gpt import GPTModel
 
-    config = transformer_config(model_cfg, parallel_cfg, te_cfg)
+    config = transformer_config(model_cfg, parallel_cfg, te_cfg, precision)
     spec = layer_spec(model_cfg, topology.groups.get("sp"))
     if model_cfg.ladder_residual or model_cfg.ladder_layers:
         from .ladder import ladder_block_spec, ladder_layer_set

@@ -37,6 +37,7 @@ class Run:
         self.last_valid = (None, None)  # (iteration, loss) of the latest evaluation
         self.last_saved = None  # iteration of the latest checkpoint this run wrote
         self.step_seconds = []
+        run_state = None
         if self.resume:
             run_state = self.checkpointer.load(self.resume, self.model, self.engine.optimizer)
             self.iteration = run_state["iteration"]
@@ -45,7 +46,8 @@ class Run:
         from .metrics import make_writer
 
         self.data = RunData(self.cfg, self.topology, self.tokenizer)
-        self.writer = make_writer(self.cfg.logging, self.topology.is_logging_rank())
+        self._check_data_position(run_state)
+        self.writer = make_writer(self.cfg.logging, self.topology.is_logging_rank(), self.cfg)
         return self
 
     def _start_processes(self) -> None:
@@ -101,7 +103,7 @@ class Run:
         cfg, topo = self.cfg, self.topology
         distributed.seed_everything(cfg.training.seed, topo.tp_rank)
         self.model = build_model(cfg.model, cfg.parallel, topo, self.tokenizer.vocab_size,
-                                 cfg.te)
+                                 cfg.te, cfg.precision)
         tied = not cfg.model.untie_embeddings_and_output_weights
         weights.initialize_weights(
             self.model, seed=cfg.training.seed, std=cfg.model.init_method_std,
@@ -169,8 +171,7 @@ class Run:
         from .metrics import Throughput, progress_line
 
         cfg, t = self.cfg, self.cfg.training
-        tokens_per_iteration = self.data.samples_per_iteration * cfg.model.seq_length
-        throughput = Throughput(tokens_per_iteration, self.iteration)
+        throughput = Throughput(self.data.tokens_through, self.iteration)
         iterator = self.data.train_iterator(self.iteration)
         loss = None
         while self.iteration < t.train_iters:
@@ -197,6 +198,7 @@ class Run:
                 log.info("exiting at iteration %d (--exit-interval %d)", self.iteration,
                          t.exit_interval)
                 break
+            self._check_duration()
             self.stopped_by = self.stop.should_stop()
             if self.stopped_by:
                 log.info("stopping after iteration %d: %s", self.iteration, self.stopped_by)
@@ -222,13 +224,39 @@ class Run:
         if self.sync is not None:
             extra = (f" | sync bytes {scalars['streaming/worker_bytes_sent']:,.0f} | drift "
                      f"{scalars['streaming/drift']:.4f}")
+        if result.loss_scale is not None:  # --fp16, as Megatron reports it (this worker's)
+            skipped = self.engine.skipped_iterations
+            extra += f" | loss scale {result.loss_scale:g} | skipped iterations {skipped}"
+            scalars.update({"train/loss_scale": result.loss_scale,
+                            "train/skipped_iterations": skipped})
         log.info(progress_line(self.iteration, self.cfg.training.train_iters, result.loss,
                                result.lr, result.grad_norm, rate, throughput.elapsed(), extra))
-        tokens = self.iteration * self.data.samples_per_iteration * self.cfg.model.seq_length
         self.writer.scalars(self.iteration, {
             "train/loss": result.loss, "train/lr": result.lr,
             "train/grad_norm": result.grad_norm, "train/tokens_per_s": rate,
-            "train/step_seconds": self.step_seconds[-1], "train/tokens": tokens, **scalars})
+            "train/step_seconds": self.step_seconds[-1],
+            "train/tokens": self.data.tokens_through(self.iteration),
+            "train/global_batch_size": self.data.batches.global_batch(self.iteration - 1),
+            **scalars})
+
+    def _check_duration(self) -> None:
+        """--exit-duration-in-mins: past it, this rank asks to stop; the stop agreement then
+        stops every rank of every worker after the same iteration, as SIGTERM does."""
+        limit = self.cfg.training.exit_duration_in_mins
+        if limit and time.perf_counter() - self.start_time > 60.0 * limit:
+            from .lifecycle import EXIT_DURATION
+
+            self.stop_request.request(EXIT_DURATION)
+
+    def _check_data_position(self, run_state: Optional[dict]) -> None:
+        """The checkpoint's consumed samples against the batch schedule's: they differ only
+        when the batch flags changed since it was written (the data position follows the
+        flags)."""
+        saved = (run_state or {}).get("consumed_samples")
+        if saved is not None and saved != self.data.samples_through(self.iteration):
+            log.warning("the checkpoint had consumed %d training samples by iteration %d; "
+                        "with these batch flags it is %d, and the data continues from there",
+                        saved, self.iteration, self.data.samples_through(self.iteration))
 
     def _data_parallel_step_bytes(self) -> int:
         """What one step's gradient all-reduce over the data-parallel ranks moves (ring, fp32):
@@ -245,8 +273,10 @@ class Run:
         return self._dp_step_bytes
 
     def save(self) -> None:
-        path = self.checkpointer.save(self.cfg.checkpoint.save, self.iteration, self.model,
-                                      self.engine.optimizer, {"iteration": self.iteration})
+        path = self.checkpointer.save(
+            self.cfg.checkpoint.save, self.iteration, self.model, self.engine.optimizer,
+            {"iteration": self.iteration,
+             "consumed_samples": self.data.samples_through(self.iteration)})
         self.last_saved = self.iteration
         log.info("saved checkpoint %s", path)
 
@@ -318,7 +348,8 @@ class Run:
             "train_loss": train_loss,
             "valid_loss": valid_loss,
             "test_loss": test_loss,
-            "tokens": self.iteration * self.data.samples_per_iteration * self.cfg.model.seq_length,
+            "tokens": self.data.tokens_through(self.iteration),  # all workers
+            "samples": self.data.samples_through(self.iteration),
             "cross_worker_bytes": sync_bytes,
             # The per-step stop flag (lifecycle.StopAgreement), every rank alike.
             "cross_worker_control_bytes":

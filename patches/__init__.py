@@ -6,10 +6,11 @@ Nothing here edits installed files. One call applies every fix this process need
     patches.apply()          # -> ["megatron_rng", "megatron_devices", ...]
 
 Each fix lives in its own module (``megatron_rng``, ``megatron_devices``, ``megatron_embedding``,
-``megatron_norm``, ``deepspeed_shm``) whose docstring names the upstream call sites it covers.
+``megatron_norm``, ``deepspeed_shm``, ``deepspeed_cpu_fp16``) whose docstring names the upstream
+call sites it covers.
 Each is pinned to the exact upstream version it was verified on and refuses any other
 (``UpstreamVersionError``), and each applies only where needed: the CUDA-only fixes do nothing
-when ``torch.cuda.is_available()``, the norm fix only without apex, the DeepSpeed fix only on
+when ``torch.cuda.is_available()``, the norm fix only without apex, the DeepSpeed fixes only on
 DeepSpeed's CPU accelerator.
 
 ``apply()`` may run before or after megatron/deepspeed are imported, but must run before
@@ -37,6 +38,7 @@ PATCH_NAMES = (
     "megatron_embedding",
     "megatron_norm",
     "deepspeed_shm",
+    "deepspeed_cpu_fp16",
 )
 
 SKIP_ENV = "MEGATRON_STREAMING_SKIP_PATCHES"

@@ -32,6 +32,7 @@ VOCAB, SEQ, HIDDEN, HEADS, LAYERS = 64, 16, 32, 4, 2
 # single_rank check -> the patches it needs.
 CHECK_NEEDS = {
     "deepspeed_init_no_shm": {"deepspeed_shm"},
+    "deepspeed_fp16_engine": {"deepspeed_cpu_fp16"},
     "rng_seed_and_fork": {"megatron_rng"},
     "rng_activation_checkpoint": {"megatron_rng"},
     "norm_sequence_parallel": {"megatron_norm"},
@@ -201,6 +202,19 @@ def _check_deepspeed_init(port):
     assert shm_files(port) == [], shm_files(port)
 
 
+def _check_deepspeed_fp16_engine():
+    """deepspeed.initialize with an fp16 section, on DeepSpeed's CPU accelerator."""
+    import deepspeed
+    import torch
+
+    model = torch.nn.Linear(4, 4).half()
+    engine, *_ = deepspeed.initialize(
+        model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        config={"train_micro_batch_size_per_gpu": 1, "fp16": {"enabled": True},
+                "zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True})
+    assert engine.fp16_enabled()
+
+
 def _check_rng_seed_and_fork():
     import torch
     from megatron.core.tensor_parallel import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
@@ -338,6 +352,7 @@ def _single_rank_checks(port):
     if not dist.is_initialized():  # deepspeed init refused: the rest still needs a world
         dist.init_process_group("gloo", rank=0, world_size=1)
     _ensure_global_memory_buffer()
+    checks["deepspeed_fp16_engine"] = _outcome(_check_deepspeed_fp16_engine)
     pgs = _groups()
     checks["rng_seed_and_fork"] = _outcome(_check_rng_seed_and_fork)
     checks["rng_activation_checkpoint"] = _outcome(_check_rng_activation_checkpoint)
@@ -383,6 +398,8 @@ def _patched_objects() -> dict:
         embedding=LanguageModule.setup_embeddings_and_output_layer,
         norm=WrappedTorchNorm.__new__,
         shm=importlib.import_module("deepspeed.comm.torch").build_shm_op,
+        fp16=importlib.import_module(
+            "deepspeed.accelerator.cpu_accelerator").CPU_Accelerator.is_fp16_supported,
     )
     return objects
 
@@ -433,6 +450,8 @@ def _touched() -> list:
         "megatron_norm": wrapped(WrappedTorchNorm.__new__),
         "deepspeed_shm": importlib.import_module("deepspeed.comm.torch").build_shm_op.__module__
         != "deepspeed.comm.torch",
+        "deepspeed_cpu_fp16": importlib.import_module("deepspeed.accelerator.cpu_accelerator")
+        .CPU_Accelerator.is_fp16_supported.__module__ != "deepspeed.accelerator.cpu_accelerator",
     }
     return [name for name, changed in touched.items() if changed]
 

@@ -16,7 +16,7 @@ NO_DROPOUT = ["--hidden-dropout", "0", "--attention-dropout", "0"]
 TINY = [*NO_DROPOUT, "--mock-data", "--num-layers", "4", "--hidden-size", "64",
         "--num-attention-heads", "4",
         "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4",
-        "--lr", "1e-3", "--lr-warmup-iters", "1", "--clip-grad", "0.5", "--log-interval", "1"]
+        "--lr", "1e-3", "--lr-warmup-iters", "0", "--clip-grad", "0.5", "--log-interval", "1"]
 
 
 def env(extra: Optional[dict] = None) -> dict:

@@ -80,8 +80,8 @@ VALIDATION_CASES = {
     "zero2_with_pipeline": (
         ["--mock-data", "--zero-stage", "2", "--pipeline-model-parallel-size", "2"], 2,
         ["--zero-stage 2", "--pipeline-model-parallel-size 2"]),
-    "bf16_without_zero": (
-        ["--mock-data", "--bf16", "--zero-stage", "0"], 1, ["--bf16", "--zero-stage 0"]),
+    "fp16_and_bf16": (
+        ["--mock-data", "--fp16", "--bf16"], 1, ["--fp16", "--bf16", "mutually exclusive"]),
     "no_data_source": (
         [], 1, ["--data-path", "--train-data-path", "--mock-data"]),
     "missing_data_path": (
@@ -91,7 +91,8 @@ VALIDATION_CASES = {
         ["--data-path", "PREFIX", "--tokenizer-model", "/nonexistent/tok.model"], 1,
         ["--tokenizer-model /nonexistent/tok.model", "not a readable file"]),
     "data_path_without_tokenizer": (
-        ["--data-path", "PREFIX"], 1, ["--tokenizer-model is required", "--data-path"]),
+        ["--data-path", "PREFIX"], 1, ["--tokenizer-model (or --tokenizer-type", "is required",
+                                       "--data-path"]),
     # Streaming DiLoCo (checked whatever the number of workers).
     "inner_steps_not_divisible_by_fragments": (
         ["--mock-data", "--num-layers", "4", "--diloco-inner-steps", "10",

@@ -31,6 +31,7 @@ ALL_PATCHES = (
     "megatron_embedding",
     "megatron_norm",
     "deepspeed_shm",
+    "deepspeed_cpu_fp16",
 )
 
 
@@ -133,6 +134,7 @@ _EXPECTED_FAILURE = {
     "megatron_embedding": "Torch not compiled with CUDA enabled",
     "megatron_norm": "not supported by torch LayerNorm",  # sequence parallel, zero-centred
     "deepspeed_shm": "shm op build requested",
+    "deepspeed_cpu_fp16": "Type fp16 is not supported",
 }
 
 

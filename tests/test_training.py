@@ -13,8 +13,9 @@ from megatron_streaming.engine import lr_at
 def test_warmup_then_cosine_and_linear_decay():
     cfg = parse_args(["--mock-data", "--lr", "1.0", "--min-lr", "0.1", "--lr-warmup-iters", "4",
                       "--train-iters", "14", "--lr-decay-style", "cosine"])
-    assert [lr_at(i, cfg) for i in range(4)] == [0.25, 0.5, 0.75, 1.0]
-    assert lr_at(4, cfg) == 1.0  # decay starts after warmup
+    # Megatron's scheduler: step i runs at the lr of the samples before it, so the first
+    # warmup step runs at --lr-warmup-init (0) and the peak is reached at step 4.
+    assert [lr_at(i, cfg) for i in range(5)] == [0.0, 0.25, 0.5, 0.75, 1.0]
     assert lr_at(9, cfg) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
     assert lr_at(14, cfg) == pytest.approx(0.1) and lr_at(100, cfg) == pytest.approx(0.1)
     cfg.optimizer.lr_decay_style = "linear"

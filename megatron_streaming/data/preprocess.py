@@ -50,6 +50,42 @@ def iter_documents(paths: Sequence[str], boundary: str = "blank-line") -> Iterat
             yield "".join(paragraph).rstrip("\r\n")
 
 
+JSON_SUFFIXES = (".json", ".jsonl")
+
+
+def is_json_lines(path: str) -> bool:
+    """Megatron's preprocessing input: one JSON object per line (``.json`` / ``.jsonl``)."""
+    return path.endswith(JSON_SUFFIXES)
+
+
+def iter_json_documents(paths: Sequence[str], key: str) -> Iterator[str]:
+    """Field ``key`` of every JSON line of ``paths`` (Megatron's ``--json-keys``); blank lines
+    are skipped, a malformed line stops with one line naming the file and line number."""
+    import json
+
+    for path in paths:
+        for number, line in enumerate(_lines(path), 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError as err:
+                raise UsageError(f"--input {path} line {number}: not a JSON object ({err})") \
+                    from None
+            if not isinstance(record, dict):
+                raise UsageError(f"--input {path} line {number}: not a JSON object (a "
+                                 f"{type(record).__name__})")
+            if key not in record:
+                keys = ", ".join(sorted(record)[:8]) or "none"
+                raise UsageError(f"--input {path} line {number}: no key {key!r} (--json-keys); "
+                                 f"its keys: {keys}")
+            text = record[key]
+            if not isinstance(text, str):
+                raise UsageError(f"--input {path} line {number}: {key!r} is a "
+                                 f"{type(text).__name__}, not text")
+            yield text
+
+
 def iter_training_lines(paths: Sequence[str]) -> Iterator[str]:
     """Non-blank lines, the sentences sentencepiece trains on (it skips overlong sentences,
     so whole paragraphs would be lost)."""
@@ -77,12 +113,41 @@ def _batches(documents: Iterator[str], size: int) -> Iterator[List[str]]:
         yield batch
 
 
+def encoder(tokenizer):
+    """Documents -> id lists: the tokenizer's batch call when it has one."""
+    return getattr(tokenizer, "tokenize_batch", None) or (
+        lambda texts: [tokenizer.tokenize(t) for t in texts])
+
+
+# --workers: each process builds the tokenizer once (from its picklable spec), then encodes
+# batches of documents handed to it in order by Pool.imap.
+_process_encode = None
+
+
+def init_encoder_process(spec) -> None:
+    import warnings
+
+    from megatron_streaming.data.tokenizers import build_tokenizer
+
+    global _process_encode
+    warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+    _process_encode = encoder(build_tokenizer(spec))
+
+
+def encode_in_process(batch: List[str]) -> List[List[int]]:
+    return [list(ids) for ids in _process_encode(batch)]
+
+
 def write_indexed_dataset(documents: Iterator[str], tokenizer, output_prefix: str,
-                          append_eod: bool = False) -> PreprocessStats:
+                          append_eod: bool = False, encode_batches=None,
+                          progress=None) -> PreprocessStats:
     """Tokenize ``documents`` into ``output_prefix``.bin/.idx through megatron's builder.
 
-    Files are written under temporary names and renamed at the end, so a failed run never
-    leaves a half-written dataset that a later training run would read.
+    ``encode_batches`` (optional) maps an iterator of document batches to an iterator of
+    their id lists, in order (``--workers`` processes); ``progress(documents, tokens)`` is
+    called after every batch. Files are written under temporary names and renamed at the
+    end, so a failed run never leaves a half-written dataset that a later training run would
+    read.
     """
     import numpy
     import torch
@@ -95,10 +160,11 @@ def write_indexed_dataset(documents: Iterator[str], tokenizer, output_prefix: st
     builder = IndexedDatasetBuilder(tmp_bin, dtype=dtype)
     n_docs = n_tokens = 0
     try:
-        encode = getattr(tokenizer, "tokenize_batch", None) or (
-            lambda texts: [tokenizer.tokenize(t) for t in texts])
-        for batch in _batches(documents, ENCODE_BATCH):
-            for ids in encode(batch):
+        if encode_batches is None:
+            encode = encoder(tokenizer)
+            encode_batches = lambda batches: map(encode, batches)  # noqa: E731
+        for encoded in encode_batches(_batches(documents, ENCODE_BATCH)):
+            for ids in encoded:
                 if append_eod:
                     ids = list(ids) + [tokenizer.eod]
                 if not ids:
@@ -107,6 +173,8 @@ def write_indexed_dataset(documents: Iterator[str], tokenizer, output_prefix: st
                 builder.end_document()
                 n_docs += 1
                 n_tokens += len(ids)
+            if progress is not None:
+                progress(n_docs, n_tokens)
         if n_docs == 0:
             raise UsageError("--input: the files hold no text, so there are no documents")
         builder.finalize(tmp_idx)

@@ -30,7 +30,11 @@ def _first_line(err: Exception) -> str:
 
 
 class SentencePieceTokenizer:
-    """A sentencepiece model with the attributes megatron's GPT datasets read."""
+    """A sentencepiece model with the attributes megatron's GPT datasets read.
+
+    ``prepend_bos`` (Megatron's ``Llama2Tokenizer``) puts the bos id before every text."""
+
+    prepend_bos = False
 
     def __init__(self, model_proto: bytes, path: str):
         import sentencepiece
@@ -59,11 +63,11 @@ class SentencePieceTokenizer:
         return {i: piece for piece, i in self.vocab.items()}
 
     def tokenize(self, text: str) -> List[int]:
-        return self._sp.encode(text)
+        return self._sp.encode(text, add_bos=self.prepend_bos)
 
     def tokenize_batch(self, texts: Sequence[str]) -> List[List[int]]:
         """Many documents at once; sentencepiece spreads a batch over threads."""
-        return self._sp.encode(list(texts))
+        return self._sp.encode(list(texts), add_bos=self.prepend_bos)
 
     def detokenize(self, ids: Iterable[int]) -> str:
         return self._sp.decode([int(i) for i in ids])
