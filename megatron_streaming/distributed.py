@@ -56,16 +56,23 @@ def init_distributed(backend: str, timeout_minutes: float) -> tuple:
 
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        if "MASTER_PORT" not in os.environ:  # a lone process, started without a launcher
-            os.environ["MASTER_PORT"] = str(_free_port())
+        lone = "MASTER_PORT" not in os.environ  # a lone process, started without a launcher
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
         os.environ.setdefault("LOCAL_RANK", "0")
         backend = backend_for(backend)
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend=backend,
-                                timeout=datetime.timedelta(minutes=timeout_minutes))
+        for attempt in range(5 if lone else 1):
+            if lone:  # a port free a moment ago may be taken by the time we listen: retry
+                os.environ["MASTER_PORT"] = str(_free_port())
+            try:
+                dist.init_process_group(backend=backend,
+                                        timeout=datetime.timedelta(minutes=timeout_minutes))
+                break
+            except dist.DistNetworkError as err:
+                if not lone or "EADDRINUSE" not in str(err) or attempt == 4:
+                    raise
     # DeepSpeed wraps the existing default group instead of creating its own.
     import deepspeed
 

@@ -19,8 +19,13 @@ TINY = [*NO_DROPOUT, "--mock-data", "--num-layers", "4", "--hidden-size", "64",
         "--lr", "1e-3", "--lr-warmup-iters", "0", "--clip-grad", "0.5", "--log-interval", "1"]
 
 
+# Set in this process by in-process fixtures (megatron_world): a launched job must not inherit
+# them, or a lone process would try to host its store on this process's port.
+RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
 def env(extra: Optional[dict] = None) -> dict:
-    e = dict(os.environ)
+    e = {k: v for k, v in os.environ.items() if k not in RENDEZVOUS}
     e.setdefault("OMP_NUM_THREADS", "1")
     e["PYTHONUNBUFFERED"] = "1"
     e.update(extra or {})

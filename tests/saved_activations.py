@@ -41,7 +41,6 @@ class SavedBytes:
 
 
 def main():
-    os.environ.setdefault("MASTER_PORT", "29571")
     run = Run(parse_args(sys.argv[1:])).setup()
     iterator = run.data.train_iterator(0)
     run.engine.train_step(iterator, 0)  # warm-up: one-off buffers are not activations

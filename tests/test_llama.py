@@ -5,12 +5,14 @@ heads), RoPE with Llama 3's base of 500000, RMSNorm with eps 1e-5, untied output
 linear biases, zero-centred norm weights (``--apply-layernorm-1p``, as Megatron-LM's Llama 3
 script). TP, PP, Ulysses SP and Ladder residual must reproduce the single-process losses,
 and two streaming workers the single-process DiLoCo reference (tests/diloco_reference.py).
-Real text: GPT-2 BPE tokenizer files and JSONL data built here (tests/conftest.py).
+The layouts train on real text: JSON lines of wikitext through a GPT-2 BPE tokenizer built
+here (tests/local_tokenizers.py); the streaming case uses mock data, as its reference does.
 """
 
 import pytest
 
-from harness import TINY, train_losses
+from harness import SHARED_DATA, TINY, train_losses
+from local_tokenizers import gpt2_bpe, write_jsonl
 from megatron_streaming.arguments import ConfigError, parse_args, validate
 
 LLAMA = ["--swiglu", "--group-query-attention", "--num-query-groups", "2",
@@ -26,11 +28,29 @@ def _close(got, want):
     assert got[-1] < got[0]
 
 
+@pytest.fixture(scope="module")
+def wiki_data(tmp_path_factory):
+    """The data path of a Megatron user: JSON lines of wikitext (one line, one document)
+    through a GPT-2 BPE tokenizer built here, preprocessed to PREFIX_text_document."""
+    from megatron_streaming.data.__main__ import main as preprocess
+
+    root = tmp_path_factory.mktemp("llama_data")
+    text = (SHARED_DATA / "wikitext2-valid.txt").read_text(encoding="utf-8")[:80_000]
+    lines = [line.strip() for line in text.splitlines() if len(line.strip()) > 20]
+    vocab, merges = gpt2_bpe(root, lines, 500)
+    tokenizer = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab,
+                 "--merge-file", merges]
+    assert preprocess(["--input", write_jsonl(root / "wiki.jsonl", lines), "--output-prefix",
+                       str(root / "wiki"), "--append-eod", *tokenizer]) == 0
+    return ["--data-path", str(root / "wiki_text_document"), "--split", "98,1,1",
+            "--data-cache-path", str(root / "cache"), *tokenizer]
+
+
 @pytest.mark.timeout(600)
-def test_llama_layouts_match_single_process(tmp_path):
-    """TP=2, PP=2, Ulysses SP=2 and ZeRO-2 over DP=2 against one process; Ladder residual
-    at TP=2 against its own single-process run."""
-    args = [*TINY, *LLAMA, *ITERS]
+def test_llama_layouts_match_single_process(tmp_path, wiki_data):
+    """On GPT-2 BPE tokens of JSON-lines wikitext: TP=2, PP=2, Ulysses SP=2 and ZeRO-2 over
+    DP=2 against one process; Ladder residual at TP=2 against its own single-process run."""
+    args = [*[a for a in TINY if a != "--mock-data"], *wiki_data, *LLAMA, *ITERS]
     ref = train_losses(1, args, tmp_path, "ref")
     for name, extra in (("tp2", ["--tensor-model-parallel-size", "2"]),
                         ("pp2", ["--pipeline-model-parallel-size", "2"]),

@@ -106,10 +106,8 @@ def ds_config_for(script, args):
 def paths(tmp_path_factory):
     """Real files behind every placeholder: a sentencepiece model and a GPT-2 BPE (built here
     from ../shared/data), an indexed dataset for each, a Hugging Face tokenizer directory."""
-    from tokenizers import ByteLevelBPETokenizer
-    from transformers import GPT2TokenizerFast
-
     from harness import SHARED_DATA
+    from local_tokenizers import gpt2_bpe, hugging_face_dir
     from megatron_streaming.data.__main__ import main as preprocess
 
     root = tmp_path_factory.mktemp("scripts")
@@ -120,16 +118,12 @@ def paths(tmp_path_factory):
     lines = ["--document-boundary", "line"]
     assert preprocess(["--input", str(corpus), "--output-prefix", str(root / "sp"),
                        "--vocab-size", "255", *lines]) == 0
-    bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator(text.split("\n\n"), vocab_size=400,
-                            special_tokens=["<|endoftext|>"])
-    bpe.save_model(str(root))
+    gpt2_bpe(root, text.split("\n\n"), 400)
     assert preprocess(["--input", str(corpus), "--output-prefix", str(root / "bpe"),
                        "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file",
                        str(root / "vocab.json"), "--merge-file", str(root / "merges.txt"),
                        *lines]) == 0
-    GPT2TokenizerFast(vocab=str(root / "vocab.json"),
-                      merges=str(root / "merges.txt")).save_pretrained(str(root / "hf"))
+    hugging_face_dir(root / "hf", str(root / "vocab.json"), str(root / "merges.txt"))
     return root
 
 

@@ -2,9 +2,8 @@
 result through pretrain_gpt.py.
 
 Every tokenizer file is built here from ../shared/data (nothing is downloaded): a GPT-2
-byte-level BPE (vocab.json + merges.txt, trained by the ``tokenizers`` package, with GPT-2's
-``<|endoftext|>``), the same tokenizer saved as a Hugging Face directory, a tiktoken
-vocabulary and a sentencepiece model.
+byte-level BPE and the same tokenizer as a Hugging Face directory (tests/local_tokenizers.py),
+a tiktoken vocabulary and a sentencepiece model.
 """
 
 import base64
@@ -16,6 +15,7 @@ import sys
 import pytest
 
 from harness import REPO, SHARED_DATA, env, train_losses
+from local_tokenizers import gpt2_bpe, hugging_face_dir, write_jsonl
 from megatron_streaming.data.tokenizers import TokenizerSpec, build_tokenizer, problems
 from megatron_streaming.errors import UsageError
 
@@ -26,45 +26,39 @@ SAMPLE = "The Kingdom of the Isles , 1156 – 1266 , was a Norse @-@ Gaelic real
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    from tokenizers import ByteLevelBPETokenizer
-    from transformers import GPT2TokenizerFast
-
     root = tmp_path_factory.mktemp("tokenizers")
-    bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator(PARAGRAPHS, vocab_size=600, min_frequency=2,
-                            special_tokens=["<|endoftext|>"])
-    bpe.save_model(str(root))  # vocab.json, merges.txt
-    hf_dir = root / "hf"
-    GPT2TokenizerFast(vocab=str(root / "vocab.json"),
-                      merges=str(root / "merges.txt")).save_pretrained(str(hf_dir))
+    vocab, merges = gpt2_bpe(root, PARAGRAPHS, 600)
+    hf_dir = hugging_face_dir(root / "hf", vocab, merges)
     # tiktoken: the 256 single bytes, then a few merges, as megatron-core reads them.
     pieces = [bytes([i]) for i in range(256)] + [b"th", b"the", b" the", b"in", b"an"]
     tik = root / "tiktoken.json"
     tik.write_text(json.dumps([{"rank": i, "token_bytes": base64.b64encode(p).decode(),
                                 "token_str": p.decode("latin-1")}
                                for i, p in enumerate(pieces)]))
-    jsonl = root / "corpus.jsonl"
+    jsonl = write_jsonl(root / "corpus.jsonl", PARAGRAPHS)
+    with open(jsonl) as f:
+        lines = f.readlines()
+    lines.insert(4, "\n")  # blank lines are skipped, as in Megatron's tool
     with open(jsonl, "w") as f:
-        for i, p in enumerate(PARAGRAPHS):
-            f.write(json.dumps({"id": i, "text": p, "title": p[:20]}) + "\n")
-            if i == 3:
-                f.write("\n")  # blank lines are skipped, as in Megatron's tool
-    return {"root": root, "vocab": str(root / "vocab.json"), "merges": str(root / "merges.txt"),
-            "hf": str(hf_dir), "tiktoken": str(tik), "jsonl": str(jsonl),
-            "tiktoken_vocab": len(pieces) + 16}
+        f.writelines(lines)
+    return {"root": root, "vocab": vocab, "merges": merges, "hf": hf_dir,
+            "tiktoken": str(tik), "jsonl": jsonl, "tiktoken_vocab": len(pieces) + 16}
 
 
-def test_gpt2_bpe_and_its_hugging_face_directory_give_the_same_ids(files):
+def test_gpt2_bpe_and_its_hugging_face_files_give_the_same_ids(files):
     gpt2 = build_tokenizer(TokenizerSpec("GPT2BPETokenizer", vocab_file=files["vocab"],
                                          merge_file=files["merges"]))
     hf = build_tokenizer(TokenizerSpec("HuggingFaceTokenizer", tokenizer_model=files["hf"]))
+    bare = build_tokenizer(TokenizerSpec("HuggingFaceTokenizer",
+                                         tokenizer_model=files["hf"] + "/tokenizer.json"))
     ids = gpt2.tokenize(SAMPLE)
     assert len(ids) < 0.6 * len(SAMPLE.encode())  # merges were applied
     assert gpt2.detokenize(ids) == SAMPLE
-    assert hf.tokenize(SAMPLE) == ids and hf.detokenize(ids) == SAMPLE
     vocab = json.load(open(files["vocab"]))
-    assert gpt2.eod == vocab["<|endoftext|>"] == hf.eod
-    assert gpt2.vocab_size == len(vocab) == hf.vocab_size
+    for tok in (hf, bare):
+        assert tok.tokenize(SAMPLE) == ids and tok.detokenize(ids) == SAMPLE
+        assert tok.eod == gpt2.eod == vocab["<|endoftext|>"]
+        assert tok.vocab_size == gpt2.vocab_size == len(vocab)
 
 
 def test_tiktoken_null_and_llama2_tokenizers(files, tmp_path):
@@ -92,7 +86,7 @@ def test_tiktoken_null_and_llama2_tokenizers(files, tmp_path):
     (TokenizerSpec("BertWordPieceCase"), "--tokenizer-type BertWordPieceCase: a BERT tokenizer"),
     (TokenizerSpec("GPT2BPE"), "--tokenizer-type GPT2BPE: not a tokenizer type; choose from"),
     (TokenizerSpec("HuggingFaceTokenizer", tokenizer_model="/no/such/dir"),
-     "--tokenizer-model /no/such/dir: not a readable directory"),
+     "--tokenizer-model /no/such/dir: not a readable directory or tokenizer.json"),
     (TokenizerSpec("NullTokenizer"), "--tokenizer-type NullTokenizer needs --vocab-size"),
 ])
 def test_tokenizer_flag_problems_are_one_line(spec, line):

@@ -13,7 +13,8 @@ here, with the same ids:
                             ``--merge-file`` (merges.txt), by ``transformers``'
                             ``GPT2TokenizerFast``; end of document = ``<|endoftext|>``
 ``HuggingFaceTokenizer``    megatron-core's ``huggingface`` library (``AutoTokenizer``) over
-                            the local directory ``--tokenizer-model``
+                            the local directory ``--tokenizer-model``; a bare
+                            ``tokenizer.json`` through ``PreTrainedTokenizerFast``
 ``TikTokenizer``            megatron-core's ``tiktoken`` library over ``--tokenizer-model``
                             (``--tiktoken-pattern``, ``--tiktoken-num-special-tokens``,
                             ``--vocab-size``)
@@ -101,10 +102,11 @@ def problems(spec: TokenizerSpec) -> List[str]:
             out.append(f"--tokenizer-type {kind} needs {flag}")
         elif flag != "--vocab-size":
             path = given[flag]
-            directory = kind == "HuggingFaceTokenizer"
-            ok = os.path.isdir(path) if directory else os.path.isfile(path)
+            either = kind == "HuggingFaceTokenizer"  # a directory or a tokenizer.json
+            ok = os.path.exists(path) if either else os.path.isfile(path)
             if not ok or not os.access(path, os.R_OK):
-                out.append(f"{flag} {path}: not a readable {'directory' if directory else 'file'}")
+                out.append(f"{flag} {path}: not a readable "
+                           f"{'directory or tokenizer.json' if either else 'file'}")
     if spec.vocab_size is not None and spec.vocab_size < 2:
         out.append(f"--vocab-size must be > 1, got {spec.vocab_size}")
     # --tiktoken-pattern with another type is ignored, as by Megatron-LM (its Llama 3
@@ -126,7 +128,9 @@ def build_tokenizer(spec: TokenizerSpec):
             tokenizer.prepend_bos = True
         return tokenizer
     if kind == "GPT2BPETokenizer":
-        return GPT2BPETokenizer(spec.vocab_file, spec.merge_file)
+        return TransformersTokenizer.gpt2_bpe(spec.vocab_file, spec.merge_file)
+    if kind == "HuggingFaceTokenizer" and os.path.isfile(spec.tokenizer_model):
+        return TransformersTokenizer.tokenizer_json(spec.tokenizer_model)
     return _megatron_core_tokenizer(spec)
 
 
@@ -163,37 +167,70 @@ def _megatron_core_tokenizer(spec: TokenizerSpec):
                          f"({first[:300]})") from None
 
 
-class GPT2BPETokenizer:
-    """GPT-2's byte-level BPE from a vocab.json and a merges.txt, with the attributes
-    megatron's GPT datasets read; ids are GPT-2's (``<|endoftext|>`` = 50256 in GPT-2's own
-    files)."""
+_TRANSFORMERS_NEEDED = ("--tokenizer-type {kind} needs the transformers package (pinned in "
+                        "requirements.txt; bash launch/setup.sh installs it)")
+# End-of-document tokens looked for in a bare tokenizer.json, in order.
+END_TOKENS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
 
-    END_OF_TEXT = "<|endoftext|>"
 
-    def __init__(self, vocab_file: str, merge_file: str):
+def _transformers(kind: str):
+    try:
+        import transformers
+    except ImportError:
+        raise UsageError(_TRANSFORMERS_NEEDED.format(kind=kind)) from None
+    return transformers
+
+
+def _md5(paths: Sequence[str]) -> str:
+    digest = hashlib.md5(usedforsecurity=False)
+    for path in paths:
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    return digest.hexdigest()
+
+
+class TransformersTokenizer:
+    """A ``transformers`` fast tokenizer built from local files, with the attributes
+    megatron's GPT datasets read; the cache key is the files' hash."""
+
+    def __init__(self, tok, eod: int, name: str, files: Sequence[str]):
+        self._tok, self._eod = tok, eod
+        self.unique_identifiers = OrderedDict([("class", name), ("md5", _md5(files))])
+
+    @classmethod
+    def gpt2_bpe(cls, vocab_file: str, merge_file: str) -> "TransformersTokenizer":
+        """GPT-2's byte-level BPE from a vocab.json and a merges.txt; ids are GPT-2's
+        (``<|endoftext|>`` = 50256 in GPT-2's own files)."""
+        transformers = _transformers("GPT2BPETokenizer")
         try:
-            from transformers import GPT2TokenizerFast
-        except ImportError:
-            raise UsageError("--tokenizer-type GPT2BPETokenizer needs the transformers package "
-                             "(pinned in requirements.txt; bash launch/setup.sh installs it)") \
-                from None
-        try:
-            self._tok = GPT2TokenizerFast(vocab=vocab_file, merges=merge_file)
+            tok = transformers.GPT2TokenizerFast(vocab=vocab_file, merges=merge_file)
         except Exception as err:
             raise UsageError(f"--vocab-file {vocab_file} --merge-file {merge_file}: not GPT-2 "
                              f"BPE files ({str(err).strip()[:200] or type(err).__name__})") \
                 from None
-        eod = self._tok.get_vocab().get(self.END_OF_TEXT)
+        eod = tok.get_vocab().get(END_TOKENS[0])
         if eod is None:
-            raise UsageError(f"--vocab-file {vocab_file}: has no {self.END_OF_TEXT} token, the "
+            raise UsageError(f"--vocab-file {vocab_file}: has no {END_TOKENS[0]} token, the "
                              "end-of-document token of GPT2BPETokenizer")
-        self._eod = eod
-        digest = hashlib.md5(usedforsecurity=False)
-        for path in (vocab_file, merge_file):
-            with open(path, "rb") as f:
-                digest.update(f.read())
-        self.unique_identifiers = OrderedDict(
-            [("class", type(self).__name__), ("md5", digest.hexdigest())])
+        return cls(tok, eod, "GPT2BPETokenizer", (vocab_file, merge_file))
+
+    @classmethod
+    def tokenizer_json(cls, path: str) -> "TransformersTokenizer":
+        """HuggingFaceTokenizer from a bare ``tokenizer.json`` (no tokenizer_config.json to
+        name its eos): the end of document is the first of END_TOKENS it holds."""
+        transformers = _transformers("HuggingFaceTokenizer")
+        try:
+            tok = transformers.PreTrainedTokenizerFast(tokenizer_file=path)
+        except Exception as err:
+            raise UsageError(f"--tokenizer-model {path}: not a Hugging Face tokenizer.json "
+                             f"({str(err).strip()[:200] or type(err).__name__})") from None
+        vocab = tok.get_vocab()
+        eod = next((vocab[t] for t in END_TOKENS if t in vocab), None)
+        if eod is None:
+            raise UsageError(f"--tokenizer-model {path}: has none of {', '.join(END_TOKENS)} "
+                             "to end documents; give its directory (with "
+                             "tokenizer_config.json naming eos_token) instead")
+        return cls(tok, eod, "HuggingFaceTokenizer", (path,))
 
     @property
     def vocab_size(self) -> int:
