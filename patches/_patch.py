@@ -31,6 +31,13 @@ def cuda_unavailable() -> bool:
     return not torch.cuda.is_available()
 
 
+def deepspeed_on_cpu() -> bool:
+    """The condition for the DeepSpeed fixes: its accelerator is the CPU one."""
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().device_name() == "cpu"
+
+
 def mark(wrapper: Callable, patch_name: str) -> Callable:
     """Tag ``wrapper`` as installed by ``patch_name``."""
     setattr(wrapper, _MARKER, patch_name)

@@ -16,15 +16,10 @@ Needed only when DeepSpeed's accelerator is the CPU; the GPU accelerators answer
 device themselves.
 """
 
-from ._patch import Patch, is_marked, mark
+from ._patch import Patch, deepspeed_on_cpu, is_marked, mark
 
 NAME = "deepspeed_cpu_fp16"
 
-
-def _is_needed() -> bool:
-    from deepspeed.accelerator import get_accelerator
-
-    return get_accelerator().device_name() == "cpu"
 
 
 def _fp16_supported(self) -> bool:
@@ -44,6 +39,6 @@ PATCH = Patch(
     name=NAME,
     package="deepspeed",
     version="0.19.8",
-    is_needed=_is_needed,
+    is_needed=deepspeed_on_cpu,
     install=install,
 )

@@ -18,15 +18,10 @@ Needed only when DeepSpeed's accelerator is the CPU: the other accelerators have
 
 import importlib
 
-from ._patch import Patch, is_marked, mark
+from ._patch import Patch, deepspeed_on_cpu, is_marked, mark
 
 NAME = "deepspeed_shm"
 
-
-def _is_needed() -> bool:
-    from deepspeed.accelerator import get_accelerator
-
-    return get_accelerator().device_name() == "cpu"
 
 
 def _no_shm_op():
@@ -47,6 +42,6 @@ PATCH = Patch(
     name=NAME,
     package="deepspeed",
     version="0.19.8",
-    is_needed=_is_needed,
+    is_needed=deepspeed_on_cpu,
     install=install,
 )
