@@ -239,6 +239,10 @@ class StreamingConfig:
     diloco_control_lag: int = arg(
         1, "Steps between posting the per-step cross-worker stop flag and reading it: hides "
         "link latency up to this many steps; a SIGTERM stops the job this many steps later.")
+    diloco_new_worker_optimizer: str = arg(
+        "copy", "On resume with more workers than the checkpoint has: a new worker starts from "
+        "the global parameters with worker 0's inner optimizer state (copy) or a fresh one "
+        "(fresh).", choices=["copy", "fresh"])
     eval_params: str = arg("global", "Evaluate the global (outer) or the local parameters.",
                            choices=["global", "local"])
     co2_gap_penalty: float = arg(

@@ -198,18 +198,18 @@ FLAGS: List[ForeignFlag] = [
     ForeignFlag("--no-mmap-bin-files", ACCEPTED,
                 "the .bin files are memory-mapped; the same tokens are read"),
     ForeignFlag("--ckpt-format", ACCEPTED,
-                "checkpoints are written in this project's format (one file per rank, "
-                "committed atomically); `torch` and `torch_dist` are accepted", ONE,
+                "checkpoints are always megatron-core's torch_dist format, keyed by global "
+                "parameter names; `torch` and `torch_dist` are accepted", ONE,
                 _only("--ckpt-format", ("torch", "torch_dist"),
                       "only torch and torch_dist are known; drop the flag")),
+    ForeignFlag("--universal-checkpoint", ACCEPTED,
+                "every checkpoint loads into any TP / PP / SP / DP / ZeRO layout and worker "
+                "count; no conversion step"),
     ForeignFlag("--profile", ACCEPTED,
                 "opens no profiler range (Megatron's marks steps for nsys on a GPU)"),
     *[ForeignFlag(flag, ACCEPTED, "goes with --profile", ONE)
       for flag in ("--profile-step-start", "--profile-step-end")],
     # --- refused ---------------------------------------------------------------------------
-    ForeignFlag("--universal-checkpoint", REFUSED,
-                "loading a checkpoint into another parallel layout is not supported; resume "
-                "with the layout that saved it"),
     ForeignFlag("--use-flash-attn", REFUSED, "flash attention through Transformer Engine",
                 act=_flash_attention("--use-flash-attn")),
     ForeignFlag("--use-flash-attn-v2", REFUSED, "flash attention through Transformer Engine",

@@ -39,9 +39,13 @@ class Run:
         self.step_seconds = []
         run_state = None
         if self.resume:
-            run_state = self.checkpointer.load(self.resume, self.model, self.engine.optimizer)
+            started = time.perf_counter()
+            run_state = self.checkpointer.load(self.resume, self.job_state, self.resume_plan)
             self.iteration = run_state["iteration"]
-            log.info("resumed from %s at iteration %d", self.resume, self.iteration)
+            log.info("resumed from %s at iteration %d (loaded in %.2f s)", self.resume,
+                     self.iteration, time.perf_counter() - started)
+            for note in self.resume_plan.notes:
+                log.warning("%s", note)
         from .inputs import RunData
         from .metrics import make_writer
 
@@ -69,12 +73,12 @@ class Run:
         validate(cfg, world)
         layout = RankLayout(world, s.diloco_workers, p.tensor_model_parallel_size,
                             p.pipeline_model_parallel_size, p.ds_sequence_parallel_size)
-        self.resume = self._resume_source(layout)
         if cfg.checkpoint.save:
             from .checkpoint import check_writable
 
             check_writable(cfg.checkpoint.save, int(os.environ.get("RANK", "0")))
         self.tokenizer = load_run_tokenizer(cfg)
+        self.resume = self._resume_source(layout)
         self.patches = patches.apply()
         rank, _ = distributed.init_distributed(p.distributed_backend,
                                                p.distributed_timeout_minutes)
@@ -115,14 +119,16 @@ class Run:
 
     def _build_engine_and_sync(self) -> None:
         from .checkpoint import Checkpointer
+        from .checkpoint.job import JobState
         from .engine import WorkerEngine
         from .streaming import builder
 
         self.engine = WorkerEngine(self.cfg, self.topology, self.model)
         self.sync = builder.build_sync(self.cfg, self.topology, self.engine)
-        self.checkpointer = Checkpointer(self.topology, self.topology.ranks_reporting)
-        if self.sync is not None:
-            self.checkpointer.extra_state["streaming"] = self.sync
+        self.checkpointer = Checkpointer(self.topology.rank, self.topology.ranks_reporting,
+                                         _gather_objects, self.topology.layout.world_size)
+        self.job_state = JobState(self.cfg, self.topology, self.model, self.engine, self.sync,
+                                  self.tokenizer.vocab_size)
 
     def _resume_source(self, layout) -> Optional[str]:
         """The directory to resume from, checked before any process group exists.
@@ -133,6 +139,7 @@ class Run:
         import os
 
         from .checkpoint import check_loadable, has_checkpoint
+        from .checkpoint.resume import plan
 
         c = self.cfg.checkpoint
         if not c.load:
@@ -140,7 +147,9 @@ class Run:
         if c.save and os.path.abspath(c.load) == os.path.abspath(c.save) and \
                 not has_checkpoint(c.load):
             return None
-        check_loadable(c.load, layout, int(os.environ.get("RANK", "0")))
+        _, meta = check_loadable(c.load, self.cfg, layout, self.tokenizer.vocab_size)
+        self.resume_plan = plan(meta, self.cfg, layout, int(os.environ.get("RANK", "0")),
+                                self.cfg.streaming.diloco_new_worker_optimizer)
         return c.load
 
     # ---- evaluation ----------------------------------------------------------------------
@@ -274,11 +283,14 @@ class Run:
 
     def save(self) -> None:
         path = self.checkpointer.save(
-            self.cfg.checkpoint.save, self.iteration, self.model, self.engine.optimizer,
+            self.cfg.checkpoint.save, self.iteration, self.job_state,
             {"iteration": self.iteration,
-             "consumed_samples": self.data.samples_through(self.iteration)})
+             "consumed_samples": self.data.samples_through(self.iteration),
+             "tokens": self.data.tokens_through(self.iteration)})
         self.last_saved = self.iteration
-        log.info("saved checkpoint %s", path)
+        t = self.checkpointer.timings
+        log.info("saved checkpoint %s in %.2f s (gather %.2f s, write %.2f s, hash %.2f s)",
+                 path, sum(t.values()), t["collect"] + t["describe"], t["write"], t["hash"])
 
     def failure(self, error: Exception) -> Exception:
         """What to raise for ``error``: a communication failure becomes a ``JobFailure``
@@ -364,6 +376,15 @@ class Run:
             "stopped_by": self.stopped_by,  # a signal that ended training early, or None
             "checkpoint_iteration": self.last_saved,
         }
+
+
+def _gather_objects(obj) -> list:
+    """Every rank's ``obj``, in rank order (the checkpoint's per-rank facts)."""
+    import torch.distributed as dist
+
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 
 def pretrain(cfg: Config) -> Optional[dict]:

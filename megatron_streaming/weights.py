@@ -24,6 +24,20 @@ def global_name(name: str, layer_offset: int) -> str:
     return _LAYER.sub(lambda m: f"{m.group(1)}layers.{int(m.group(2)) + layer_offset}.", name)
 
 
+# Transformer Engine's spec fuses the pre-attention / pre-MLP norms into the next linear layer:
+# (local spec's prefix, TE's prefix) of the same parameters.
+FUSED_NORMS = (("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
+               ("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_"))
+
+
+def local_spec_name(name: str) -> str:
+    """A parameter's name in megatron-core's local spec (TE's fused norm names renamed):
+    what checkpoints and conversions key by, so GPU (TE) and CPU runs share them."""
+    for local, fused in FUSED_NORMS:
+        name = name.replace(fused, local)
+    return name
+
+
 def _full_shape(param: torch.Tensor, tp_size: int):
     shape = list(param.shape)
     if getattr(param, "tensor_model_parallel", False):

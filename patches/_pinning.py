@@ -21,9 +21,10 @@ def installed_version(package: str) -> Optional[str]:
 
 
 def require_version(package: str, expected: str, patch_name: str) -> None:
-    """Raise UpstreamVersionError unless ``package`` is installed at exactly ``expected``."""
+    """Raise UpstreamVersionError unless ``package`` is installed at exactly ``expected``
+    (a local build label such as torch's ``+cpu`` aside: the source is the same)."""
     found = installed_version(package)
-    if found != expected:
+    if found is None or found.split("+", 1)[0] != expected:
         raise UpstreamVersionError(
             f"patch {patch_name!r} was written for {package}=={expected} but found "
             f"{package}=={found}; re-verify the call sites it covers against {package} {found} "

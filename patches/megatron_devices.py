@@ -25,6 +25,8 @@ pipeline schedules on gloo):
   ``attention_mask=None``).
 * ``models.common.embeddings.rotary_pos_embedding``: ``RotaryEmbedding`` moves its inverse
   frequencies to ``torch.cuda.current_device()`` (``--position-embedding-type rope``).
+* ``dist_checkpointing.strategies.filesystem_async`` / ``state_dict_saver``: the torch_dist
+  writer stages tensors with ``torch.cuda`` stream and device calls before writing.
 """
 
 import importlib
@@ -44,6 +46,8 @@ MODULES = (
     "megatron.core.tensor_parallel.utils",
     "megatron.core.transformer.utils",
     "megatron.core.models.common.embeddings.rotary_pos_embedding",
+    "megatron.core.dist_checkpointing.strategies.filesystem_async",
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver",
 )
 
 

@@ -46,6 +46,8 @@ CHECK_NEEDS = {
     "dev_split_1d_chunks": {"megatron_devices"},
     "dev_causal_mask": {"megatron_devices"},
     "embedding_pp_setup": {"megatron_embedding"},
+    "dev_dist_checkpoint_save": {"megatron_devices"},
+    "dcp_metadata_refuses_code": {"torch_dcp_safe_metadata"},
 }
 
 
@@ -341,6 +343,41 @@ def _check_gpu_init_layer(pgs):
     assert layer.weight.device.type == "cpu"
 
 
+def _check_dist_checkpoint_save():
+    # megatron-core's torch_dist writer stages tensors with torch.cuda calls.
+    import tempfile
+
+    import torch
+    from megatron.core.dist_checkpointing import save
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    with tempfile.TemporaryDirectory() as d:
+        save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(3), replica_id=0)}, d,
+             sharded_strategy=TorchDistSaveShardedStrategy("torch_dist", 1))
+
+
+def _check_dcp_metadata_refuses_code():
+    # A checkpoint's .metadata replaced by a pickle that runs code when read.
+    import pickle
+    import tempfile
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    class RunsCode:
+        def __reduce__(self):
+            return (exec, ("import os; os.environ['DCP_PICKLE_RAN'] = '1'",))
+
+    with tempfile.TemporaryDirectory() as d:
+        with open(os.path.join(d, ".metadata"), "wb") as f:
+            pickle.dump(RunsCode(), f)
+        try:
+            FileSystemReader(d).read_metadata()
+        except Exception:  # refused (patched), or not metadata after running (upstream)
+            pass
+    assert os.environ.get("DCP_PICKLE_RAN") != "1", "reading .metadata ran code from the file"
+
+
 def _single_rank_checks(port):
     import torch
     import torch.distributed as dist
@@ -369,6 +406,8 @@ def _single_rank_checks(port):
         lambda: split_tensor_into_1d_equal_chunks(torch.ones(4), True, pgs.tp))
     checks["dev_causal_mask"] = _outcome(lambda: get_default_causal_mask(4))
     checks["embedding_pp_setup"] = _outcome(_check_embedding_pp_setup)
+    checks["dev_dist_checkpoint_save"] = _outcome(_check_dist_checkpoint_save)
+    checks["dcp_metadata_refuses_code"] = _outcome(_check_dcp_metadata_refuses_code)
     return checks
 
 
@@ -400,6 +439,7 @@ def _patched_objects() -> dict:
         shm=importlib.import_module("deepspeed.comm.torch").build_shm_op,
         fp16=importlib.import_module(
             "deepspeed.accelerator.cpu_accelerator").CPU_Accelerator.is_fp16_supported,
+        dcp=importlib.import_module("torch.distributed.checkpoint.filesystem").pickle,
     )
     return objects
 
@@ -452,6 +492,9 @@ def _touched() -> list:
         != "deepspeed.comm.torch",
         "deepspeed_cpu_fp16": importlib.import_module("deepspeed.accelerator.cpu_accelerator")
         .CPU_Accelerator.is_fp16_supported.__module__ != "deepspeed.accelerator.cpu_accelerator",
+        "torch_dcp_safe_metadata":
+            importlib.import_module("torch.distributed.checkpoint.filesystem").pickle
+            is not importlib.import_module("pickle"),
     }
     return [name for name, changed in touched.items() if changed]
 

@@ -7,6 +7,12 @@ exactly the samples its ranks read in the distributed run, with torch's own Adam
 gradient clipping. The outer step is torch's SGD with Nesterov momentum on the global copy.
 Nothing of the library's sync, transport or codec is used, so a bug there cannot hide in both.
 Writes OUT/reference.pt: per worker the local parameters, and the global parameters.
+
+A resume under other flags (``REFERENCE_RESUME_AT=R``, ``REFERENCE_RESUME_ARGS``: a JSON list of
+the second run's flags, ``REFERENCE_RESUME_WORLD_SIZE``) continues after step R as the
+checkpoint rules say: another sync schedule merges the exchange in flight at once and keeps
+each parameter's outer momentum; more workers start from the global parameters with worker
+0's inner optimizer state (fewer keep the first ones); the data continues from R.
 """
 
 import os
@@ -32,13 +38,18 @@ from megatron_streaming.topology import RankLayout, Topology  # noqa: E402
 def single_process_models(cfg, tokenizer, count):
     """``count`` identical copies of the initial model (modules holding process groups cannot
     be deep-copied; the layout-free initialisation makes fresh builds identical)."""
+    global _TOPOLOGY
     distributed.init_distributed("gloo", 5)
-    topo = Topology.create(RankLayout(1), 0)
-    topo.install_into_megatron()
-    return [_build(cfg, tokenizer, topo) for _ in range(count)]
+    _TOPOLOGY = Topology.create(RankLayout(1), 0)
+    _TOPOLOGY.install_into_megatron()
+    return [_build(cfg, tokenizer) for _ in range(count)]
 
 
-def _build(cfg, tokenizer, topo):
+_TOPOLOGY = None  # the world-1 topology every model of this process is built in
+
+
+def _build(cfg, tokenizer):
+    topo = _TOPOLOGY
     distributed.seed_everything(cfg.training.seed, 0)
     model = build_model(cfg.model, ParallelConfig(), topo, tokenizer.vocab_size)
     weights.initialize_weights(model, seed=cfg.training.seed, std=cfg.model.init_method_std,
@@ -48,13 +59,14 @@ def _build(cfg, tokenizer, topo):
     return model
 
 
-def worker_iterators(cfg, tokenizer, M, DP):
+def worker_iterators(cfg, tokenizer, M, DP, start_iteration=0):
     """iterators[w][d]: what data-parallel rank d of worker w reads in the distributed run."""
     layout = RankLayout(M * DP, M)
     stub = SimpleNamespace(layout=layout, data_shard=(0, M * DP), dp_rank=0)
     data = RunData(cfg, stub, tokenizer)
+    consumed = data.samples_through(start_iteration)
     return [[build_iterator(data.train, MicroBatchSampler(
-        len(data.train), 0, cfg.training.micro_batch_size, w * DP + d, M * DP))
+        len(data.train), consumed, cfg.training.micro_batch_size, w * DP + d, M * DP))
         for d in range(DP)] for w in range(M)]
 
 
@@ -86,60 +98,124 @@ def inner_step(cfg, model, opt, iterators, iteration, micro_batches):
     opt.step()
 
 
+def data_parallel_size(cfg, world):
+    return world // (cfg.streaming.diloco_workers * cfg.parallel.tensor_model_parallel_size
+                     * cfg.parallel.pipeline_model_parallel_size
+                     * cfg.parallel.ds_sequence_parallel_size)
+
+
+class Reference:
+    """The algorithm's state: M models and inner optimizers, theta_g, outer optimizers."""
+
+    def __init__(self, cfg, tokenizer, world):
+        self.tokenizer = tokenizer
+        M = cfg.streaming.diloco_workers
+        self.models = single_process_models(cfg, tokenizer, M)
+        self.opts = [inner_optimizer(cfg, m) for m in self.models]
+        self.names = [n for n, _ in self.models[0].named_parameters()]
+        self.theta_g = {n: torch.nn.Parameter(p.detach().clone())
+                        for n, p in self.models[0].named_parameters()}
+        self.pending = {}
+        self.configure(cfg, world, 0)
+
+    def configure(self, cfg, world, start):
+        self.cfg, self.M = cfg, cfg.streaming.diloco_workers
+        self.DP = data_parallel_size(cfg, world)
+        self.iterators = worker_iterators(cfg, self.tokenizer, self.M, self.DP, start)
+        self.micro_batches = num_microbatches(cfg, self.DP)
+        s = cfg.streaming
+        self.plan, self.schedule = fragment_plan(cfg), sync_schedule(cfg)
+        self.fragment = {n: self.plan.fragment_of(n) for n in self.names}
+        old = getattr(self, "outer", {})
+        self.outer = {p: torch.optim.SGD(
+            [self.theta_g[n] for n in self.names if self.fragment[n] == p],
+            lr=s.diloco_outer_lr, momentum=s.diloco_outer_momentum,
+            nesterov=s.diloco_nesterov and s.diloco_outer_momentum > 0)
+            for p in range(self.plan.num_fragments)}
+        for opt in old.values():  # each parameter keeps its outer momentum
+            for param, state in opt.state.items():
+                self.outer[self.fragment[self._name(param)]].state[param] = state
+
+    def _name(self, param):
+        return next(n for n, t in self.theta_g.items() if t is param)
+
+    def resume(self, cfg, world, start):
+        """Another run resumes the checkpoint of step ``start`` with ``cfg``."""
+        changed = (fragment_plan(cfg), sync_schedule(cfg)) != (self.plan, self.schedule)
+        if changed:  # the exchange in flight merges at load
+            for p in sorted(self.pending):
+                self.merge(p)
+        M = cfg.streaming.diloco_workers
+        tokenizer = self.tokenizer
+        while len(self.models) < M:  # a new worker: theta_g, worker 0's optimizer state
+            model = _build(cfg, tokenizer)
+            with torch.no_grad():
+                for n, p in model.named_parameters():
+                    p.copy_(self.theta_g[n])
+            opt = inner_optimizer(cfg, model)
+            source = self.opts[0]
+            by_name = dict(zip(self.names, self.models[0].parameters()))
+            for n, p in model.named_parameters():
+                if by_name[n] in source.state:
+                    opt.state[p] = {k: v.clone() for k, v in source.state[by_name[n]].items()}
+            self.models.append(model)
+            self.opts.append(opt)
+        del self.models[M:], self.opts[M:]
+        self.configure(cfg, world, start)
+
+    def merge(self, p):
+        mean = self.pending.pop(p)
+        for n, d in mean.items():
+            self.theta_g[n].grad = d
+        self.outer[p].step()
+        alpha = self.cfg.streaming.diloco_alpha
+        with torch.no_grad():
+            for n in mean:
+                for m in self.models:
+                    dict(m.named_parameters())[n].mul_(alpha).add_(self.theta_g[n],
+                                                                  alpha=1 - alpha)
+
+    def step(self, step, last):
+        for w in range(self.M):
+            inner_step(self.cfg, self.models[w], self.opts[w], self.iterators[w], step - 1,
+                       self.micro_batches)
+        local = [dict(m.named_parameters()) for m in self.models]
+        for p in self.schedule.sends_after(step):
+            self.pending[p] = {}
+            for n in self.names:
+                if self.fragment[n] == p:
+                    total = sum(self.theta_g[n].detach() - local[w][n].detach()
+                                for w in range(self.M))
+                    self.pending[p][n] = total / self.M
+        merging = list(self.schedule.merges_after(step))
+        if last:  # the end: what is still in flight merges now
+            merging += sorted(set(self.pending) - set(merging))
+        for p in merging:
+            if p in self.pending:  # else: sent under another schedule, merged at the resume
+                self.merge(p)
+
+
 def main():
+    import json
+
     out_dir, argv = sys.argv[1], sys.argv[2:]
     cfg = parse_args(argv)
-    s = cfg.streaming
-    M = s.diloco_workers
     world = int(os.environ.pop("REFERENCE_WORLD_SIZE"))  # of the distributed run it mirrors
-    DP = world // (M * cfg.parallel.tensor_model_parallel_size
-                   * cfg.parallel.pipeline_model_parallel_size
-                   * cfg.parallel.ds_sequence_parallel_size)
+    resume_at = int(os.environ.pop("REFERENCE_RESUME_AT", "0"))
     patches.apply()
-    tokenizer = load_run_tokenizer(cfg)
-    models = single_process_models(cfg, tokenizer, M)
-    initial = models[0]
-    opts = [inner_optimizer(cfg, m) for m in models]
-    iterators = worker_iterators(cfg, tokenizer, M, DP)
-    micro_batches = num_microbatches(cfg, DP)
-
-    plan, schedule = fragment_plan(cfg), sync_schedule(cfg)
-    names = [n for n, _ in initial.named_parameters()]
-    fragment = {n: plan.fragment_of(n) for n in names}
-    theta_g = {n: torch.nn.Parameter(p.detach().clone()) for n, p in initial.named_parameters()}
-    outer = {p: torch.optim.SGD([theta_g[n] for n in names if fragment[n] == p],
-                                lr=s.diloco_outer_lr, momentum=s.diloco_outer_momentum,
-                                nesterov=s.diloco_nesterov and s.diloco_outer_momentum > 0)
-             for p in range(plan.num_fragments)}
-    pending = {}
-    for step in range(1, cfg.training.train_iters + 1):
-        for w in range(M):
-            inner_step(cfg, models[w], opts[w], iterators[w], step - 1, micro_batches)
-        local = [dict(m.named_parameters()) for m in models]
-        for p in schedule.sends_after(step):
-            pending[p] = {}
-            for n in names:
-                if fragment[n] == p:
-                    total = theta_g[n].detach() - local[0][n].detach()
-                    for w in range(1, M):
-                        total = total + (theta_g[n].detach() - local[w][n].detach())
-                    pending[p][n] = total / M
-        merging = list(schedule.merges_after(step))
-        if step == cfg.training.train_iters:  # the end: what is still in flight merges now
-            merging += sorted(set(pending) - set(merging))
-        for p in merging:
-            mean = pending.pop(p)
-            for n, d in mean.items():
-                theta_g[n].grad = d
-            outer[p].step()
-            with torch.no_grad():
-                for n in mean:
-                    for w in range(M):
-                        local[w][n].mul_(s.diloco_alpha).add_(theta_g[n],
-                                                              alpha=1 - s.diloco_alpha)
+    ref = Reference(cfg, load_run_tokenizer(cfg), world)
+    step, last_cfg = 1, cfg
+    if resume_at:
+        last_cfg = parse_args(json.loads(os.environ.pop("REFERENCE_RESUME_ARGS")))
+        for step in range(1, resume_at + 1):
+            ref.step(step, False)
+        ref.resume(last_cfg, int(os.environ.pop("REFERENCE_RESUME_WORLD_SIZE")), resume_at)
+        step = resume_at + 1
+    for step in range(step, last_cfg.training.train_iters + 1):
+        ref.step(step, step == last_cfg.training.train_iters)
     torch.save({"local": [{n: p.detach().clone() for n, p in m.named_parameters()}
-                          for m in models],
-                "global": {n: t.detach().clone() for n, t in theta_g.items()}},
+                          for m in ref.models],
+                "global": {n: t.detach().clone() for n, t in ref.theta_g.items()}},
                os.path.join(out_dir, "reference.pt"))
 
 

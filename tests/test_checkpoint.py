@@ -2,14 +2,12 @@
 
 import json
 import os
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from harness import TINY, read_jsonl, run
 from megatron_streaming import checkpoint
-from megatron_streaming.topology import RankLayout
 
 RESUME = [*TINY, "--train-iters", "6", "--eval-iters", "1", "--zero-stage", "2", "--bf16"]
 
@@ -42,25 +40,48 @@ def test_resume_continues_the_uninterrupted_run_exactly(tmp_path):
     assert result["valid_loss"] == saved_valid
 
 
-def _checkpointer(tmp_path):
-    topo = SimpleNamespace(rank=0, layout=RankLayout(world_size=1))
-    return checkpoint.Checkpointer(topo, failed_ranks=lambda failed: [0] if failed else [])
+class LinearState:
+    """The smallest state a Checkpointer saves: one Linear layer's weight (test seam)."""
+
+    def __init__(self, seed):
+        torch.manual_seed(seed)
+        self.model = torch.nn.Linear(4, 3)
+
+    def sharded_state_dict(self):
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+        return {"w": ShardedTensor.from_rank_offsets("w", self.model.weight.detach(),
+                                                     replica_id=0)}
+
+    def rank_info(self):
+        return {"rank": 0, "worker": 0}
+
+    def describe(self, infos):
+        return {"ranks": infos}
+
+    def load(self, directory, meta, plan):
+        from megatron.core.dist_checkpointing import load
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+        request = {"w": ShardedTensor.from_rank_offsets(
+            "w", torch.empty_like(self.model.weight), replica_id=0)}
+        with torch.no_grad():
+            self.model.weight.copy_(load(request, directory)["w"])
 
 
-def _model_and_optimizer(seed):
-    torch.manual_seed(seed)
-    model = torch.nn.Linear(4, 3)
-    return model, torch.optim.AdamW(model.parameters(), lr=0.1)
+def _checkpointer():
+    return checkpoint.Checkpointer(0, failed_ranks=lambda failed: [0] if failed else [],
+                                   gather=lambda obj: [obj])
 
 
-def test_crash_before_commit_keeps_previous_checkpoint(tmp_path, monkeypatch):
-    ckpt = _checkpointer(tmp_path)
-    model, opt = _model_and_optimizer(0)
+def test_crash_before_commit_keeps_previous_checkpoint(tmp_path, monkeypatch, megatron_world):
+    ckpt = _checkpointer()
+    state = LinearState(0)
     root = str(tmp_path / "ckpt")
-    ckpt.save(root, 1, model, opt, {"iteration": 1})
-    saved = model.weight.detach().clone()
+    ckpt.save(root, 1, state, {"iteration": 1})
+    saved = state.model.weight.detach().clone()
 
-    model2, opt2 = _model_and_optimizer(1)
+    state2 = LinearState(1)
     real_replace = os.replace
 
     def crash_on_directory_rename(src, dst):
@@ -70,7 +91,7 @@ def test_crash_before_commit_keeps_previous_checkpoint(tmp_path, monkeypatch):
 
     monkeypatch.setattr(os, "replace", crash_on_directory_rename)
     with pytest.raises(checkpoint.CheckpointWriteError) as failure:
-        ckpt.save(root, 2, model2, opt2, {"iteration": 2})
+        ckpt.save(root, 2, state2, {"iteration": 2})
     monkeypatch.setattr(os, "replace", real_replace)
     assert str(failure.value) == (
         f"--save {root}: writing the checkpoint of iteration 2 failed on rank(s) [0]: "
@@ -79,32 +100,97 @@ def test_crash_before_commit_keeps_previous_checkpoint(tmp_path, monkeypatch):
     assert not os.path.exists(os.path.join(root, "iter_0000002.partial"))  # space given back
     directory, meta = checkpoint.find_checkpoint(root)
     assert meta["iteration"] == 1
-    model3, opt3 = _model_and_optimizer(2)
-    assert ckpt.load(root, model3, opt3) == {"iteration": 1}
-    assert torch.equal(model3.weight, saved)
+    state3 = LinearState(2)
+    assert ckpt.load(root, state3, None) == {"iteration": 1}
+    assert torch.equal(state3.model.weight, saved)
 
     # The next save of iteration 2 clears the stale partial directory and commits.
-    ckpt.save(root, 2, model2, opt2, {"iteration": 2})
+    ckpt.save(root, 2, state2, {"iteration": 2})
     assert checkpoint.find_checkpoint(root)[1]["iteration"] == 2
     assert not os.path.exists(os.path.join(root, "iter_0000002.partial"))
 
 
-def test_crash_mid_rank_file_write_leaves_no_rank_file(tmp_path, monkeypatch):
-    ckpt = _checkpointer(tmp_path)
-    model, opt = _model_and_optimizer(0)
+def test_crash_mid_file_write_leaves_nothing(tmp_path, monkeypatch, megatron_world):
+    """A tensor file that cannot be completed (disk full) fails the save cleanly."""
+    import builtins
+
+    ckpt = _checkpointer()
     root = str(tmp_path / "ckpt")
+    real_open = builtins.open
 
-    def crash(obj, f):
-        f.write(b"half a file")
-        raise OSError("disk full")
+    class FullDisk:
+        def __init__(self, f):
+            self.f = f
 
-    monkeypatch.setattr(torch, "save", crash)
+        def write(self, data):
+            self.f.write(bytes(data)[:10])
+            raise OSError(28, "No space left on device")
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+    def full_disk_open(path, mode="r", *args, **kwargs):
+        f = real_open(path, mode, *args, **kwargs)
+        return FullDisk(f) if str(path).endswith(".distcp") and "w" in mode else f
+
+    monkeypatch.setattr(builtins, "open", full_disk_open)
     with pytest.raises(checkpoint.CheckpointWriteError,
-                       match="failed on rank.*disk full; no earlier checkpoint exists there"):
-        ckpt.save(root, 1, model, opt, {"iteration": 1})
+                       match="failed on rank.*No space left on device.*no earlier checkpoint"):
+        ckpt.save(root, 1, LinearState(0), {"iteration": 1})
+    monkeypatch.setattr(builtins, "open", real_open)
     with pytest.raises(checkpoint.CheckpointError, match="--load .*no checkpoint"):
         checkpoint.find_checkpoint(root)
     assert os.listdir(root) == []  # the half-written partial directory is gone
+
+
+def test_tampered_or_truncated_files_are_refused_naming_the_file(tmp_path, megatron_world):
+    import pickle
+
+    from megatron_streaming.checkpoint import store
+
+    ckpt = _checkpointer()
+    root = str(tmp_path / "ckpt")
+    ckpt.save(root, 1, LinearState(0), {"iteration": 1})
+    directory = os.path.join(root, "iter_0000001")
+    meta_path = os.path.join(directory, "checkpoint.json")
+    original = open(meta_path).read()
+
+    class RunsCode:
+        def __reduce__(self):
+            return (os.system, (f"touch {tmp_path}/pwned",))
+
+    # 1. .metadata replaced by a pickle that would run code: refused by its hash ...
+    evil = pickle.dumps(RunsCode())
+    with open(os.path.join(directory, ".metadata"), "wb") as f:
+        f.write(evil)
+    with pytest.raises(checkpoint.CheckpointError, match=r"\.metadata is truncated or altered"):
+        ckpt.load(root, LinearState(1), None)
+    # ... and, with checkpoint.json rewritten to match it, by the restricted unpickler.
+    meta = json.loads(original)
+    meta["files"][".metadata"] = {"size": len(evil), "sha256": store.sha256(
+        os.path.join(directory, ".metadata"))}
+    with open(meta_path, "w") as f:
+        json.dump(meta, f)
+    with pytest.raises(checkpoint.CheckpointError,
+                       match=r"\.metadata is not checkpoint metadata .*posix.system"):
+        ckpt.load(root, LinearState(1), None)
+    assert not os.path.exists(tmp_path / "pwned")
+
+    # 2. A truncated tensor file: refused before any collective (check_loadable's check).
+    ckpt.save(root, 2, LinearState(0), {"iteration": 2})
+    directory = os.path.join(root, "iter_0000002")
+    tensors = next(n for n in os.listdir(directory) if n.endswith(".distcp"))
+    path = os.path.join(directory, tensors)
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+    with pytest.raises(checkpoint.CheckpointError, match=f"{path} is truncated or altered"):
+        store.check_files(root, directory, checkpoint.find_checkpoint(root)[1], hashes=False)
 
 
 STREAMING = [*TINY, "--num-layers", "2", "--train-iters", "12", "--eval-iters", "1",
@@ -124,9 +210,8 @@ def test_resume_with_a_fragment_in_flight_continues_exactly(tmp_path):
     ckpt = tmp_path / "ckpt"
     run(2, [*STREAMING, "--save", str(ckpt), "--exit-interval", "7",
             "--log-jsonl", str(tmp_path / "first.jsonl")])
-    payload = torch.load(ckpt / "iter_0000007" / "rank_00000.pt", weights_only=False)
-    pending = payload["extra"]["streaming"]["pending"]
-    assert pending and {p["step"] for p in pending.values()} == {6}
+    meta = json.loads((ckpt / "iter_0000007" / "checkpoint.json").read_text())
+    assert meta["pending"] == [{"fragment": 0, "step": 6, "all_finite": True}]
     run(2, [*STREAMING, "--load", str(ckpt), "--log-jsonl", str(tmp_path / "second.jsonl"),
             "--summary-json", str(resumed_summary)])
 

@@ -274,14 +274,37 @@ def _garbage_same_size(path: Path) -> None:
     path.write_bytes((bytes(range(256)) * (size // 256 + 1))[:size])
 
 
+class _RunsCode:
+    def __reduce__(self):
+        import os
+
+        return (os.system, ("touch /tmp/megatron_streaming_pwned",))
+
+
+def _code_carrying_pickle(path: Path) -> None:
+    """Replace the file by a pickle that would run a command, and make checkpoint.json agree
+    with it (size, SHA-256): only the restricted unpickler stands in the way."""
+    import hashlib
+    import json
+    import pickle
+
+    data = pickle.dumps(_RunsCode())
+    path.write_bytes(data)
+    meta_path = path.parent / "checkpoint.json"
+    meta = json.loads(meta_path.read_text())
+    meta["files"][path.name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    meta_path.write_text(json.dumps(meta))
+
+
 CORRUPTIONS = {
-    "truncated_rank_file": ("iter_0000002/rank_00000.pt", _truncate,
-                            ["rank_00000.pt is missing or truncated"]),
-    "garbage_rank_file": ("iter_0000002/rank_00000.pt", _garbage_same_size,
-                          ["cannot read", "rank_00000.pt"]),
-    "missing_metadata": ("iter_0000002/metadata.json", Path.unlink,
-                         ["checkpoint of iteration 2 is incomplete or corrupt",
-                          "metadata.json"]),
+    "truncated_tensor_file": ("iter_0000002/__0_0.distcp", _truncate,
+                              ["__0_0.distcp is truncated or altered"]),
+    "garbage_tensor_file": ("iter_0000002/__0_0.distcp", _garbage_same_size,
+                            ["__0_0.distcp was altered after it was written"]),
+    "missing_metadata": ("iter_0000002/checkpoint.json", Path.unlink,
+                         ["is incomplete or corrupt", "checkpoint.json"]),
+    "code_carrying_metadata": ("iter_0000002/.metadata", _code_carrying_pickle,
+                               [".metadata is not checkpoint metadata", "posix.system"]),
 }
 
 
@@ -294,6 +317,7 @@ def test_load_of_corrupt_checkpoint(name, checkpoint_dir, tmp_path):
     corrupt(root / relative)
     _fails_cleanly([*MOCK, "--train-iters", "4", "--load", str(root)], f"--load {root}",
                    *expected)
+    assert not Path("/tmp/megatron_streaming_pwned").exists()
 
 
 @pytest.mark.timeout(180)

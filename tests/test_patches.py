@@ -32,6 +32,7 @@ ALL_PATCHES = (
     "megatron_norm",
     "deepspeed_shm",
     "deepspeed_cpu_fp16",
+    "torch_dcp_safe_metadata",
 )
 
 
@@ -135,6 +136,7 @@ _EXPECTED_FAILURE = {
     "megatron_norm": "not supported by torch LayerNorm",  # sequence parallel, zero-centred
     "deepspeed_shm": "shm op build requested",
     "deepspeed_cpu_fp16": "Type fp16 is not supported",
+    "torch_dcp_safe_metadata": "reading .metadata ran code from the file",
 }
 
 
@@ -175,12 +177,14 @@ def test_deepspeed_init_leaves_no_shm_files(workers):
 def test_selection_cuda_untouched_and_norm_fallback(workers):
     results = {key: workers.result(key)
                for key in ("cuda_with_apex", "cuda_without_apex", "cpu_without_apex")}
-    # On a CUDA host with apex nothing at all is touched.
-    assert results["cuda_with_apex"]["applied"] == []
-    assert results["cuda_with_apex"]["touched"] == []
+    # On a CUDA host with apex nothing is touched but checkpoint-metadata safety (not a CPU
+    # matter: it applies everywhere).
+    safe = ["torch_dcp_safe_metadata"]
+    assert results["cuda_with_apex"]["applied"] == safe
+    assert results["cuda_with_apex"]["touched"] == safe
     # Without apex only the norm fix applies on CUDA; the CUDA path stays upstream's.
-    assert results["cuda_without_apex"]["applied"] == ["megatron_norm"]
-    assert results["cuda_without_apex"]["touched"] == ["megatron_norm"]
+    assert results["cuda_without_apex"]["applied"] == ["megatron_norm", *safe]
+    assert sorted(results["cuda_without_apex"]["touched"]) == ["megatron_norm", *safe]
     # apex / TE not importable: flags false and the norm fallback active.
     cpu = results["cpu_without_apex"]
     assert cpu["have_apex"] is False and cpu["have_te"] is False

@@ -31,7 +31,6 @@ REFUSED = {
         "--decoupled-min-lr: a separate learning rate",
     ],
     "gpt_1.3b_sequence_parallel_32k": ["--use-flash-attn-triton: flash attention needs a GPU"],
-    "llama_universal_checkpointing": ["--universal-checkpoint:"],
 }
 # Refused at validation on a machine without a GPU / Transformer Engine.
 REFUSED_ON_CPU = {

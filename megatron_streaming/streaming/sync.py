@@ -33,7 +33,7 @@ import torch
 from .codec import ErrorFeedback
 from .outer import OuterOptimizer, merge
 from .schedule import SyncSchedule
-from .transport import ExchangeResult, Pending, Transport
+from .transport import Pending, Transport
 
 log = logging.getLogger("megatron_streaming")
 
@@ -96,6 +96,7 @@ class StreamingSync:
         # Shards whose exchange ``finish`` merged before its scheduled step: that merge step,
         # should training go on past the end (a resume with more iterations), does nothing.
         self.merged_early: set = set()
+        self.finished_step: Optional[int] = None  # the step after which ``finish`` ran
         self.stats = {p: FragmentStats() for p in range(schedule.num_fragments)}
         self.step = 0
         self._done_this_step: set = set()
@@ -157,6 +158,7 @@ class StreamingSync:
         is collective within the worker, and a rank may hold no shard of the fragment in
         flight. Returns how many exchanges this rank merged."""
         indices = sorted(self.pending)
+        self.finished_step = self.step
         for index in indices:
             self._merge(self.groups[index])
             self.merged_early.add(index)
@@ -218,42 +220,19 @@ class StreamingSync:
             out[g.fragment, 1] += float(torch.dot(theta, theta))
         return out
 
-    # ---- checkpoints -------------------------------------------------------------------
-    def state_dict(self) -> dict:
-        # An exchange in flight is finished and its result stored: resuming merges it at the
-        # same step an uninterrupted run would, with the same value.
-        pending = {}
-        for index, p in self.pending.items():
-            r = p.wait()
-            pending[index] = {"step": p.step, "tag": p.tag, "mean": r.mean.cpu(),
-                              "all_finite": r.all_finite, "bytes_sent": r.bytes_sent,
-                              "bytes_received": r.bytes_received,
-                              "quant_error": r.quant_error}
-        return {"theta_g": [t.detach().cpu().clone() for t in self.theta_g],
-                "momentum": [t.detach().cpu().clone() for t in self.momentum],
-                "feedback": [f.state_dict() if f else None for f in self.feedback],
-                "pending": pending,
-                "merged_early": sorted(self.merged_early),
-                "bytes_sent": self.transport.bytes_sent,
-                "bytes_received": self.transport.bytes_received}
+    # ---- checkpoints (``checkpoint.job`` reads and restores the state) ------------------
+    def in_flight_fragments(self) -> list:
+        """Fragments whose exchange is in flight after the current step, by the schedule
+        alone (the same answer on every rank, also one holding no shard of them); none once
+        ``finish`` merged them."""
+        if self.finished_step == self.step:
+            return []
+        return self.schedule.in_flight_after(self.step)
 
-    def load_state_dict(self, state: dict) -> None:
-        for dst, src in zip(self.theta_g + self.momentum, state["theta_g"] + state["momentum"]):
-            if dst.shape != src.shape:
-                raise ValueError(f"outer state of shape {tuple(src.shape)} does not fit "
-                                 f"{tuple(dst.shape)}")
-            dst.copy_(src)
-        for f, s in zip(self.feedback, state["feedback"]):
-            if f is not None and s is not None:
-                f.load_state_dict(s)
-        self.pending = {}
-        for index, p in state["pending"].items():
-            result = ExchangeResult(p["mean"].to(self.theta_g[index].device), p["all_finite"],
-                                    p["bytes_sent"], p["bytes_received"], p["quant_error"], 0.0)
-            self.pending[int(index)] = Pending.completed(result, p["step"], p["tag"])
-        self.merged_early = set(state.get("merged_early", ()))
-        self.transport.bytes_sent = state["bytes_sent"]
-        self.transport.bytes_received = state["bytes_received"]
+    def merged_early_fragments(self) -> list:
+        """Fragments ``finish`` merged before their scheduled step (at the current step)."""
+        return self.schedule.in_flight_after(self.step) if self.finished_step == self.step \
+            else []
 
     def close(self) -> None:
         """Let exchanges in flight finish (their peers are running them too), then stop.

@@ -1,0 +1,125 @@
+"""Checkpoint size and save / load time: this version's format against another revision's.
+
+    .venv/bin/python benchmarks/checkpoint_format.py [--baseline 7c2292b] [--out runs/ckpt]
+
+For two models, the quick-start one (4 layers, hidden 128, 2 workers x TP2, 4 ranks) and one
+of about 100M parameters (12 layers, hidden 768, vocabulary 32000, 2 workers of one rank, bf16,
+ZeRO-1), each revision trains one step with ``--save``, then resumes it with ``--load``. The
+time of ``Checkpointer.save`` and ``Checkpointer.load`` is measured inside each rank
+(``--time-checkpoints``: this script wraps them and re-runs pretrain_gpt.py), the slowest rank
+counts. Size: the bytes of the iteration directory. The baseline revision is checked out as a
+git worktree under ``--out``. Reported as ratios ours / baseline, measured in one run.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+MODELS = {
+    "quickstart": (4, ["--mock-data", "--vocab-size", "1024", "--diloco-workers", "2",
+                       "--tensor-model-parallel-size", "2", "--diloco-inner-steps", "20",
+                       "--diloco-fragments", "2", "--diloco-overlap-steps", "1",
+                       "--num-layers", "4", "--hidden-size", "128", "--num-attention-heads",
+                       "4", "--seq-length", "128", "--micro-batch-size", "4",
+                       "--global-batch-size", "8"]),
+    "100M": (2, ["--mock-data", "--vocab-size", "32000", "--diloco-workers", "2",
+                 "--diloco-inner-steps", "20", "--diloco-fragments", "2", "--num-layers", "12",
+                 "--hidden-size", "768", "--num-attention-heads", "12", "--seq-length", "64",
+                 "--micro-batch-size", "1", "--global-batch-size", "1", "--bf16",
+                 "--zero-stage", "1"]),
+}
+COMMON = ["--train-iters", "1", "--eval-iters", "0", "--hidden-dropout", "0",
+          "--attention-dropout", "0", "--log-interval", "1"]
+
+
+def timed_main():
+    """Runs pretrain_gpt.py from the current directory with Checkpointer.save/load timed;
+    appends {"op", "rank", "seconds"} lines to $CKPT_TIMING_OUT."""
+    sys.path.insert(0, os.getcwd())
+    import megatron_streaming.checkpoint as ckpt
+
+    out = os.environ["CKPT_TIMING_OUT"]
+
+    def wrap(name):
+        original = getattr(ckpt.Checkpointer, name)
+
+        def timed(self, *args, **kwargs):
+            started = time.perf_counter()
+            result = original(self, *args, **kwargs)
+            with open(out, "a") as f:
+                f.write(json.dumps({"op": name, "rank": int(os.environ.get("RANK", 0)),
+                                    "seconds": time.perf_counter() - started}) + "\n")
+            return result
+
+        setattr(ckpt.Checkpointer, name, timed)
+
+    wrap("save")
+    wrap("load")
+    sys.argv = ["pretrain_gpt.py", *sys.argv[2:]]
+    import runpy
+
+    runpy.run_path("pretrain_gpt.py", run_name="__main__")
+
+
+def launch(repo, nproc, args, timing):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={nproc}", os.path.abspath(__file__), "--timed", *args]
+    env = dict(os.environ, CKPT_TIMING_OUT=timing, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed in {repo}:\n{proc.stderr[-4000:]}")
+
+
+def dir_size(path):
+    return sum(os.path.getsize(os.path.join(d, n)) for d, _, files in os.walk(path)
+               for n in files)
+
+
+def measure(repo, name, out):
+    nproc, model = MODELS[name]
+    ckpt = os.path.join(out, f"{name}_{os.path.basename(repo)}")
+    timing = ckpt + ".jsonl"
+    for path in (timing,):
+        if os.path.exists(path):
+            os.remove(path)
+    subprocess.run(["rm", "-rf", ckpt])
+    launch(repo, nproc, [*model, *COMMON, "--save", ckpt], timing)
+    launch(repo, nproc, [*model, *COMMON, "--train-iters", "2", "--load", ckpt], timing)
+    records = [json.loads(line) for line in open(timing)]
+    saves = [r["seconds"] for r in records if r["op"] == "save"]
+    loads = [r["seconds"] for r in records if r["op"] == "load"]
+    return {"save_seconds": max(saves), "load_seconds": max(loads),
+            "bytes": dir_size(os.path.join(ckpt, "iter_0000001"))}
+
+
+def main():
+    if len(sys.argv) > 1 and sys.argv[1] == "--timed":
+        return timed_main()
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--baseline", default="7c2292b")
+    parser.add_argument("--out", default="runs/ckpt")
+    args = parser.parse_args()
+    out = os.path.abspath(args.out)
+    os.makedirs(out, exist_ok=True)
+    base = os.path.join(out, "baseline")
+    if not os.path.isdir(base):
+        subprocess.run(["git", "worktree", "add", "--detach", base, args.baseline], cwd=REPO,
+                       check=True, capture_output=True)
+        os.symlink(os.path.join(REPO, ".venv"), os.path.join(base, ".venv"))
+    results = {}
+    for name in MODELS:
+        ours, theirs = measure(REPO, name, out), measure(base, name, out)
+        results[name] = {"ours": ours, "baseline": theirs,
+                         "ratio": {k: ours[k] / theirs[k] for k in ours}}
+        print(name, json.dumps(results[name]), flush=True)
+    with open(os.path.join(out, "checkpoint_format.json"), "w") as f:
+        json.dump({"baseline": args.baseline, "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,226 @@
+"""Checkpoints keyed by global parameter names, resumable under any layout.
+
+Format: megatron-core's ``dist_checkpointing`` (Megatron-LM's ``torch_dist``, i.e.
+``torch.distributed.checkpoint`` files): every rank writes its own tensor slices in parallel,
+and a load under another TP / PP / SP / DP / ZeRO layout reads the boxes it needs from them.
+What is stored (``job``), how a resume under other flags is decided (``resume``), the
+directory and its checks (``store``). ``python -m megatron_streaming.checkpoint`` inspects,
+exports to and imports from Hugging Face.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Callable, List
+
+from ..errors import JobFailure
+from .resume import FORMAT_VERSION, CheckpointError
+from .store import (META, TRACKER, atomic_write, check_files, check_safe, check_writable,
+                    checkpoint_files, dump_meta, file_table, find_checkpoint, fsync_dir,
+                    has_checkpoint, iteration_dir, read_meta, share)
+
+__all__ = ["CheckpointError", "CheckpointWriteError", "Checkpointer", "FORMAT_VERSION",
+           "TRACKER", "check_loadable", "check_writable", "find_checkpoint", "has_checkpoint",
+           "iteration_dir"]
+
+
+def _checkpoint_exception():
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return CheckpointException
+
+
+# torch's checkpoint reader and writer report failures as a CheckpointException, which is a
+# BaseException: caught alongside ordinary ones.
+_ERRORS = (Exception, _checkpoint_exception())
+
+
+class CheckpointWriteError(JobFailure):
+    """A checkpoint that could not be written; the message names --save, the path and the
+    checkpoint that is still the latest."""
+
+
+def _dist_save(sharded_state_dict: dict, directory: str) -> None:
+    from megatron.core.dist_checkpointing import save
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    # One writer thread per rank, synchronous: the save returns with the files written.
+    save(sharded_state_dict, directory,
+         sharded_strategy=TorchDistSaveShardedStrategy("torch_dist", 1),
+         validate_access_integrity=True)
+
+
+class Checkpointer:
+    """Saves and loads this rank's part of a job-wide checkpoint.
+
+    ``state`` objects (``job.JobState``) give ``sharded_state_dict()``, ``rank_info()`` and
+    ``describe()``; ``failed_ranks(flag)`` is a collective over every rank of every worker that
+    returns the ranks whose flag is set (``Topology.ranks_reporting``)."""
+
+    def __init__(self, rank: int, failed_ranks: Callable[[bool], List[int]],
+                 gather: Callable[[object], list], world: int = None):
+        self.rank = rank
+        self.failed_ranks = failed_ranks
+        self.gather = gather  # collective: every rank's object, in rank order
+        self.world = len(gather(None)) if world is None else world
+
+    def save(self, root: str, iteration: int, state, run_state: dict) -> str:
+        """Write the checkpoint, then commit on rank 0. A write that fails on any rank (disk
+        full, read-only, no permission) fails the save on every rank with
+        ``CheckpointWriteError``; the previous checkpoint stays the latest."""
+        final = iteration_dir(root, iteration)
+        partial = final + ".partial"
+
+        def prepare():
+            os.makedirs(root, exist_ok=True)
+            shutil.rmtree(partial, ignore_errors=True)  # left by a crash mid-save
+            os.makedirs(partial)
+
+        import time
+
+        t0 = time.perf_counter()
+        self._agree(root, iteration, partial, prepare if self.rank == 0 else None)
+        sharded = state.sharded_state_dict()
+        t1 = time.perf_counter()
+        infos = self.gather({**state.rank_info(), "keys": sorted(sharded)})
+        t2 = time.perf_counter()
+        self._agree(root, iteration, partial, lambda: _dist_save(sharded, partial))
+        t3 = time.perf_counter()
+        # Every rank hashes its share of the files, in parallel.
+        world = len(infos)
+        tables = self.gather(file_table(partial, share(checkpoint_files(partial), self.rank,
+                                                       world)))
+        t4 = time.perf_counter()
+        self.timings = {"collect": t1 - t0, "describe": t2 - t1, "write": t3 - t2,
+                        "hash": t4 - t3}
+        meta = None
+        if self.rank == 0:
+            meta = {"format_version": FORMAT_VERSION, "iteration": iteration,
+                    "run": run_state, **state.describe(infos),
+                    "files": {k: v for t in tables for k, v in sorted(t.items())}}
+        self._agree(root, iteration, partial, (lambda: self._commit(
+            root, partial, final, meta)) if self.rank == 0 else None)
+        return final
+
+    def _agree(self, root: str, iteration: int, partial: str, action) -> None:
+        """Run ``action`` (None: nothing) and learn whether it failed on any rank; the
+        collective doubles as the barrier between the phases of a save."""
+        error = None
+        if action is not None:
+            try:
+                action()
+            except _ERRORS as e:  # OSError, or the writer's report of one
+                error = _os_error(e)
+                if error is None:
+                    raise
+        failed = self.failed_ranks(error is not None)
+        if not failed:
+            return
+        if self.rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)  # give back the space it took
+        raise CheckpointWriteError(_write_error_message(root, iteration, failed, error))
+
+    def _commit(self, root: str, partial: str, final: str, meta: dict) -> None:
+        meta["size_bytes"] = sum(f["size"] for f in meta["files"].values())
+        atomic_write(os.path.join(partial, META), dump_meta(meta))
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.replace(partial, final)
+        fsync_dir(root)
+        atomic_write(os.path.join(root, TRACKER), f"{meta['iteration']}\n")
+
+    def verify(self, root: str, world: int) -> None:
+        """Every file's SHA-256, each rank checking its share in parallel, and the pickled
+        files' safety (rank 0); every rank learns the verdict (collective)."""
+        error = None
+        directory, meta = find_checkpoint(root)
+        try:
+            check_files(root, directory, meta,
+                        hashes=set(share(sorted(meta["files"]), self.rank, world)))
+            if self.rank == 0:
+                check_safe(root, directory)
+        except CheckpointError as e:
+            error = e
+        failed = self.failed_ranks(error is not None)
+        if failed:
+            if error is None:
+                error = CheckpointError(f"--load {root}: a file of {directory} was altered "
+                                        f"after it was written (see the message of rank "
+                                        f"{failed[0]})")
+            raise error
+
+    def load(self, root: str, state, plan) -> dict:
+        """Restore everything; returns the run state saved with it (iteration, ...)."""
+        directory, meta = find_checkpoint(root)
+        self.verify(root, self.world)
+        try:
+            state.load(directory, meta, plan)
+        except CheckpointError:
+            raise
+        except _ERRORS as e:
+            if _is_read_error(e):
+                raise CheckpointError(f"--load {root}: cannot read {directory}: "
+                                      f"{_first_line(e)}") from None
+            raise
+        return meta["run"]
+
+
+def _os_error(e: BaseException):
+    """The OSError behind ``e``, or None. torch's checkpoint writer reports a failed write
+    (disk full) as a CheckpointException carrying each rank's failure as text."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError):
+            return e
+        if isinstance(e, CheckpointException):
+            for failure in e.failures.values():
+                inner = failure[0] if isinstance(failure, tuple) else failure  # (exc, trace)
+                found = _os_error(inner) if isinstance(inner, BaseException) else None
+                text = _first_line(inner).replace("Worker failure: ", "")
+                return found or OSError(text)
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _is_read_error(e: BaseException) -> bool:
+    import pickle
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return isinstance(e, (OSError, pickle.UnpicklingError, EOFError, CheckpointException))
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__
+
+
+def _write_error_message(root: str, iteration: int, failed, error) -> str:
+    mine = f": {error}" if error is not None else ""
+    try:
+        directory, _ = find_checkpoint(root)
+        previous = f"the latest checkpoint is still {directory}"
+    except CheckpointError:
+        previous = "no earlier checkpoint exists there"
+    return (f"--save {root}: writing the checkpoint of iteration {iteration} failed on "
+            f"rank(s) {failed}{mine}; {previous}")
+
+
+def check_loadable(root: str, cfg, layout, vocab_size=None):
+    """The latest checkpoint's (directory, JSON), after checking that it fits this run and
+    that its files are all there at their written sizes. Needs no process group, so a wrong
+    --load fails before any collective."""
+    from .resume import check_compatible
+
+    directory, meta = find_checkpoint(root)
+    check_files(root, directory, meta, hashes=False)
+    check_compatible(root, meta, cfg, vocab_size)
+    return directory, meta
+
+
+def load_meta(path: str) -> dict:
+    return read_meta(path, path)

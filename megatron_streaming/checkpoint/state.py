@@ -1,0 +1,203 @@
+"""One rank's training state as tensors keyed by global parameter names, and back.
+
+What a checkpoint holds for every parameter, whatever layout wrote it (``kinds``):
+
+* ``worker<w>.model.<name>``: the worker's weights, in the model's dtype;
+* ``worker<w>.master.<name>``: the fp32 master copy (ZeRO, or --bf16/--fp16 without ZeRO);
+* ``worker<w>.optim.<state>.<name>``: the inner optimizer's per-element state (AdamW's
+  ``exp_avg`` and ``exp_avg_sq``, SGD's ``momentum_buffer``);
+* ``outer.theta_g.<name>``, ``outer.momentum.<name>``: the global parameters and the outer
+  momentum, the same on every worker, stored once;
+* ``worker<w>.outer.residual.<name>``: the worker's error-feedback residual;
+* ``outer.pending.<name>``: the averaged outer gradient of an exchange in flight.
+
+Each is a megatron-core ``ShardedTensor`` of the parameter's full (TP=1) shape; this rank
+supplies its tensor-parallel slice, and among the ranks that hold the same slice (data and
+sequence parallel replicas, a tied embedding's copy on the last stage, other workers for the
+global state) exactly one writes it. ZeRO keeps each rank's part of a param group as one flat
+fp32 partition: a ``GroupSpace`` turns partition-shaped vectors into whole parameters (an
+all-gather over ZeRO's group) and back (a slice), so the file never depends on the DP size.
+
+A SwiGLU ``linear_fc1`` holds ``[gate_r; up_r]`` on TP rank r (``weights.tp_shard``); it is
+stored as a ``(2, ffn, hidden)`` tensor, so its TP slices are regular boxes.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..weights import global_name, local_spec_name
+
+EMBEDDING = "embedding.word_embeddings.weight"
+VOCAB_PARAMS = (EMBEDDING, "output_layer.weight")
+
+
+@dataclass
+class Slot:
+    """One parameter of this rank's model chunk."""
+
+    index: int
+    name: str              # local name (layer numbers of this pipeline stage)
+    gname: str             # global name: the key in the checkpoint
+    param: torch.Tensor
+    tp_axis: Optional[int]  # the dimension split over TP ranks, None when replicated
+    gated: bool            # SwiGLU fc1: stored as (2, ffn, ...) so TP slices are boxes
+    tied_copy: bool        # the last stage's copy of a tied embedding: never written
+
+    @property
+    def vocab(self) -> bool:
+        return self.gname in VOCAB_PARAMS
+
+    def stored_view(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (shaped like the parameter) as stored: gated fc1 gets its leading 2."""
+        return t.view(2, -1, *t.shape[1:]) if self.gated else t
+
+    def stored_axis(self) -> Optional[int]:
+        if self.tp_axis is None:
+            return None
+        return self.tp_axis + 1 if self.gated else self.tp_axis
+
+    def global_shape(self, tp: int) -> tuple:
+        shape = list(self.stored_view(self.param.detach()).shape)
+        axis = self.stored_axis()
+        if axis is not None:
+            shape[axis] *= tp
+        return tuple(shape)
+
+
+def build_slots(model, layer_offset: int, tied: bool, swiglu: bool) -> List[Slot]:
+    slots = []
+    for name, param in model.named_parameters():
+        tied_copy = tied and name == "output_layer.weight"
+        # TE's fused norm names -> the local spec's: GPU checkpoints load on CPU and back.
+        gname = EMBEDDING if tied_copy else local_spec_name(global_name(name, layer_offset))
+        tp_axis = param.partition_dim if getattr(param, "tensor_model_parallel", False) \
+            else None
+        gated = swiglu and ".linear_fc1." in f".{gname}" and tp_axis == 0
+        slots.append(Slot(len(slots), name, gname, param, tp_axis, gated, tied_copy))
+    return slots
+
+
+class GroupSpace:
+    """One inner param group's flat fp32 space on this rank: ZeRO's partition (a slice of
+    the group's flattened parameters) or, without ZeRO, the group's parameters one after
+    another. ``gather`` turns a vector of this space into whole parameters, ``scatter`` the
+    reverse; ``position`` locates a view of a master tensor in it."""
+
+    def __init__(self, slots_and_views, zero=None):
+        self.slots = [s for s, _ in slots_and_views]
+        self.zero = zero  # (flat, partition, start, size, group) under ZeRO
+        self.offsets: Dict[int, int] = {}
+        self._view_positions: Dict[int, int] = {}
+        if zero is not None:
+            flat, partition, start, size, _ = zero
+            self.length = size
+            for slot, view in slots_and_views:
+                # ZeRO made each parameter a view of ``flat``.
+                self.offsets[slot.index] = \
+                    (slot.param.data_ptr() - flat.data_ptr()) // slot.param.element_size()
+            self._base = partition
+        else:
+            offset = 0
+            for slot, view in slots_and_views:
+                self.offsets[slot.index] = offset
+                self._view_positions[view.data_ptr()] = offset
+                offset += slot.param.numel()
+            self.length = offset
+
+    def position(self, view: torch.Tensor) -> int:
+        """Where a master view (a shard group's tensor) starts in this space."""
+        if self.zero is not None:
+            return (view.data_ptr() - self._base.data_ptr()) // view.element_size()
+        return self._view_positions[view.data_ptr()]
+
+    def gather(self, vector: torch.Tensor) -> Dict[int, torch.Tensor]:
+        """slot index -> whole parameter (fp32, the parameter's shape)."""
+        vector = vector.detach().float()
+        if self.zero is not None:
+            flat, _, _, size, group = self.zero
+            parts = [torch.empty(size, dtype=vector.dtype, device=vector.device)
+                     for _ in range(dist.get_world_size(group))]
+            dist.all_gather(parts, vector.contiguous(), group=group)
+            vector = torch.cat(parts)
+        out = {}
+        for slot in self.slots:
+            offset = self.offsets[slot.index]
+            out[slot.index] = vector[offset:offset + slot.param.numel()].view(slot.param.shape)
+        return out
+
+    def scatter(self, tensors: Dict[int, torch.Tensor], device=None) -> torch.Tensor:
+        """This rank's vector of the space from whole parameters (``gather``'s inverse)."""
+        if self.zero is not None:
+            flat, _, start, size, _ = self.zero
+            full = torch.zeros(max(flat.numel(), start + size), dtype=torch.float32,
+                               device=device)
+            for slot in self.slots:
+                offset = self.offsets[slot.index]
+                full[offset:offset + slot.param.numel()] = tensors[slot.index].reshape(-1)
+            return full[start:start + size].clone()
+        return torch.cat([tensors[s.index].reshape(-1).float().to(device) for s in self.slots]) \
+            if self.slots else torch.zeros(0, device=device)
+
+
+def group_spaces(engine, slots: List[Slot]) -> List[GroupSpace]:
+    by_param = {id(s.param): s for s in slots}
+    spaces = []
+    opt = engine.optimizer
+    for i, views in enumerate(engine.master_views()):
+        pairs = [(by_param[id(p)], v) for p, v in views]
+        if engine.zero:
+            group = opt.real_dp_process_group[i]
+            # Every parameter of the group, also those without elements on this rank.
+            pairs = [(by_param[id(p)], None) for p in opt.bit16_groups[i]]
+            size = opt.partition_size[i]
+            start = dist.get_rank(group) * size
+            zero = (opt.bit16_groups_flat[i], opt.single_partition_of_fp32_groups[i], start,
+                    size, group)
+            spaces.append(GroupSpace(pairs, zero))
+        else:
+            spaces.append(GroupSpace(pairs))
+    return spaces
+
+
+def replica_writer(gname: str, rank: int, size: int) -> bool:
+    """Which of ``size`` ranks holding the same slice writes it: spread by name, so the
+    writes of a data-parallel group are shared instead of all landing on its first rank."""
+    return zlib.crc32(gname.encode()) % size == rank
+
+
+def sharded(key: str, slot: Slot, data: torch.Tensor, tp_rank: int, tp: int, writer: bool):
+    """A megatron-core ShardedTensor of ``data`` (this rank's slice, the parameter's shape)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    axis = slot.stored_axis()
+    replica = (int(slot.tied_copy), tp_rank if axis is None else 0, 0 if writer else 1)
+    offsets = [(axis, tp_rank, tp)] if axis is not None and tp > 1 else []
+    return ShardedTensor.from_rank_offsets(key, slot.stored_view(data), *offsets,
+                                           replica_id=replica)
+
+
+def whole(key: str, shape, dtype, device=None):
+    """A request for the whole tensor ``key`` (used where this rank's slice is not a box of
+    the stored tensor, e.g. a vocabulary padded for another TP size)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    return ShardedTensor.from_rank_offsets(key, torch.empty(shape, dtype=dtype, device=device),
+                                           replica_id=1)
+
+
+def vocab_rows(slot: Slot, full: torch.Tensor, current: torch.Tensor, tp_rank: int,
+               tp: int) -> torch.Tensor:
+    """This rank's rows of a vocabulary-parallel tensor stored with another padding: the
+    stored rows where they exist, the current value (initial padding) beyond them."""
+    rows = current.shape[0]
+    lo = tp_rank * rows if slot.tp_axis == 0 else 0
+    out = current.detach().clone().to(full.dtype)
+    n = max(0, min(rows, full.shape[0] - lo))
+    out[:n] = full[lo:lo + n]
+    return out

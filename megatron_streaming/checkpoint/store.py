@@ -1,0 +1,204 @@
+"""Checkpoint directories: atomic commits, the JSON that describes them, and file checks.
+
+Layout under ``--save DIR``::
+
+    DIR/iter_0000020/                    megatron-core dist_checkpointing, torch_dist format:
+        __<rank>_<n>.distcp              tensors, written by the ranks in parallel
+        .metadata                        torch.distributed.checkpoint's index of them
+        common.pt, metadata.json         megatron-core's own small files
+        checkpoint.json                  ours: iteration, layout, workers, sync, every file's
+                                         size and SHA-256
+    DIR/latest_checkpointed_iteration.txt
+
+Every rank writes into ``iter_N.partial``; once all have, global rank 0 writes
+``checkpoint.json`` and renames the directory to ``iter_N`` (atomic), then replaces the tracker
+file (atomic too). A crash at any point leaves the previous checkpoint or the new complete one
+as the latest, never a half-written one.
+
+Loading never runs code from a file: the sizes and SHA-256 of every file are checked against
+``checkpoint.json`` first, megatron-core's ``common.pt`` is read with ``weights_only``, and
+torch's ``.metadata`` through a restricted unpickler (``patches.torch_dcp_safe_metadata``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Optional
+
+from .resume import FORMAT_VERSION, CheckpointError
+
+TRACKER = "latest_checkpointed_iteration.txt"
+META = "checkpoint.json"
+
+
+def iteration_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def checkpoint_files(directory: str) -> list:
+    """Relative paths of every file of a checkpoint directory but ours, sorted."""
+    return sorted(os.path.relpath(os.path.join(d, n), directory)
+                  for d, _, files in os.walk(directory) for n in files
+                  if os.path.relpath(os.path.join(d, n), directory) != META)
+
+
+def share(files: list, rank: int, world: int) -> list:
+    """This rank's share of ``files`` to hash (round robin: the ranks hash in parallel)."""
+    return [f for i, f in enumerate(files) if i % world == rank]
+
+
+def file_table(directory: str, files=None) -> dict:
+    """relative path -> {size, sha256} of ``files`` (default: every file but ours)."""
+    files = checkpoint_files(directory) if files is None else files
+    return {rel: {"size": os.path.getsize(os.path.join(directory, rel)),
+                  "sha256": sha256(os.path.join(directory, rel))} for rel in files}
+
+
+def sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def resolve(path: str):
+    """``path`` is a --save directory (its latest checkpoint) or an ``iter_N`` directory:
+    returns (iteration directory, its JSON)."""
+    if os.path.isfile(os.path.join(path, META)):
+        return path, read_meta(path, path)
+    return find_checkpoint(path)
+
+
+def read_meta(root: str, directory: str) -> dict:
+    meta_path = os.path.join(directory, META)
+    try:
+        with open(meta_path) as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"--load {root}: checkpoint {directory} is incomplete or "
+                              f"corrupt ({meta_path}: {e})") from None
+    if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"--load {root}: {meta_path} is not a checkpoint of format "
+                              f"{FORMAT_VERSION}")
+    return meta
+
+
+def find_checkpoint(root: str):
+    """(directory, metadata) of the latest complete checkpoint under ``root``."""
+    tracker = os.path.join(root, TRACKER)
+    if not os.path.isdir(root):
+        raise CheckpointError(f"--load {root}: no such directory")
+    if not os.path.isfile(tracker):
+        if os.path.isfile(os.path.join(root, "rank_00000.pt")) or any(
+                os.path.isfile(os.path.join(root, d, "rank_00000.pt"))
+                for d in os.listdir(root)):
+            raise CheckpointError(f"--load {root}: a checkpoint of the earlier one-file-per-"
+                                  "rank format; it cannot be read by this version")
+        raise CheckpointError(f"--load {root}: no checkpoint in this directory "
+                              f"({TRACKER} is missing)")
+    text = open(tracker).read().strip()
+    try:
+        iteration = int(text)
+    except ValueError:
+        raise CheckpointError(f"--load {root}: {TRACKER} holds {text!r}, not an "
+                              "iteration") from None
+    directory = iteration_dir(root, iteration)
+    meta = read_meta(root, directory)
+    if meta.get("iteration") != iteration:
+        raise CheckpointError(f"--load {root}: {os.path.join(directory, META)} does not "
+                              f"describe iteration {iteration}")
+    return directory, meta
+
+
+def check_files(root: str, directory: str, meta: dict, hashes) -> None:
+    """Every file listed is there with its size (and, for those in ``hashes``, or all when
+    it is True, its SHA-256); no other file is."""
+    listed = meta.get("files", {})
+    present = {os.path.relpath(os.path.join(d, n), directory)
+               for d, _, files in os.walk(directory) for n in files} - {META}
+    for rel in sorted(present - set(listed)):
+        raise CheckpointError(f"--load {root}: {os.path.join(directory, rel)} is not part of "
+                              "the checkpoint (not listed in checkpoint.json)")
+    for rel, entry in sorted(listed.items()):
+        path = os.path.join(directory, rel)
+        if not os.path.isfile(path):
+            raise CheckpointError(f"--load {root}: {path} is missing")
+        if os.path.getsize(path) != entry["size"]:
+            raise CheckpointError(f"--load {root}: {path} is truncated or altered (size "
+                                  f"{os.path.getsize(path)}, written as {entry['size']})")
+        check_hash = hashes is True or (hashes and rel in hashes)
+        if check_hash and sha256(path) != entry["sha256"]:
+            raise CheckpointError(f"--load {root}: {path} was altered after it was written "
+                                  "(SHA-256 differs from checkpoint.json)")
+
+
+def check_safe(root: str, directory: str) -> None:
+    """The two pickled files of the format hold only data: torch's ``.metadata`` (through the
+    restricted unpickler) and megatron-core's ``common.pt`` (``weights_only``)."""
+    import pickle
+
+    import torch
+
+    from patches.torch_dcp_safe_metadata import SafeUnpickler
+
+    path = os.path.join(directory, ".metadata")
+    try:
+        with open(path, "rb") as f:
+            SafeUnpickler(f).load()
+    except Exception as e:  # noqa: BLE001 - any failure means the file is not metadata
+        raise CheckpointError(f"--load {root}: {path} is not checkpoint metadata and was not "
+                              f"loaded ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+                              ) from None
+    path = os.path.join(directory, "common.pt")
+    if os.path.exists(path):
+        try:
+            torch.load(path, map_location="cpu", weights_only=True)
+        except (pickle.UnpicklingError, RuntimeError, EOFError, OSError) as e:
+            raise CheckpointError(f"--load {root}: {path} holds more than data and was not "
+                                  f"loaded ({type(e).__name__}: "
+                                  f"{str(e).splitlines()[0][:200]})") from None
+
+
+def check_writable(root: str, rank: int) -> None:
+    """Fail before training when --save cannot take a file (read-only, no permission)."""
+    probe = os.path.join(root, f".write_test_rank_{rank:05d}")
+    try:
+        os.makedirs(root, exist_ok=True)
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        raise CheckpointError(f"--save {root} is not writable: {e}") from None
+
+
+def has_checkpoint(root: Optional[str]) -> bool:
+    return bool(root) and os.path.isfile(os.path.join(root, TRACKER))
+
+
+def atomic_write(path: str, text: str) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def dir_size(directory: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, n)) for d, _, files in os.walk(directory)
+               for n in files)
+
+
+def dump_meta(meta: dict) -> str:
+    return json.dumps(meta, indent=1, sort_keys=True)
