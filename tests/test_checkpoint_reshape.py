@@ -18,6 +18,11 @@ from harness import REPO, TINY, env, read_jsonl, run
 from test_streaming import BASE, distributed, dumps, relative
 
 
+def _latest(root, iteration):
+    """Point the tracker at an earlier checkpoint of the run (it saved more after it)."""
+    (root / "latest_checkpointed_iteration.txt").write_text(f"{iteration}\n")
+
+
 def _losses(path):
     return {r["iteration"]: r["train/loss"] for r in read_jsonl(path) if "train/loss" in r}
 
@@ -30,8 +35,10 @@ def test_layout_changes_resume_at_the_uninterrupted_loss(tmp_path):
     args = [*TINY, "--train-iters", "4", "--eval-iters", "0", "--zero-stage", "1"]
     ckpt = tmp_path / "ckpt"
     saved = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
-    run(4, [*args, *saved, "--log-jsonl", str(tmp_path / "full.jsonl")])
-    run(4, [*args, *saved, "--save", str(ckpt), "--exit-interval", "3"])
+    # One launch: the uninterrupted run, which saves after step 3 on its way.
+    run(4, [*args, *saved, "--save", str(ckpt), "--save-interval", "3",
+            "--log-jsonl", str(tmp_path / "full.jsonl")])
+    _latest(ckpt, 3)
     loads = {"tp1": (1, []),
              "pp2_sp2": (4, ["--pipeline-model-parallel-size", "2",
                              "--ds-sequence-parallel-size", "2"]),
@@ -51,8 +58,9 @@ def test_layout_changes_resume_at_the_uninterrupted_loss(tmp_path):
               "--diloco-error-feedback", "--zero-stage", "1"]
     tp2 = ["--tensor-model-parallel-size", "2"]
     sckpt = tmp_path / "stream"
-    run(4, [*stream, *tp2, "--log-jsonl", str(tmp_path / "sfull.jsonl")])
-    run(4, [*stream, *tp2, "--save", str(sckpt), "--exit-interval", "7"])
+    run(4, [*stream, *tp2, "--save", str(sckpt), "--save-interval", "7",
+            "--log-jsonl", str(tmp_path / "sfull.jsonl")])
+    _latest(sckpt, 7)
     meta = json.loads((sckpt / "iter_0000007" / "checkpoint.json").read_text())
     assert meta["pending"] == [{"fragment": 0, "step": 6, "all_finite": True}]
     # Same DP size: with several workers, DP decides which samples each worker reads.
@@ -133,8 +141,9 @@ def test_quantize_change_carries_the_residual(tmp_path):
             "--eval-iters", "0", "--diloco-workers", "2", "--diloco-inner-steps", "4",
             "--diloco-fragments", "2", "--diloco-error-feedback"]
     ckpt = tmp_path / "ckpt"
-    run(2, [*args, "--diloco-quantize", "fp4", "--log-jsonl", str(tmp_path / "full.jsonl")])
-    run(2, [*args, "--diloco-quantize", "fp4", "--save", str(ckpt), "--exit-interval", "5"])
+    run(2, [*args, "--diloco-quantize", "fp4", "--save", str(ckpt), "--save-interval", "5",
+            "--log-jsonl", str(tmp_path / "full.jsonl")])
+    _latest(ckpt, 5)
     meta = json.loads((ckpt / "iter_0000005" / "checkpoint.json").read_text())
     assert "worker1.outer.residual" in meta["kinds"]["prefixes"]
     out = run(2, [*args, "--diloco-quantize", "int8", "--load", str(ckpt),

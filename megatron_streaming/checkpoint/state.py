@@ -119,7 +119,7 @@ class GroupSpace:
     def gather(self, vector: torch.Tensor) -> Dict[int, torch.Tensor]:
         """slot index -> whole parameter (fp32, the parameter's shape)."""
         vector = vector.detach().float()
-        if self.zero is not None:
+        if self.zero is not None and dist.get_world_size(self.zero[4]) > 1:
             flat, _, _, size, group = self.zero
             parts = [torch.empty(size, dtype=vector.dtype, device=vector.device)
                      for _ in range(dist.get_world_size(group))]
