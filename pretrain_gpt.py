@@ -12,6 +12,15 @@ import sys
 import traceback
 
 
+def _stop_children() -> None:
+    """Helper processes of this one (megatron-core's checkpoint writer keeps a spawned queue
+    server) would outlive an ``os._exit`` and hold the launcher's output pipes open."""
+    import multiprocessing
+
+    for child in multiprocessing.active_children():
+        child.terminate()
+
+
 def main(argv=None) -> int:
     from megatron_streaming import quiet
 
@@ -31,6 +40,7 @@ def main(argv=None) -> int:
         # interpreter shutdown would wait for it: leave at once, the launcher stops the rest.
         print(f"pretrain_gpt.py: error: {e}", file=sys.stderr, flush=True)
         sys.stdout.flush()
+        _stop_children()
         os._exit(3)
     return 0
 
@@ -42,5 +52,6 @@ if __name__ == "__main__":
         traceback.print_exc()
         sys.stderr.flush()
         sys.stdout.flush()
+        _stop_children()
         os._exit(1)
     sys.exit(code)

@@ -42,8 +42,11 @@ class Run:
             started = time.perf_counter()
             run_state = self.checkpointer.load(self.resume, self.job_state, self.resume_plan)
             self.iteration = run_state["iteration"]
-            log.info("resumed from %s at iteration %d (loaded in %.2f s)", self.resume,
-                     self.iteration, time.perf_counter() - started)
+            t = self.checkpointer.timings
+            log.info("resumed from %s at iteration %d (loaded in %.2f s: verify %.2f s, read "
+                     "%.2f s, restore %.2f s)", self.resume, self.iteration,
+                     time.perf_counter() - started, t["verify"], t.get("read", 0.0),
+                     t.get("restore", 0.0))
             for note in self.resume_plan.notes:
                 log.warning("%s", note)
         from .inputs import RunData

@@ -26,11 +26,25 @@ VOCAB, SEQ = 256, 32
 
 
 def cli(*args, check=True):
+    """The tool as a user runs it (a process of its own)."""
     proc = subprocess.run([sys.executable, "-m", "megatron_streaming.checkpoint", *map(str, args)],
                           cwd=REPO, env=env(), capture_output=True, text=True, timeout=300)
     if check:
         assert proc.returncode == 0, proc.stderr[-4000:]
     return proc
+
+
+def tool(*args) -> str:
+    """The same entry point in this process (no interpreter start-up): its stdout."""
+    import contextlib
+    import io
+
+    from megatron_streaming.checkpoint.__main__ import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main([str(a) for a in args]) == 0
+    return out.getvalue()
 
 
 def _tokens():
@@ -73,10 +87,10 @@ def test_export_of_a_streaming_run_gives_our_logits(tmp_path, megatron_world):
         text = cli("inspect", ckpt).stdout
         assert f"written by 2 worker(s) x (TP {tp}, PP 1, SP 1, DP 1)" in text
         assert "in flight: none" in text  # the last step merges what is in flight
-        info = json.loads(cli("inspect", ckpt, "--json").stdout)
+        info = json.loads(tool("inspect", ckpt, "--json"))
         assert info["iteration"] == 5 and info["run"]["tokens"] == 5 * 4 * SEQ * 2
         out = tmp_path / f"{arch}_hf"
-        cli("export-hf", ckpt, out)
+        tool("export-hf", ckpt, out)
         cfg = json.loads((out / "config.json").read_text())
         assert cfg["architectures"] == [{"llama": "LlamaForCausalLM",
                                          "gpt2": "GPT2LMHeadModel"}[arch]]
@@ -85,7 +99,7 @@ def test_export_of_a_streaming_run_gives_our_logits(tmp_path, megatron_world):
         assert torch.allclose(_hf_logits(out), _our_logits(megatron_world, flags, theta),
                               atol=1e-5, rtol=0)
         local = tmp_path / f"{arch}_w1"
-        cli("export-hf", ckpt, local, "--params", "local", "--worker", "1")
+        tool("export-hf", ckpt, local, "--params", "local", "--worker", "1")
         _, _, w1 = offline.parameters(str(ckpt), "local", 1)
         assert any(not torch.equal(w1[n], theta[n]) for n in theta)  # drifted since a merge
         assert torch.allclose(_hf_logits(local), _our_logits(megatron_world, flags, w1),
@@ -108,7 +122,7 @@ def test_import_of_a_transformers_model_trains_in_any_layout(tmp_path, megatron_
     hf_dir = tmp_path / "hf"
     LlamaForCausalLM(config).save_pretrained(hf_dir)
     ckpt = tmp_path / "imported"
-    printed = cli("import-hf", hf_dir, ckpt).stdout
+    printed = tool("import-hf", hf_dir, ckpt)
     flags = printed.split("model flags: ", 1)[1].split()
     _, _, params = offline.parameters(str(ckpt), "global")
     assert torch.allclose(_our_logits(megatron_world, flags, params), _hf_logits(hf_dir),

@@ -320,6 +320,28 @@ def test_load_of_corrupt_checkpoint(name, checkpoint_dir, tmp_path):
     assert not Path("/tmp/megatron_streaming_pwned").exists()
 
 
+REFUSED_CHANGES = {
+    "width": (["--hidden-size", "128"],
+              "the checkpoint's model has --hidden-size 64, this run 128; the architecture "
+              "cannot change on resume"),
+    "optimizer": (["--optimizer", "sgd"],
+                  "the checkpoint was trained with --optimizer adam, this run has --optimizer "
+                  "sgd"),
+    "vocabulary": (["--vocab-size", "512"],
+                   "the checkpoint's vocabulary has 256 tokens, this run's tokenizer 512"),
+}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("name", sorted(REFUSED_CHANGES))
+def test_load_refuses_what_it_cannot_honour_before_process_groups(name, checkpoint_dir):
+    """Checked from the checkpoint's JSON alone: WORLD_SIZE 2 with one process would hang at
+    the first collective, so the refusal comes before any."""
+    flags, expected = REFUSED_CHANGES[name]
+    _fails_cleanly([*MOCK, *flags, "--train-iters", "4", "--load", str(checkpoint_dir)],
+                   f"--load {checkpoint_dir}: {expected}", world_size=2)
+
+
 @pytest.mark.timeout(180)
 def test_unwritable_save_exits_before_process_groups(tmp_path):
     blocker = tmp_path / "a_file"

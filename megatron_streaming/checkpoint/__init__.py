@@ -84,6 +84,10 @@ class Checkpointer:
         sharded = state.sharded_state_dict()
         t1 = time.perf_counter()
         infos = self.gather({**state.rank_info(), "keys": sorted(sharded)})
+        # A disk that cannot take it fails every rank here, together: inside the writer's
+        # collectives a failure on one rank only would leave the others waiting.
+        self._agree(root, iteration, partial, (lambda: _check_space(
+            partial, sum(i.get("bytes", 0) for i in infos))) if self.rank == 0 else None)
         t2 = time.perf_counter()
         self._agree(root, iteration, partial, lambda: _dist_save(sharded, partial))
         t3 = time.perf_counter()
@@ -152,10 +156,14 @@ class Checkpointer:
 
     def load(self, root: str, state, plan) -> dict:
         """Restore everything; returns the run state saved with it (iteration, ...)."""
+        import time
+
         directory, meta = find_checkpoint(root)
+        started = time.perf_counter()
         self.verify(root, self.world)
+        self.timings = {"verify": time.perf_counter() - started}
         try:
-            state.load(directory, meta, plan)
+            self.timings.update(state.load(directory, meta, plan) or {})
         except CheckpointError:
             raise
         except _ERRORS as e:
@@ -164,6 +172,17 @@ class Checkpointer:
                                       f"{_first_line(e)}") from None
             raise
         return meta["run"]
+
+
+def _check_space(directory: str, tensor_bytes: int) -> None:
+    import errno
+
+    need = int(tensor_bytes * 1.02) + (1 << 20)  # torch's per-tensor headers, the metadata
+    free = shutil.disk_usage(directory).free
+    if need > free:
+        raise OSError(errno.ENOSPC, f"No space left on device for the checkpoint "
+                                    f"({need / 2**20:.1f} MiB needed, {free / 2**20:.1f} MiB "
+                                    "free)")
 
 
 def _os_error(e: BaseException):
@@ -182,6 +201,8 @@ def _os_error(e: BaseException):
                 found = _os_error(inner) if isinstance(inner, BaseException) else None
                 text = _first_line(inner).replace("Worker failure: ", "")
                 return found or OSError(text)
+            # No failure of its own: the writer failed on another rank, which reports it.
+            return OSError("the checkpoint writer failed on another rank")
         e = e.__cause__ or e.__context__
     return None
 

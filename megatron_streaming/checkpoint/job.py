@@ -122,6 +122,7 @@ class JobState:
         writer = {s.index: replica_writer(s.gname, self.sdp_rank, self.sdp_size)
                   for s in self.slots}
         out = {}
+        self._bytes = 0  # what this rank writes
 
         def add(key_prefix, tensors, global_state=False):
             for slot in self.slots:
@@ -130,6 +131,9 @@ class JobState:
                 write = writer[slot.index] and (self.worker == 0 or not global_state)
                 key = f"{key_prefix}.{slot.gname}"
                 self._prefixes.add(key_prefix)
+                if write:
+                    t = tensors[slot.index]
+                    self._bytes += t.numel() * t.element_size()
                 out[key] = sharded(key, slot, tensors[slot.index], self.tp_rank, self.tp,
                                    write)
 
@@ -198,6 +202,7 @@ class JobState:
     def rank_info(self) -> dict:
         """Small per-rank facts for the checkpoint's JSON (gathered to rank 0)."""
         info = {"rank": self.topology.rank, "worker": self.worker,
+                "bytes": getattr(self, "_bytes", 0),
                 "prefixes": sorted(self._prefixes), "shapes": self.stored_shapes(),
                 "optimizer_steps": self.optimizer_steps(),
                 "optimizer_keys": self.optimizer_keys(),
@@ -276,9 +281,14 @@ class JobState:
         return {s.gname: list(s.global_shape(self.tp)) for s in self.slots}
 
     # ---- loading -------------------------------------------------------------------------
-    def load(self, directory: str, meta: dict, plan: "resume.ResumePlan") -> None:
+    def load(self, directory: str, meta: dict, plan: "resume.ResumePlan") -> dict:
+        """Restore this rank from ``directory``; returns the seconds spent reading and
+        restoring."""
+        import time
+
         from megatron.core.dist_checkpointing import load as dist_load
 
+        started = time.perf_counter()
         stored_keys = set(meta["kinds"]["keys"])
         request, fetched = {}, {}
         shapes = meta["params"]
@@ -317,6 +327,7 @@ class JobState:
                     key, torch.empty_like(st.data), replica_id=1)
         # Loads need not cover every tensor (that is checked when saving).
         loaded = dist_load(request, directory, validate_access_integrity=False)
+        read = time.perf_counter()
 
         def value(kind_key: str, slot) -> Optional[torch.Tensor]:
             if kind_key not in loaded:
@@ -364,6 +375,7 @@ class JobState:
             for k, v in plan.loss_scaler.items():
                 if scaler is not None and hasattr(scaler, k):
                     setattr(scaler, k, v)
+        return {"read": read - started, "restore": time.perf_counter() - read}
 
     def _loaded_weights(self, per_kind, src) -> Dict[int, torch.Tensor]:
         """fp32 weights of every slot: the worker's master (or model), else theta_g."""

@@ -149,7 +149,8 @@ def plan(meta: dict, cfg, layout, rank: int, new_worker_optimizer: str) -> Resum
 
     changes = schedule_changes(meta, cfg) if builder.enabled(cfg) else []
     old_pending = meta.get("pending", [])
-    merge_now = bool(old_pending) and (bool(changes) or not builder.enabled(cfg))
+    # Without the sync on resume, the worker simply goes on from its own weights.
+    merge_now = bool(old_pending) and bool(changes)
     iteration = meta["iteration"]
     pending, nothing = {}, []
     if builder.enabled(cfg):
