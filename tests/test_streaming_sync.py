@@ -1,7 +1,6 @@
 """The sync module on one worker against hand-computed outer steps, and its report.
 """
 
-import copy
 import math
 from types import SimpleNamespace
 
