@@ -12,7 +12,8 @@ which this project does not use.
 Fix: ``CPU_Accelerator.is_fp16_supported`` returns True. Everything else about fp16 (loss
 scaling, overflow checks, master weights) stays DeepSpeed's own.
 
-Needed only when DeepSpeed's accelerator is the CPU; the GPU accelerators answer for their
+On a CPU with AVX512-FP16 or AMX-FP16 upstream already answers yes and the fix changes
+nothing. Needed only when DeepSpeed's accelerator is the CPU; the GPU accelerators answer for their
 device themselves.
 """
 

@@ -451,7 +451,11 @@ def _scenario_single_rank():
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed  # noqa: F401
 
     import patches
+    import torch
 
+    # A CPU with AVX512-FP16 or AMX-FP16 already answers yes upstream, which would hide
+    # whether deepspeed_cpu_fp16 is needed: answer as a CPU without that hardware does.
+    torch.ops.mkldnn._is_mkldnn_fp16_supported = lambda: False
     os.environ.update(MASTER_ADDR="127.0.0.1", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
     applied = patches.apply()
     before = _patched_objects()
