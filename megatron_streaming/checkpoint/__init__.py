@@ -16,9 +16,9 @@ from typing import Callable, List
 
 from ..errors import JobFailure
 from .resume import FORMAT_VERSION, CheckpointError
-from .store import (META, TRACKER, atomic_write, check_files, check_safe, check_writable,
-                    checkpoint_files, dump_meta, file_table, find_checkpoint, fsync_dir,
-                    has_checkpoint, iteration_dir, read_meta, share)
+from .store import (TRACKER, check_files, check_safe, check_writable, checkpoint_files,
+                    commit, file_table, find_checkpoint, has_checkpoint, iteration_dir,
+                    read_meta, share)
 
 __all__ = ["CheckpointError", "CheckpointWriteError", "Checkpointer", "FORMAT_VERSION",
            "TRACKER", "check_loadable", "check_writable", "find_checkpoint", "has_checkpoint",
@@ -59,11 +59,11 @@ class Checkpointer:
     returns the ranks whose flag is set (``Topology.ranks_reporting``)."""
 
     def __init__(self, rank: int, failed_ranks: Callable[[bool], List[int]],
-                 gather: Callable[[object], list], world: int = None):
+                 gather: Callable[[object], list], world: int = 1):
         self.rank = rank
         self.failed_ranks = failed_ranks
         self.gather = gather  # collective: every rank's object, in rank order
-        self.world = len(gather(None)) if world is None else world
+        self.world = world
 
     def save(self, root: str, iteration: int, state, run_state: dict) -> str:
         """Write the checkpoint, then commit on rank 0. A write that fails on any rank (disk
@@ -103,7 +103,7 @@ class Checkpointer:
             meta = {"format_version": FORMAT_VERSION, "iteration": iteration,
                     "run": run_state, **state.describe(infos),
                     "files": {k: v for t in tables for k, v in sorted(t.items())}}
-        self._agree(root, iteration, partial, (lambda: self._commit(
+        self._agree(root, iteration, partial, (lambda: commit(
             root, partial, final, meta)) if self.rank == 0 else None)
         return final
 
@@ -124,15 +124,6 @@ class Checkpointer:
         if self.rank == 0:
             shutil.rmtree(partial, ignore_errors=True)  # give back the space it took
         raise CheckpointWriteError(_write_error_message(root, iteration, failed, error))
-
-    def _commit(self, root: str, partial: str, final: str, meta: dict) -> None:
-        meta["size_bytes"] = sum(f["size"] for f in meta["files"].values())
-        atomic_write(os.path.join(partial, META), dump_meta(meta))
-        if os.path.exists(final):
-            shutil.rmtree(final)
-        os.replace(partial, final)
-        fsync_dir(root)
-        atomic_write(os.path.join(root, TRACKER), f"{meta['iteration']}\n")
 
     def verify(self, root: str, world: int) -> None:
         """Every file's SHA-256, each rank checking its share in parallel, and the pickled

@@ -156,15 +156,16 @@ class JobState:
             if pending is not None:
                 means, fragments = pending
                 tensors = self._params(self._sync_vectors(means))
+                from ..streaming.builder import fragment_plan
+
+                plan = fragment_plan(self.cfg)
                 add("outer.pending", {i: t for i, t in tensors.items()
-                                      if self._fragment_of(self.slots[i]) in fragments}, True)
-        out.update(self._rng_tensors())
+                                      if plan.fragment_of(self.slots[i].gname) in fragments},
+                    True)
+        rng = self._rng_tensors()
+        self._rng_names = sorted(k.split(".", 2)[2] for k in rng)
+        out.update(rng)
         return out
-
-    def _fragment_of(self, slot) -> int:
-        from ..streaming.builder import fragment_plan
-
-        return fragment_plan(self.cfg).fragment_of(slot.gname)
 
     def _pending_means(self):
         """Means of the exchanges in flight (waited for), per shard group, and their
@@ -206,7 +207,7 @@ class JobState:
                 "prefixes": sorted(self._prefixes), "shapes": self.stored_shapes(),
                 "optimizer_steps": self.optimizer_steps(),
                 "optimizer_keys": self.optimizer_keys(),
-                "rng": sorted(k.split(".", 2)[2] for k in self._rng_tensors())}
+                "rng": getattr(self, "_rng_names", [])}
         if self.engine.cfg.precision.fp16:
             scaler = getattr(self.engine.optimizer, "loss_scaler", None)
             if scaler is not None:

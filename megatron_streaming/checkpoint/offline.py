@@ -13,8 +13,8 @@ from typing import Dict, Optional
 import torch
 
 from .resume import FORMAT_VERSION, CheckpointError
-from .store import (META, TRACKER, atomic_write, check_files, check_safe, dump_meta,
-                    file_table, iteration_dir, resolve)
+from .store import (atomic_write, check_files, check_safe, commit, file_table, iteration_dir,
+                    resolve)
 
 
 def open_checkpoint(path: str, verify: bool = True):
@@ -131,10 +131,5 @@ def write(root: str, model_cfg, params: Dict[str, torch.Tensor], vocab_size: int
         "ranks": [{"rank": 0, "worker": 0}],
     }
     meta["files"] = file_table(partial)
-    meta["size_bytes"] = sum(f["size"] for f in meta["files"].values())
-    atomic_write(os.path.join(partial, META), dump_meta(meta))
-    if os.path.exists(directory):
-        shutil.rmtree(directory)
-    os.replace(partial, directory)
-    atomic_write(os.path.join(root, TRACKER), "0\n")
+    commit(root, partial, directory, meta)
     return directory

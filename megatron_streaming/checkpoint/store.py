@@ -202,3 +202,17 @@ def dir_size(directory: str) -> int:
 
 def dump_meta(meta: dict) -> str:
     return json.dumps(meta, indent=1, sort_keys=True)
+
+
+def commit(root: str, partial: str, final: str, meta: dict) -> None:
+    """Write ``checkpoint.json`` into ``partial`` (its ``files`` already listed), rename it to
+    ``final`` (atomic), then point the tracker at it (atomic too)."""
+    import shutil
+
+    meta["size_bytes"] = sum(f["size"] for f in meta["files"].values())
+    atomic_write(os.path.join(partial, META), dump_meta(meta))
+    if os.path.exists(final):
+        shutil.rmtree(final)
+    os.replace(partial, final)
+    fsync_dir(root)
+    atomic_write(os.path.join(root, TRACKER), f"{meta['iteration']}\n")
