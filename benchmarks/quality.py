@@ -30,6 +30,7 @@ parameters (``--eval-params global``; ``alone``: the worker's own).
 import argparse
 import hashlib
 import json
+import math
 import os
 import subprocess
 import sys
@@ -73,6 +74,11 @@ VARIANTS = {
            [*PLAIN, "--diloco-inner-steps", "1", "--diloco-quantize", "none"]),
     "h30": ("averaging every 30 steps (P=1, fp32)",
             [*PLAIN, "--diloco-inner-steps", "30", "--diloco-quantize", "none"]),
+    # The number of outer steps: 1200 / H per fragment (240 at H=5, 40 at H=30).
+    "h5": ("averaging every 5 steps (P=1, fp32)",
+           [*PLAIN, "--diloco-inner-steps", "5", "--diloco-quantize", "none"]),
+    "h5_nesterov": ("h5 + outer lr 0.7, Nesterov momentum 0.9 (the papers')",
+                    ["--diloco-inner-steps", "5", "--diloco-quantize", "none", *PAPER]),
     "h30_nesterov": ("h30 + outer lr 0.7, Nesterov momentum 0.9 (the papers')",
                      ["--diloco-inner-steps", "30", "--diloco-quantize", "none", *PAPER]),
     "h30_heavyball": ("h30 + outer lr 0.7, heavy-ball momentum 0.9",
@@ -112,6 +118,11 @@ VARIANTS = {
                                [*PLAIN_N, "--diloco-inner-steps", "30", *STREAM,
                                 "--diloco-quantize", "fp4", "--diloco-outer-lr", "0.2",
                                 "--diloco-outer-momentum", "0.9"]),
+    "p3_tau1_fp4_n0.5_lr0.5": ("p3_tau1_fp4 with outer lr 0.5, Nesterov momentum 0.5 "
+                               "(the same long-run step as plain averaging, smoothed)",
+                               [*PLAIN_N, "--diloco-inner-steps", "30", *STREAM,
+                                "--diloco-quantize", "fp4", "--diloco-outer-lr", "0.5",
+                                "--diloco-outer-momentum", "0.5"]),
     "benchmark_setting": ("the old quality benchmark's setting: P=3, tau=1, FP4, alpha 0.5, "
                           "outer 0.7 / Nesterov 0.9",
                           ["--diloco-inner-steps", "30", *STREAM, "--diloco-quantize", "fp4",
@@ -236,10 +247,17 @@ def launch(args: list[str], out: Path, records: Path, label: str) -> dict:
     run_dir = out / "runs" / key
     summary, log = run_dir / "summary.json", run_dir / "log.jsonl"
     run_dir.mkdir(parents=True, exist_ok=True)
+    if summary.exists() and json.loads(summary.read_text())["stopped_by"] is not None:
+        summary.unlink()  # a signal stopped it early (e.g. the machine went down): redo it
     if not (summary.exists() and log.exists()):  # else: finished, its record not yet written
         _train(args, run_dir, summary, log, label)
+    finished = json.loads(summary.read_text())
+    if finished["stopped_by"] is not None:
+        summary.unlink()
+        raise RuntimeError(f"{label} was stopped by {finished['stopped_by']} at iteration "
+                           f"{finished['iteration']}; run the sweep again to redo it")
     lines = [json.loads(line) for line in log.read_text().splitlines()]
-    result = {"label": label, "args": args, "summary": json.loads(summary.read_text()),
+    result = {"label": label, "args": args, "summary": finished,
               "held_out": [(x["iteration"], round(x["valid/loss"], 4)) for x in lines
                            if "valid/loss" in x],
               "train": [(x["iteration"], round(x["train/loss"], 4)) for x in lines
@@ -295,7 +313,9 @@ def run_sweep(opts, out: Path, records: Path) -> list[dict]:
         ran += fresh
         s = r["summary"]
         tokens_per_step = opts.global_batch * 128
-        row = {**job, "label": label, "key": run_key(args), "test_loss": s["test_loss"],
+        # A diverged run ends with no finite held-out loss: it ranks last, as infinity.
+        test_loss = math.inf if s["test_loss"] is None else s["test_loss"]
+        row = {**job, "label": label, "key": run_key(args), "test_loss": test_loss,
                "train_loss": s["train_loss"], "parameters": s["parameters"],
                "cross_worker_bytes": s.get("cross_worker_bytes") or 0,
                "wall_seconds": round(s["wall_seconds"], 1), "corpus_meta": meta,
@@ -303,13 +323,17 @@ def run_sweep(opts, out: Path, records: Path) -> list[dict]:
         rows.append(row)
         elapsed = time.perf_counter() - started
         eta = elapsed / ran * (len(jobs) - i) if ran else 0
-        print(f"[{i}/{len(jobs)}] {label}: held-out {row['test_loss']:.4f} "
+        print(f"[{i}/{len(jobs)}] {label}: held-out {_loss(row['test_loss'], 4)} "
               f"({'ran' if fresh else 'done before'} {time.perf_counter() - t0:.0f} s; "
               f"at most {eta / 60:.0f} min left)", flush=True)
     return rows
 
 
 # ---- report ---------------------------------------------------------------------------------
+def _loss(value: float, digits: int = 3) -> str:
+    return f"{value:.{digits}f}" if math.isfinite(value) else "diverged"
+
+
 def over_seeds(rows: list[dict]) -> list[dict]:
     """One row per (corpus, size, variant, lr): the mean held-out loss over its seeds, with
     their number and spread (max - min)."""
@@ -353,10 +377,10 @@ def tables(rows: list[dict], variants: list[str]) -> str:
         out = []
         for c in cells:
             r, dp = by.get((*c, v, dp_lr.get(c))), by.get((*c, "dp", dp_lr.get(c)))
-            out.append("-" if r is None else f"{r['test_loss']:.3f}" + (
+            out.append("-" if r is None else _loss(r["test_loss"]) + (
                 f" ±{r['spread'] / 2:.3f} ({r['seeds']} seeds)" if r["seeds"] > 1 else "") + (
                 f" ({100 * (r['test_loss'] / dp['test_loss'] - 1):+.1f} %)"
-                if dp and v != "dp" else ""))
+                if dp and v != "dp" and math.isfinite(r["test_loss"]) else ""))
         if any(x != "-" for x in out):
             lines.append(f"| {v} | {VARIANTS[v][0]} | " + " | ".join(out) + " |")
     if len(lrs) > 1:
@@ -368,9 +392,9 @@ def tables(rows: list[dict], variants: list[str]) -> str:
             out = []
             for c in cells:
                 r, dp = best.get((*c, v)), best.get((*c, "dp"))
-                out.append("-" if r is None else f"{r['test_loss']:.3f} @ {r['lr']:g}" + (
+                out.append("-" if r is None else f"{_loss(r['test_loss'])} @ {r['lr']:g}" + (
                     f" ({100 * (r['test_loss'] / dp['test_loss'] - 1):+.1f} %)"
-                    if dp and v != "dp" else ""))
+                    if dp and v != "dp" and math.isfinite(r["test_loss"]) else ""))
             if any(x != "-" for x in out):
                 lines.append(f"| {v} | {VARIANTS[v][0]} | " + " | ".join(out) + " |")
     return "\n".join(lines)
@@ -388,7 +412,7 @@ def plot(rows: list[dict], path: Path) -> None:
     for ax, cell in zip(axes[0], cells):
         finals = []
         for (c, s, v), r in sorted(best.items(), key=lambda kv: LADDER.index(kv[0][2])):
-            if (c, s) != cell or not r["curve"]:
+            if (c, s) != cell or not r["curve"] or not math.isfinite(r["test_loss"]):
                 continue
             tok, loss = zip(*r["curve"])
             ax.plot(tok, loss, marker=".", lw=1.2 if v in ("dp", "defaults") else 0.8,
