@@ -8,10 +8,11 @@ corpora and model sizes, one change at a time.
 
 Runs go one after another on the cores there are (2 ranks each: data parallel is one worker of
 two ranks with global batch B, every DiLoCo variant two workers of one rank with B/2 each).
-Each run's directory is named by a hash of its command and of the library's streaming defaults,
-so a half-done sweep resumes where it stopped (a finished run is never redone; a changed
-default reruns the variants that rely on it). Per run: ``summary.json``, ``log.jsonl``; for the
-sweep: ``quality.json`` (every run: held-out loss, gap to data parallel, bytes, curves),
+Each run is named by a hash of its command and of the resolved sync settings
+(``KEYED_SETTINGS``), so a half-done sweep resumes where it stopped: a finished run is never
+redone, and a changed library default reruns only the variants that rely on it. A finished run
+leaves a small record in ``docs/results/quality/records/`` (kept in the repository, so a sweep
+resumes from a fresh clone too), its full logs in the scratch folder. For the sweep: ``quality.json`` (every run: held-out loss, gap to data parallel, bytes, curves),
 ``quality.md`` (the tables) and ``quality.png`` (held-out loss against tokens).
 
 Corpora (training and held-out text disjoint; both built here, nothing downloaded):
@@ -36,7 +37,6 @@ import subprocess
 import sys
 import time
 import zlib
-from dataclasses import asdict
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -208,10 +208,20 @@ def corpus_flags(corpus: str, out: Path) -> tuple[list[str], dict]:
 
 
 # ---- runs -----------------------------------------------------------------------------------
-def streaming_defaults() -> dict:
-    from megatron_streaming.config import StreamingConfig
+# The settings that shape a run's math: the run key holds their resolved values, so a run that
+# relies on a library default is redone when that default changes, and no other run is.
+KEYED_SETTINGS = ("diloco_sync", "diloco_inner_steps", "diloco_fragments",
+                  "diloco_fragment_pattern", "diloco_overlap_steps", "diloco_alpha",
+                  "diloco_outer_lr", "diloco_outer_momentum", "diloco_nesterov",
+                  "diloco_quantize", "diloco_quant_block", "diloco_error_feedback",
+                  "co2_gap_penalty", "co2_clip_threshold")
 
-    return asdict(StreamingConfig())
+
+def resolved_settings(args: list[str]) -> dict:
+    from megatron_streaming.arguments import parse_args
+
+    streaming = parse_args(args).streaming
+    return {name: getattr(streaming, name) for name in KEYED_SETTINGS}
 
 
 def run_flags(variant: str, opts, lr: float) -> tuple[list[str], int]:
@@ -233,7 +243,7 @@ def run_flags(variant: str, opts, lr: float) -> tuple[list[str], int]:
 
 
 def run_key(args: list[str]) -> str:
-    return hashlib.sha1(json.dumps([args, streaming_defaults()]).encode()).hexdigest()[:12]
+    return hashlib.sha1(json.dumps([args, resolved_settings(args)]).encode()).hexdigest()[:12]
 
 
 def launch(args: list[str], out: Path, records: Path, label: str) -> dict:
@@ -446,7 +456,7 @@ def main():
     ap.add_argument("--out", default=str(REPO / "runs" / "quality"),
                     help="scratch: corpora, data caches, full logs")
     ap.add_argument("--results", default=str(REPO / "docs" / "results" / "quality"),
-                    help="one record per finished run (runs/KEY.json), quality.json/.md/.png")
+                    help="one record per finished run (records/KEY.json), quality.json/.md/.png")
     ap.add_argument("--report", action="store_true",
                     help="only tabulate the runs already finished")
     ap.add_argument("--list", action="store_true", help="print the variants and exit")
@@ -458,7 +468,7 @@ def main():
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
     results = Path(opts.results)
-    rows = run_sweep(opts, out, results / "runs")
+    rows = run_sweep(opts, out, results / "records")
     if not rows:
         raise SystemExit("no finished runs")
     (results / "quality.json").write_text(json.dumps(
