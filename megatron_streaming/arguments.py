@@ -208,6 +208,9 @@ def validate(cfg: Config, world_size: int) -> None:
     _validate_zero(cfg, pp)
     _validate_precision(cfg)
     _validate_schedules(cfg, dp)
+    from .streaming import rule
+
+    cfg.warnings = rule.warnings(cfg.streaming, cfg.training.train_iters)
     _validate_batches(cfg, dp)
     _require(o.lr >= 0 and o.min_lr >= 0, f"--lr ({o.lr}) and --min-lr ({o.min_lr}) must be "
              ">= 0")

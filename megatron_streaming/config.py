@@ -222,8 +222,10 @@ class StreamingConfig:
         0, "tau: inner steps that overlap a fragment's exchange before its merge (< H/P).")
     diloco_alpha: float = arg(
         0.0, "Merge: local = alpha * local + (1 - alpha) * global (0 = replace).")
-    diloco_outer_lr: float = arg(0.7, "Outer SGD learning rate.")
-    diloco_outer_momentum: float = arg(0.9, "Outer SGD momentum.")
+    diloco_outer_lr: float = arg(
+        1.0, "Outer SGD learning rate (1 with no momentum: the global parameters become the "
+        "workers' mean; the papers' 0.7 / 0.9 needs hundreds of outer steps, docs/RESULTS.md).")
+    diloco_outer_momentum: float = arg(0.0, "Outer SGD momentum.")
     diloco_nesterov: bool = arg(True, "Nesterov outer momentum.")
     diloco_quantize: str = arg("fp4", "Outer-gradient wire format.",
                                choices=["none", "bf16", "int8", "fp4"])
@@ -398,9 +400,11 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     # Megatron flags that were accepted or mapped (``megatron_flags``), logged once per job
-    # at start-up; and what validation switched off where Megatron is lenient, warned once.
+    # at start-up; what validation switched off where Megatron is lenient, warned once; and
+    # settings the quality benchmark found harmful (``streaming/rule.py``), warned once.
     notes: List[str] = field(default_factory=list, metadata={"section": False})
     adjustments: List[str] = field(default_factory=list, metadata={"section": False})
+    warnings: List[str] = field(default_factory=list, metadata={"section": False})
 
     def sections(self):
         return [(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)

@@ -98,8 +98,9 @@ class Run:
         setup_logging(self.topology.is_logging_rank())
         for note in cfg.notes:
             log.info("flag %s", note)
-        for adjustment in cfg.adjustments:
-            log.warning("%s", adjustment)
+        if self.topology.is_logging_rank():  # the same on every rank: said once per job
+            for line in (*cfg.adjustments, *cfg.warnings):
+                log.warning("%s", line)
         log.info("layout: %s; patches: %s", self.topology.describe(),
                  ", ".join(self.patches) or "none")
 

@@ -109,12 +109,13 @@ RESUMES = {
          "--diloco-alpha", "0.5"],
         6, ["--diloco-inner-steps", "4", "--diloco-fragments", "2", "--diloco-workers", "3",
             "--diloco-alpha", "0.5"], 2, 3),
-    # M 3 -> 2, same schedule: the exchange stays in flight and merges after step 7.
-    "workers_3_to_2": (
+    # M 3 -> 2, same schedule: the exchange stays in flight and merges after step 7, under
+    # another outer lr and momentum (the momentum buffer carries over).
+    "workers_3_to_2_outer_optimizer": (
         ["--diloco-inner-steps", "4", "--diloco-fragments", "2", "--diloco-overlap-steps", "1",
          "--diloco-workers", "3"],
         6, ["--diloco-inner-steps", "4", "--diloco-fragments", "2", "--diloco-overlap-steps",
-            "1"], 3, 2),
+            "1", "--diloco-outer-lr", "0.5", "--diloco-outer-momentum", "0.8"], 3, 2),
 }
 
 
@@ -127,7 +128,10 @@ def test_resume_under_other_sync_flags_matches_the_reference(name, tmp_path):
     (tmp_path / "first").mkdir()
     distributed(n1, [*args1, "--save", str(ckpt), "--save-interval", str(at),
                      "--exit-interval", str(at)], tmp_path / "first")
-    distributed(n2, [*args2, "--load", str(ckpt)], tmp_path)
+    out = distributed(n2, [*args2, "--load", str(ckpt)], tmp_path)
+    if "--diloco-outer-lr" in second:
+        assert ("outer optimizer changed on resume (--diloco-outer-lr 0.7 -> 0.5, "
+                "--diloco-outer-momentum 0.9 -> 0.8)") in out.stderr
     ref = _reference(args1, tmp_path, n1, at, args2, n2)
     _compare(tmp_path, ref, n2)
 

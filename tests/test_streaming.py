@@ -22,7 +22,10 @@ from harness import NO_DROPOUT, REPO, env, run
 BASE = [*NO_DROPOUT, "--mock-data", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
         "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "12",
         "--lr", "1e-3", "--clip-grad", "0.5", "--eval-iters", "0", "--diloco-workers", "2",
-        "--diloco-quantize", "none", "--disable-bias-linear"]
+        "--diloco-quantize", "none", "--disable-bias-linear",
+        # The papers' outer optimizer (no longer the default): the exactness tests keep
+        # covering the momentum path.
+        "--diloco-outer-lr", "0.7", "--diloco-outer-momentum", "0.9"]
 
 
 def distributed(nproc, args, out, extra_env=None, check=True, timeout=300):

@@ -166,6 +166,16 @@ def plan(meta: dict, cfg, layout, rank: int, new_worker_optimizer: str) -> Resum
         notes.append("sync schedule changed on resume (" + ", ".join(
             f"{flag} {old} -> {new}" for flag, old, new in changes) + ")"
             + ("; the exchange in flight was merged at load" if merge_now else ""))
+    outer = [(flag, meta["streaming"].get(key), new) for flag, key, new in (
+        ("--diloco-outer-lr", "outer_lr", cfg.streaming.diloco_outer_lr),
+        ("--diloco-outer-momentum", "outer_momentum", cfg.streaming.diloco_outer_momentum),
+        ("--diloco-alpha", "alpha", cfg.streaming.diloco_alpha))]
+    outer = [c for c in outer if c[1] is not None and c[1] != c[2]]
+    if outer and builder.enabled(cfg):
+        # Typed on purpose, or a changed default (earlier checkpoints: 0.7 / 0.9): say so.
+        notes.append("outer optimizer changed on resume (" + ", ".join(
+            f"{flag} {old} -> {new}" for flag, old, new in outer) + "); the outer momentum "
+            "buffer carries over; pass the checkpoint's values to keep them")
     mine = ranks.get(rank) if same_layout else None
     pending_stats = {int(k): v for k, v in (mine or {}).get("pending", {}).items()}
     if mine is not None:

@@ -2,7 +2,8 @@
 
 DiLoCo's outer step treats the averaged ``theta_g - theta_local`` as a gradient for the global
 parameters and applies SGD with (Nesterov) momentum (DiLoCo, arXiv 2311.08105; Streaming
-DiLoCo, arXiv 2501.18512: lr 0.7, momentum 0.9). CO2 (arXiv 2401.16265) adds a
+DiLoCo, arXiv 2501.18512: lr 0.7, momentum 0.9, tuned with hundreds of outer steps). The
+default is lr 1 without momentum, plain averaging: ``rule.py`` says why. CO2 (arXiv 2401.16265) adds a
 staleness-gap penalty lambda (the gradient is divided by it) and an element-wise clamp of the
 momentum to [-phi, phi]; unlike CO2's released code, the clamp here is kept.
 """
@@ -16,8 +17,8 @@ import torch
 
 @dataclass(frozen=True)
 class OuterOptimizer:
-    lr: float = 0.7
-    momentum: float = 0.9
+    lr: float = 1.0
+    momentum: float = 0.0
     nesterov: bool = True
     gap_penalty: float = 1.0     # CO2 lambda; 1 = off
     clip_threshold: float = 0.0  # CO2 phi; 0 = off

@@ -1,0 +1,110 @@
+"""Choosing the outer optimizer and the sync schedule from what the quality benchmark measured
+(``benchmarks/quality.py``; docs/RESULTS.md, "Quality on held-out text"), and the start-up
+warnings for settings where it found syncing harmful.
+
+Two quantities decide it:
+
+* ``outer_steps``: how many outer steps each fragment takes in the run, train_iters / H. The
+  papers tune at hundreds to thousands; a 1200-step run at H=30 has 40.
+* ``effective_outer_lr``: the step that momentum builds up for an outer gradient that keeps its
+  direction, lr / (1 - momentum), for Nesterov and heavy ball alike. Plain averaging is 1 (the
+  global parameters move to the workers' mean); the papers' 0.7 / 0.9 is 7.
+
+Measured (1.5M and 6.6M GPTs, two corpora, 1200 steps, two workers): plain averaging is never
+worse than a worker alone, while an effective outer lr of 7 with tens of outer steps is worse
+than not syncing at all; averaging more often (smaller H) is better; fragments, overlap tau=1
+and FP4 cost nothing measurable; the merge's alpha > 0 costs loss under plain averaging.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+# Effective outer lr above which the benchmark found the outer momentum harmful, and the number
+# of outer steps per fragment below which it did (at or above it, no measurement says either
+# way; the papers' setting was tuned there).
+SAFE_EFFECTIVE_LR = 1.5
+FEW_OUTER_STEPS = 300
+# Outer steps per fragment the benchmark's H=30 runs had (1200 / 30); fewer, untested.
+MIN_OUTER_STEPS = 40
+
+
+def effective_outer_lr(lr: float, momentum: float) -> float:
+    return lr / (1.0 - momentum)
+
+
+def outer_steps(train_iters: Optional[int], inner_steps: int) -> Optional[int]:
+    """Outer steps each fragment takes over the run (None: the run's length is unknown)."""
+    return None if not train_iters else train_iters // inner_steps
+
+
+@dataclass(frozen=True)
+class Advice:
+    """Sync settings for a run, with the reason for each."""
+
+    inner_steps: int
+    fragments: int
+    overlap_steps: int
+    outer_lr: float
+    outer_momentum: float
+    alpha: float
+    quantize: str
+    reasons: List[str] = field(default_factory=list)
+
+    def flags(self) -> List[str]:
+        return ["--diloco-inner-steps", str(self.inner_steps),
+                "--diloco-fragments", str(self.fragments),
+                "--diloco-overlap-steps", str(self.overlap_steps),
+                "--diloco-outer-lr", f"{self.outer_lr:g}",
+                "--diloco-outer-momentum", f"{self.outer_momentum:g}",
+                "--diloco-alpha", f"{self.alpha:g}", "--diloco-quantize", self.quantize]
+
+
+def advise(train_iters: int, num_layers: int, max_inner_steps: Optional[int] = None) -> Advice:
+    """The settings the benchmark supports for a run of ``train_iters`` steps.
+
+    ``max_inner_steps``: the largest H the link allows (the bytes of one outer gradient per
+    fragment must cross within H/P inner steps; the planner works it out). Quality wants H as
+    small as the link allows: loss grows with H at a fixed number of steps."""
+    reasons = []
+    h = max_inner_steps or 100
+    if train_iters // h < MIN_OUTER_STEPS:
+        h = max(1, train_iters // MIN_OUTER_STEPS)
+        reasons.append(f"H={h}: at least {MIN_OUTER_STEPS} outer steps per fragment over "
+                       f"{train_iters} steps (fewer were not measured)")
+    else:
+        reasons.append(f"H={h}: the largest the link allows (smaller H, lower loss)")
+    fragments = next(p for p in (3, 2, 1)
+                     if p == 1 or (num_layers % p == 0 and h % p == 0 and h // p > 1))
+    overlap = 1 if h // fragments > 1 else 0
+    reasons.append(f"P={fragments}, tau={overlap}, FP4: no measurable loss, 1/P of the peak "
+                   "bandwidth, the exchange hidden behind one step")
+    reasons.append("outer lr 1, no momentum, alpha 0 (plain averaging): never worse than a "
+                   "worker alone in any measured cell; outer momentum pays only with many "
+                   "outer steps")
+    return Advice(h, fragments, overlap, 1.0, 0.0, 0.0, "fp4", reasons)
+
+
+def warnings(s, train_iters: Optional[int]) -> List[str]:
+    """One line per setting where the benchmark found syncing harmful; ``s`` is the
+    StreamingConfig. Empty when the sync is off."""
+    if not s.diloco_sync or s.diloco_workers < 2:
+        return []
+    out = []
+    n = outer_steps(train_iters, s.diloco_inner_steps)
+    eff = effective_outer_lr(s.diloco_outer_lr, s.diloco_outer_momentum)
+    if eff > SAFE_EFFECTIVE_LR and (n is None or n < FEW_OUTER_STEPS):
+        where = f"{n} outer steps per fragment" if n is not None else "an unknown run length"
+        out.append(
+            f"--diloco-outer-lr {s.diloco_outer_lr:g} with --diloco-outer-momentum "
+            f"{s.diloco_outer_momentum:g} moves the global parameters up to {eff:.1f}x the "
+            f"workers' mean change; with {where} (--train-iters / --diloco-inner-steps) the "
+            "quality benchmark found such settings worse than not syncing at all "
+            "(docs/RESULTS.md); outer lr 1 and momentum 0 (the defaults) were never worse")
+    if s.diloco_alpha > 0:
+        out.append(
+            f"--diloco-alpha {s.diloco_alpha:g}: keeping part of the local parameters at the "
+            "merge cost held-out loss in the quality benchmark (docs/RESULTS.md); 0 (the "
+            "default) replaces them with the global ones")
+    return out

@@ -1,0 +1,68 @@
+"""The outer-optimizer rule (streaming/rule.py): its warnings fire where the quality benchmark
+found syncing harmful and nowhere else, its advice parses, and a run warns once per job."""
+
+import pytest
+
+from harness import TINY, run
+from megatron_streaming.arguments import parse_args
+from megatron_streaming.streaming import rule
+
+RUN = ["--mock-data", "--diloco-workers", "2", "--diloco-inner-steps", "30",
+       "--diloco-fragments", "3", "--diloco-overlap-steps", "1", "--train-iters", "1200"]
+PAPERS = ["--diloco-outer-lr", "0.7", "--diloco-outer-momentum", "0.9"]
+
+
+def _warnings(*flags):
+    cfg = parse_args([*RUN, *flags])
+    return rule.warnings(cfg.streaming, cfg.training.train_iters)
+
+
+def test_the_defaults_draw_no_warning_and_are_plain_averaging():
+    s = parse_args(RUN).streaming
+    assert (s.diloco_outer_lr, s.diloco_outer_momentum, s.diloco_alpha) == (1.0, 0.0, 0.0)
+    assert rule.effective_outer_lr(s.diloco_outer_lr, s.diloco_outer_momentum) == 1.0
+    assert _warnings() == []
+    # Neither does a smoothed step of the same size, nor the sync switched off.
+    assert _warnings("--diloco-outer-lr", "0.5", "--diloco-outer-momentum", "0.5") == []
+    assert _warnings(*PAPERS, "--no-diloco-sync") == []
+
+
+def test_the_papers_momentum_warns_with_few_outer_steps_only():
+    (line,) = _warnings(*PAPERS)
+    assert line.startswith("--diloco-outer-lr 0.7 with --diloco-outer-momentum 0.9 ")
+    assert "7.0x" in line and "40 outer steps per fragment" in line
+    # Heavy ball builds up the same step.
+    assert len(_warnings(*PAPERS, "--no-diloco-nesterov")) == 1
+    # With many outer steps (where the papers tuned it) no measurement says it hurts.
+    assert _warnings(*PAPERS, "--train-iters", "30000") == []
+    assert rule.outer_steps(30000, 30) == 1000 and rule.outer_steps(None, 30) is None
+
+
+def test_alpha_above_zero_warns():
+    (line,) = _warnings("--diloco-alpha", "0.5")
+    assert line.startswith("--diloco-alpha 0.5:")
+
+
+@pytest.mark.parametrize("iters,layers,link_h,expect", [
+    (1200, 6, 30, (30, 3, 1)),     # the quality benchmark's streaming setting
+    (1200, 6, None, (30, 3, 1)),   # H=100 would leave 12 outer steps: capped at 40 of them
+    (100000, 24, 100, (100, 2, 1)),  # H % P == 0
+    (40, 2, None, (1, 1, 0)),      # so short that only every-step averaging keeps 40
+])
+def test_advice_keeps_enough_outer_steps_and_parses(iters, layers, link_h, expect):
+    a = rule.advise(iters, layers, link_h)
+    assert (a.inner_steps, a.fragments, a.overlap_steps) == expect
+    assert (a.outer_lr, a.outer_momentum, a.alpha, a.quantize) == (1.0, 0.0, 0.0, "fp4")
+    cfg = parse_args(["--mock-data", "--diloco-workers", "2", "--num-layers", str(layers),
+                      "--train-iters", str(iters), *a.flags()])
+    assert rule.warnings(cfg.streaming, iters) == []
+    assert len(a.reasons) == 3
+
+
+@pytest.mark.timeout(300)
+def test_a_run_warns_once_per_job():
+    out = run(2, [*TINY, "--train-iters", "2", "--eval-iters", "0", "--diloco-workers", "2",
+                  "--diloco-inner-steps", "1", "--diloco-alpha", "0.5", *PAPERS])
+    text = out.stdout + out.stderr
+    assert text.count("--diloco-outer-lr 0.7 with --diloco-outer-momentum 0.9") == 1, text[-3000:]
+    assert text.count("--diloco-alpha 0.5:") == 1
