@@ -218,10 +218,14 @@ KEYED_SETTINGS = ("diloco_sync", "diloco_inner_steps", "diloco_fragments",
 
 
 def resolved_settings(args: list[str]) -> dict:
+    """The sync settings of a run (none where it does not sync: data parallel, ``alone``)."""
     from megatron_streaming.arguments import parse_args
+    from megatron_streaming.streaming.builder import enabled
 
-    streaming = parse_args(args).streaming
-    return {name: getattr(streaming, name) for name in KEYED_SETTINGS}
+    cfg = parse_args(args)
+    if not enabled(cfg):
+        return {}
+    return {name: getattr(cfg.streaming, name) for name in KEYED_SETTINGS}
 
 
 def run_flags(variant: str, opts, lr: float) -> tuple[list[str], int]:
@@ -302,12 +306,11 @@ def plan(opts) -> list[dict]:
     return jobs
 
 
-def run_sweep(opts, out: Path, records: Path) -> list[dict]:
+def run_sweep(opts, out: Path, records: Path) -> None:
     jobs = plan(opts)
-    rows, started = [], time.perf_counter()
-    ran = 0
+    started, ran = time.perf_counter(), 0
     for i, job in enumerate(jobs, 1):
-        data, meta = corpus_flags(job["corpus"], out)
+        data, _ = corpus_flags(job["corpus"], out)
         flags, _ = run_flags(job["variant"], opts, job["lr"])
         # COMMON has --seed 1; another seed is appended (the last flag wins), so the keys of
         # the seed-1 runs stay as they were.
@@ -317,25 +320,40 @@ def run_sweep(opts, out: Path, records: Path) -> list[dict]:
                  f"/seed{job['seed']}")
         t0 = time.perf_counter()
         fresh = not (records / f"{run_key(args)}.json").exists()
-        if opts.report and fresh:
-            continue
         r = launch(args, out, records, label)
         ran += fresh
-        s = r["summary"]
-        tokens_per_step = opts.global_batch * 128
-        # A diverged run ends with no finite held-out loss: it ranks last, as infinity.
-        test_loss = math.inf if s["test_loss"] is None else s["test_loss"]
-        row = {**job, "label": label, "key": run_key(args), "test_loss": test_loss,
-               "train_loss": s["train_loss"], "parameters": s["parameters"],
-               "cross_worker_bytes": s.get("cross_worker_bytes") or 0,
-               "wall_seconds": round(s["wall_seconds"], 1), "corpus_meta": meta,
-               "curve": [(it * tokens_per_step, loss) for it, loss in r["held_out"]]}
-        rows.append(row)
+        row = _row(job, run_key(args), r, opts.global_batch)
         elapsed = time.perf_counter() - started
         eta = elapsed / ran * (len(jobs) - i) if ran else 0
         print(f"[{i}/{len(jobs)}] {label}: held-out {_loss(row['test_loss'], 4)} "
               f"({'ran' if fresh else 'done before'} {time.perf_counter() - t0:.0f} s; "
               f"at most {eta / 60:.0f} min left)", flush=True)
+
+
+def _row(job: dict, key: str, record: dict, global_batch: int) -> dict:
+    s = record["summary"]
+    # A diverged run ends with no finite held-out loss: it ranks last, as infinity.
+    test_loss = math.inf if s["test_loss"] is None else s["test_loss"]
+    return {**job, "label": record["label"], "key": key, "test_loss": test_loss,
+            "train_loss": s["train_loss"], "parameters": s["parameters"],
+            "cross_worker_bytes": s.get("cross_worker_bytes") or 0,
+            "wall_seconds": round(s["wall_seconds"], 1),
+            "curve": [(it * global_batch * 128, loss) for it, loss in record["held_out"]]}
+
+
+def recorded_rows(records: Path, global_batch: int) -> list[dict]:
+    """Every finished run's row, from its record (its label names corpus/size/variant/lr/seed),
+    so the report covers all runs so far, whichever command ran them."""
+    rows = []
+    for path in sorted(records.glob("*.json")):
+        record = json.loads(path.read_text())
+        corpus, size, variant, lr, seed = record["label"].split("/")
+        # A record whose key no longer matches its command ran under a library default that
+        # has changed since (e.g. the ``defaults`` variant): history, not today's result.
+        if variant in VARIANTS and run_key(record["args"]) == path.stem:
+            job = {"corpus": corpus, "size": size, "variant": variant,
+                   "lr": float(lr.removeprefix("lr")), "seed": int(seed.removeprefix("seed"))}
+            rows.append(_row(job, path.stem, record, global_batch))
     return rows
 
 
@@ -458,7 +476,7 @@ def main():
     ap.add_argument("--results", default=str(REPO / "docs" / "results" / "quality"),
                     help="one record per finished run (records/KEY.json), quality.json/.md/.png")
     ap.add_argument("--report", action="store_true",
-                    help="only tabulate the runs already finished")
+                    help="run nothing: tabulate every recorded run")
     ap.add_argument("--list", action="store_true", help="print the variants and exit")
     opts = ap.parse_args()
     if opts.list:
@@ -468,15 +486,19 @@ def main():
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
     results = Path(opts.results)
-    rows = run_sweep(opts, out, results / "records")
+    if not opts.report:
+        run_sweep(opts, out, results / "records")
+    rows = recorded_rows(results / "records", opts.global_batch)
     if not rows:
         raise SystemExit("no finished runs")
+    corpora = {d.name: json.loads((d / "meta.json").read_text())
+               for d in sorted((out / "data").glob("*")) if (d / "meta.json").exists()}
     (results / "quality.json").write_text(json.dumps(
         {"command": " ".join([Path(sys.executable).name, *sys.argv]),
-         "common_flags": COMMON, "sizes": SIZES, "runs": rows}, indent=1))
-    (results / "quality.md").write_text(tables(rows, opts.variants) + "\n")
+         "common_flags": COMMON, "sizes": SIZES, "corpora": corpora, "runs": rows}, indent=1))
+    (results / "quality.md").write_text(tables(rows, LADDER) + "\n")
     plot(rows, results / "quality.png")
-    print(tables(rows, opts.variants))
+    print(tables(rows, LADDER))
 
 
 if __name__ == "__main__":

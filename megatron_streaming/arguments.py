@@ -210,7 +210,7 @@ def validate(cfg: Config, world_size: int) -> None:
     _validate_schedules(cfg, dp)
     from .streaming import rule
 
-    cfg.warnings = rule.warnings(cfg.streaming, cfg.training.train_iters)
+    cfg.warnings = rule.warnings(cfg.streaming, cfg.optimizer.lr)
     _validate_batches(cfg, dp)
     _require(o.lr >= 0 and o.min_lr >= 0, f"--lr ({o.lr}) and --min-lr ({o.min_lr}) must be "
              ">= 0")

@@ -1,6 +1,7 @@
 """benchmarks/quality.py without training: its corpora keep training and held-out text apart,
 every variant's flags parse, and its tables give each gap against the right baseline."""
 
+import json
 import sys
 
 import pytest
@@ -53,3 +54,28 @@ def test_tables_compare_with_data_parallel_at_its_best_lr_and_average_seeds():
     assert "code small (lr 0.002)" in at_dp_best
     assert "2.300 ±0.100 (2 seeds) (+15.0 %)" in at_dp_best
     assert "2.100 @ 0.001 (+5.0 %)" in own_best
+
+
+def test_the_report_reads_every_record_and_skips_those_of_changed_defaults(tmp_path):
+    class Opts:
+        global_batch, steps, eval_interval, eval_samples = 16, 1200, 100, 256
+
+    def record(variant, key=None):
+        args = [*quality.COMMON, *quality.SIZES["small"], "--mock-data",
+                *quality.run_flags(variant, Opts, 2e-3)[0]]
+        r = {"label": f"code/small/{variant}/lr0.002/seed1", "args": args,
+             "summary": {"test_loss": 2.5, "train_loss": 2.4, "parameters": 1,
+                         "cross_worker_bytes": 0, "wall_seconds": 1.0},
+             "held_out": [(100, 3.0), (1200, 2.5)], "train": []}
+        (tmp_path / f"{key or quality.run_key(args)}.json").write_text(json.dumps(r))
+
+    record("dp")
+    record("defaults")
+    record("defaults", key="0123456789ab")  # ran under other library defaults
+    rows = quality.recorded_rows(tmp_path, 16)
+    assert sorted((r["variant"], r["lr"], r["seed"]) for r in rows) == [
+        ("defaults", 2e-3, 1), ("dp", 2e-3, 1)]
+    assert rows[0]["curve"] == [(100 * 16 * 128, 3.0), (1200 * 16 * 128, 2.5)]
+    # Data parallel and a worker alone do not sync: no library default is in their key.
+    dp = [*quality.COMMON, "--mock-data", *quality.run_flags("dp", Opts, 2e-3)[0]]
+    assert quality.resolved_settings(dp) == {}
