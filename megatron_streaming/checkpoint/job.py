@@ -146,13 +146,16 @@ class JobState:
                                                   for i in range(len(self.spaces))]))
         if self.sync is not None:
             s = self.sync
+            # First wait for the exchanges in flight: the transport's thread updates the
+            # error-feedback residual while it encodes, so reading it before would save the
+            # value of a moment chosen by the thread scheduler.
+            pending = self._pending_means()
             add("outer.theta_g", self._params(self._sync_vectors(s.theta_g)), True)
             add("outer.momentum", self._params(self._sync_vectors(s.momentum)), True)
             if any(f is not None for f in s.feedback):
                 add(f"{w}.outer.residual", self._params(self._sync_vectors(
                     [f.residual[:g.numel] if f is not None else torch.zeros(g.numel)
                      for f, g in zip(s.feedback, s.groups)])))
-            pending = self._pending_means()
             if pending is not None:
                 means, fragments = pending
                 tensors = self._params(self._sync_vectors(means))
