@@ -32,13 +32,32 @@ def env(extra: Optional[dict] = None) -> dict:
     return e
 
 
+_PORTS_GIVEN: set = set()
+
+
 def free_port() -> int:
-    """A TCP port free on the loopback right now (for a rendezvous or a daemon)."""
+    """A TCP port free on the loopback right now (for a rendezvous or a daemon).
+
+    Drawn below the kernel's ephemeral range (32768 and up by default): a port the kernel
+    hands out (``bind(0)``) can be taken again, before the caller listens on it, by any
+    outgoing or gloo socket of a worker started meanwhile; one below the range is only ever
+    taken by an explicit bind. Never the same port twice in one test process."""
+    import random
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    rng = random.Random()
+    for _ in range(1000):
+        port = rng.randrange(20000, 32000)
+        if port in _PORTS_GIVEN:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _PORTS_GIVEN.add(port)
+        return port
+    raise RuntimeError("no free TCP port in 20000-32000 on the loopback")
 
 
 def command(nproc: int, args, script: str = "pretrain_gpt.py") -> list:
