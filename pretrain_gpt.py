@@ -21,7 +21,7 @@ def _stop_children() -> None:
         child.terminate()
 
 
-def main(argv=None) -> int:
+def main(argv=None, extensions=()) -> int:
     from megatron_streaming import quiet
 
     quiet.install()  # before deepspeed and megatron are imported: they warn on import
@@ -30,7 +30,7 @@ def main(argv=None) -> int:
     from megatron_streaming.train import pretrain
 
     try:
-        pretrain(parse_args(argv))
+        pretrain(parse_args(argv), extensions)
     except UsageError as e:  # bad input: a line per problem; bugs keep their traceback
         for line in str(e).splitlines():
             print(f"pretrain_gpt.py: error: {line}", file=sys.stderr, flush=True)
@@ -45,9 +45,11 @@ def main(argv=None) -> int:
     return 0
 
 
-if __name__ == "__main__":
+def entry(extensions=()) -> None:
+    """The command: ``main`` with the process's exit status. ``extensions``: step hooks,
+    see ``megatron_streaming.train.Run`` (a drill's fault injection, for one)."""
     try:
-        code = main()
+        code = main(extensions=extensions)
     except Exception:  # a bug: its traceback, then out, without waiting for busy threads
         traceback.print_exc()
         sys.stderr.flush()
@@ -55,3 +57,7 @@ if __name__ == "__main__":
         _stop_children()
         os._exit(1)
     sys.exit(code)
+
+
+if __name__ == "__main__":
+    entry()

@@ -211,15 +211,12 @@ def make_batches(cfg, vocab_size: int, rank: int) -> list:
 
 def ours_step(run, batches: list) -> tuple:
     """One iteration of ``Run.train``'s loop, without the progress report."""
-    from megatron_streaming import faults
-
     started = time.perf_counter()
     result = run.engine.train_step(iter(batches), run.iteration)
     step_s = time.perf_counter() - started
     run.step_seconds.append(step_s)
     run.iteration += 1
     run.liveness.iteration = run.iteration
-    faults.after_step(run.topology.worker, run.iteration)
     run.stop.should_stop()
     return result, step_s
 

@@ -50,29 +50,53 @@ def backend_for(requested: str) -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def init_distributed(backend: str, timeout_minutes: float) -> tuple:
-    """Initialise the default process group once; returns (rank, world_size)."""
+def is_initialized() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_initialized()
+
+
+def rendezvous_store(timeout_minutes: float):
+    """The job's TCPStore, before any process group: global rank 0 hosts it at
+    MASTER_ADDR:MASTER_PORT, every other rank connects. The workers meet here first (the
+    door, ``megatron_streaming.door``); ``init_distributed`` then builds the default group on
+    it. A lone process (no launcher) picks a free port, retrying if it was taken meanwhile."""
+    import torch.distributed as dist
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    lone = "MASTER_PORT" not in os.environ  # a lone process, started without a launcher
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    # Under torchrun the agent already hosts the store on MASTER_PORT (as torch's own env://
+    # rendezvous does, join it then rather than fail to bind).
+    hosts = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    for attempt in range(5 if lone else 1):
+        if lone:
+            os.environ["MASTER_PORT"] = str(_free_port())
+        try:
+            return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                 world, is_master=hosts, wait_for_workers=False,
+                                 timeout=datetime.timedelta(minutes=timeout_minutes))
+        except dist.DistNetworkError as err:
+            if not lone or "EADDRINUSE" not in str(err) or attempt == 4:
+                raise
+
+
+def init_distributed(backend: str, timeout_minutes: float, store=None) -> tuple:
+    """Initialise the default process group once (on ``store``, else on a new
+    ``rendezvous_store``); returns (rank, world_size)."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        lone = "MASTER_PORT" not in os.environ  # a lone process, started without a launcher
-        os.environ.setdefault("RANK", "0")
-        os.environ.setdefault("WORLD_SIZE", "1")
-        os.environ.setdefault("LOCAL_RANK", "0")
+        store = store if store is not None else rendezvous_store(timeout_minutes)
         backend = backend_for(backend)
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        for attempt in range(5 if lone else 1):
-            if lone:  # a port free a moment ago may be taken by the time we listen: retry
-                os.environ["MASTER_PORT"] = str(_free_port())
-            try:
-                dist.init_process_group(backend=backend,
-                                        timeout=datetime.timedelta(minutes=timeout_minutes))
-                break
-            except dist.DistNetworkError as err:
-                if not lone or "EADDRINUSE" not in str(err) or attempt == 4:
-                    raise
+        dist.init_process_group(backend=backend, store=store, rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]),
+                                timeout=datetime.timedelta(minutes=timeout_minutes))
     # DeepSpeed wraps the existing default group instead of creating its own.
     import deepspeed
 

@@ -20,8 +20,11 @@ log = logging.getLogger("megatron_streaming")
 class Run:
     """The objects of one rank's run, built once by ``setup``."""
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, extensions=()):
         self.cfg = cfg
+        # Callables run -> step hook (an object with before_step(step) and after_step()),
+        # appended to the engine's after the sync's: drills and tests inject faults this way.
+        self.extensions = list(extensions)
         self.start_time = time.perf_counter()
 
     def setup(self) -> "Run":
@@ -33,6 +36,8 @@ class Run:
         self._start_processes()
         self._build_model()
         self._build_engine_and_sync()
+        for make in self.extensions:
+            self.engine.step_hooks.append(make(self))
         self.iteration = 0
         self.last_valid = (None, None)  # (iteration, loss) of the latest evaluation
         self.last_saved = None  # iteration of the latest checkpoint this run wrote
@@ -83,8 +88,20 @@ class Run:
         self.tokenizer = load_run_tokenizer(cfg)
         self.resume = self._resume_source(layout)
         self.patches = patches.apply()
+        self.door_bytes = 0
+        store = None
+        if not distributed.is_initialized():  # else embedded: the world exists already
+            from .door import Door, fingerprint
+
+            store = distributed.rendezvous_store(p.distributed_timeout_minutes)
+            rank = int(os.environ["RANK"])
+            coords = layout.coords(rank)
+            door = Door(store, coords["worker"], layout.workers, coords["local"],
+                        datetime.timedelta(minutes=p.distributed_timeout_minutes))
+            door.agree(fingerprint(cfg, layout, self.tokenizer))
+            self.door_bytes = door.bytes
         rank, _ = distributed.init_distributed(p.distributed_backend,
-                                               p.distributed_timeout_minutes)
+                                               p.distributed_timeout_minutes, store)
         distributed.cpu_threads()
         self.topology = Topology.create(
             layout, rank, timeout=datetime.timedelta(minutes=p.distributed_timeout_minutes),
@@ -180,7 +197,6 @@ class Run:
 
     # ---- training -----------------------------------------------------------------------
     def train(self) -> Optional[float]:
-        from . import faults
         from .metrics import Throughput, progress_line
 
         cfg, t = self.cfg, self.cfg.training
@@ -193,7 +209,6 @@ class Run:
             self.step_seconds.append(time.perf_counter() - started)
             self.iteration += 1
             self.liveness.iteration = self.iteration
-            faults.after_step(self.topology.worker, self.iteration)
             loss = result.loss
             if self.sync is not None and self.iteration == t.train_iters:
                 merged = self.sync.finish()
@@ -326,9 +341,13 @@ class Run:
         import torch
         import torch.distributed as dist
 
-        mine = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0])
+        from .topology import device_of
+
         group = self.topology.groups["worker"]
-        gathered = [torch.zeros(1) for _ in range(dist.get_world_size(group))]
+        device = device_of(group)
+        mine = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0],
+                            device=device)
+        gathered = [torch.zeros(1, device=device) for _ in range(dist.get_world_size(group))]
         dist.all_gather(gathered, mine, group=group)
         return [round(float(x), 1) for x in gathered]
 
@@ -343,8 +362,11 @@ class Run:
         skip = replica if (replica is not None and not self.topology.is_first_stage) else None
         count = sum(p.numel() for p in self.model.parameters() if p is not skip and (
             getattr(p, "tensor_model_parallel", False) or self.topology.tp_rank == 0))
-        total = torch.tensor([count], dtype=torch.float64)
-        dist.all_reduce(total, group=self.topology.groups["mp"])
+        from .topology import device_of
+
+        group = self.topology.groups["mp"]
+        total = torch.tensor([count], dtype=torch.float64, device=device_of(group))
+        dist.all_reduce(total, group=group)
         return int(total.item())
 
     def cross_worker_bytes(self) -> int:
@@ -367,9 +389,11 @@ class Run:
             "tokens": self.data.tokens_through(self.iteration),  # all workers
             "samples": self.data.samples_through(self.iteration),
             "cross_worker_bytes": sync_bytes,
-            # The per-step stop flag (lifecycle.StopAgreement), every rank alike.
+            # The per-step stop flag (lifecycle.StopAgreement) and the door's fingerprints
+            # (door.Door), every rank alike.
             "cross_worker_control_bytes":
-                self.stop.control_bytes * self.topology.layout.world_size,
+                (self.stop.control_bytes + (self.door_bytes if self.topology.layout.workers > 1
+                                            else 0)) * self.topology.layout.world_size,
             "parameters": parameters,
             "wall_seconds": time.perf_counter() - self.start_time,
             "workers": self.topology.layout.workers,
@@ -391,12 +415,13 @@ def _gather_objects(obj) -> list:
     return out
 
 
-def pretrain(cfg: Config) -> Optional[dict]:
+def pretrain(cfg: Config, extensions=()) -> Optional[dict]:
     """Train (unless --skip-train), evaluate, save; returns the summary on the logging rank.
+    ``extensions``: see ``Run``.
 
     A communication failure (a lost or stuck peer) ends in ``JobFailure`` naming the lost
     rank and the last good checkpoint; SIGTERM ends in a checkpoint and a normal return."""
-    run = Run(cfg).setup()
+    run = Run(cfg, extensions).setup()
     try:
         return _train_and_report(run)
     except Exception as e:

@@ -83,11 +83,16 @@ def run(nproc: int, args, timeout: float = 240, check: bool = True,
     return proc
 
 
-def start(nproc: int, args, log_path, extra_env: Optional[dict] = None) -> subprocess.Popen:
+# pretrain_gpt.py with the faults its environment variables ask for (a slow or stalled worker).
+FAULTS = "tests/pretrain_with_faults.py"
+
+
+def start(nproc: int, args, log_path, extra_env: Optional[dict] = None,
+          script: str = "pretrain_gpt.py") -> subprocess.Popen:
     """Launch in the background, stdout and stderr into ``log_path``."""
     log = open(log_path, "w")
-    return subprocess.Popen(command(nproc, args), cwd=REPO, env=env(extra_env), stdout=log,
-                            stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(command(nproc, args, script), cwd=REPO, env=env(extra_env),
+                            stdout=log, stderr=subprocess.STDOUT, text=True)
 
 
 def wait_for_line(path, pattern: str, proc: subprocess.Popen, timeout: float = 120) -> str:

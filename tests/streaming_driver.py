@@ -15,6 +15,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from pretrain_with_faults import Faults  # noqa: E402  (no-op unless its variables are set)
+
 from megatron_streaming.arguments import parse_args  # noqa: E402
 from megatron_streaming.train import Run  # noqa: E402
 from megatron_streaming.weights import global_name, tp_unshard  # noqa: E402
@@ -39,7 +41,7 @@ def full_parameters(run) -> dict:
 
 def main():
     out_dir, argv = sys.argv[1], sys.argv[2:]
-    run = Run(parse_args(argv)).setup()
+    run = Run(parse_args(argv), [Faults]).setup()
     run.train()
     run.stop.close()
     if run.sync is not None:

@@ -15,7 +15,7 @@ import time
 import psutil
 import pytest
 
-from harness import TINY, free_port, read_jsonl, run, start, wait_for_line
+from harness import FAULTS, TINY, free_port, read_jsonl, run, start, wait_for_line
 
 STREAMING = [*TINY, "--num-layers", "2", "--eval-iters", "0", "--diloco-workers", "2",
              "--diloco-inner-steps", "4", "--diloco-fragments", "2",
@@ -28,7 +28,8 @@ def _rank_of(launcher: subprocess.Popen, local_rank: int) -> psutil.Process:
     for child in psutil.Process(launcher.pid).children(recursive=True):
         try:
             if child.environ().get("LOCAL_RANK") == str(local_rank) and \
-                    "pretrain_gpt.py" in " ".join(child.cmdline()):
+                    ("pretrain_gpt.py" in " ".join(child.cmdline()) or
+                     FAULTS in " ".join(child.cmdline())):
                 return child
         except psutil.NoSuchProcess:
             continue
@@ -47,7 +48,7 @@ def test_killed_rank_is_named_and_the_job_resumes_from_the_last_checkpoint(tmp_p
               "--save", str(ckpt), "--save-interval", "4", "--diloco-timeout", "120",
               "--master-addr", "127.0.0.1", "--master-port", str(port)]
     logs = [tmp_path / "worker0.log", tmp_path / "worker1.log"]
-    workers = [start(2, [*common, "--diloco-worker-index", str(w)], logs[w], SLOW)
+    workers = [start(2, [*common, "--diloco-worker-index", str(w)], logs[w], SLOW, FAULTS)
                for w in range(2)]
     try:
         wait_for_line(logs[0], r"saved checkpoint .*iter_0000008", workers[0])
@@ -94,7 +95,8 @@ def test_sigterm_to_one_worker_checkpoints_everyone_exits_zero_and_resumes_exact
     def launch(name, extra_env=None):
         return start(2, [*flags, "--log-jsonl", str(tmp_path / f"{name}.jsonl"),
                          "--summary-json", str(tmp_path / f"{name}.json")],
-                     tmp_path / f"{name}.log", extra_env)
+                     tmp_path / f"{name}.log", extra_env, FAULTS if extra_env else
+                     "pretrain_gpt.py")
 
     first = launch("first", SLOW)
     try:
@@ -180,7 +182,7 @@ def test_full_or_read_only_save_fails_naming_the_path_and_keeps_the_last_checkpo
     _remount(small_disk, "rw,size=32m")
     log = tmp_path / "ro.log"
     proc = start(2, [*flags, "--train-iters", "10", "--save", str(ckpt), "--load", str(ckpt)],
-                 log, {"MEGATRON_STREAMING_SLOW_WORKER": "0:0.4"})
+                 log, {"MEGATRON_STREAMING_SLOW_WORKER": "0:0.4"}, FAULTS)
     try:
         wait_for_line(log, r"saved checkpoint .*iter_0000004", proc)
         _remount(small_disk, "ro")

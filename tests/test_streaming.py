@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-from harness import NO_DROPOUT, REPO, env, run
+from harness import FAULTS, NO_DROPOUT, REPO, env, run
 
 BASE = [*NO_DROPOUT, "--mock-data", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
         "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "12",
@@ -183,7 +183,7 @@ def test_peer_that_never_answers_ends_in_the_timeout_error():
     for step 3's cross-worker stop flag during step 4 and gives up after --diloco-timeout."""
     args = [*BASE, "--num-layers", "2", "--diloco-inner-steps", "4", "--diloco-fragments", "2",
             "--diloco-overlap-steps", "1", "--diloco-timeout", "5", "--train-iters", "40"]
-    proc = run(2, args, check=False, timeout=240,
+    proc = run(2, args, check=False, timeout=240, script=FAULTS,
                extra_env={"MEGATRON_STREAMING_STALL_WORKER": "1:3"})
     assert proc.returncode != 0
     assert ("pretrain_gpt.py: error: no rank died; stuck: rank 1 (worker 1) at iteration 3. "

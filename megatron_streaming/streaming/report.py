@@ -17,6 +17,7 @@ from typing import Dict
 import torch
 import torch.distributed as dist
 
+from ..topology import device_of
 from .sync import FragmentStats, StreamingSync
 
 _SUMMED = ("grad_sq", "bytes_sent", "bytes_received", "skipped")
@@ -34,8 +35,11 @@ def worker_scalars(sync: StreamingSync, worker_group) -> Dict[str, float]:
         maxes[p] = torch.tensor([float(getattr(stats, k)) for k in _MAXED])
     sums[:P, len(_SUMMED):] = sync.drift_terms()
     sums[P, 0] = float(sync.transport.bytes_sent)
+    device = device_of(worker_group)  # NCCL on a GPU job: the reduction runs on the GPU
+    sums, maxes = sums.to(device), maxes.to(device)
     dist.all_reduce(sums, group=worker_group)
     dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=worker_group)
+    sums, maxes = sums.cpu(), maxes.cpu()
     out: Dict[str, float] = {}
     for p in range(P):
         prefix = f"streaming/fragment_{p}/"
@@ -64,7 +68,8 @@ def reset_interval_stats(sync: StreamingSync) -> None:
 
 def total_bytes_sent(sync: StreamingSync, worker_group, workers: int) -> int:
     """Bytes all ranks of all workers put on the cross-worker wire (collective in-worker)."""
-    mine = torch.tensor([sync.transport.bytes_sent], dtype=torch.float64)
+    mine = torch.tensor([sync.transport.bytes_sent], dtype=torch.float64,
+                        device=device_of(worker_group))
     dist.all_reduce(mine, group=worker_group)
     return int(mine.item()) * workers
 

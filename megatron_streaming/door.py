@@ -1,0 +1,271 @@
+"""Agreement at the door: workers launched separately prove they run the same job before any
+process group exists.
+
+Each cluster starts its worker with its own command line. Two commands that differ where the
+exchange depends on them (``--diloco-inner-steps``, the model's width, the tokenizer, the
+layout, a package version) would otherwise meet in collectives that never pair up: a hang until
+the timeout, or an abort deep inside gloo. So the first rank of every worker publishes a
+fingerprint of everything that must match to the job's rendezvous store (hosted by global rank
+0, the store ``init_process_group`` then uses), every rank reads every worker's, and on any
+difference every rank of every worker stops at once with the same one line naming each
+differing flag and both values.
+
+What is compared (``fingerprint``): the model's architecture (not recompute or dropout, which
+change no parameter), its parameter count, the layout the exchange is cut by (ranks per worker,
+TP, PP, SP, ZeRO stage), precision, every ``--diloco-*`` flag but the worker's own index, its
+timeout and which parameters it evaluates, the inner optimizer and schedule, the batch, the
+training length and the seed (the workers read disjoint samples of one shuffled order, from
+weights drawn from one seed), the tokenizer (type, vocabulary size, a digest of its files), and
+the versions of this package (a digest of its source), torch, deepspeed and megatron-core. Data
+paths are not compared: each cluster has its own filesystem.
+
+A second launch claiming a worker index that another already holds is refused by name. Bytes
+through the door are counted (``Door.bytes``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import logging
+import os
+import socket
+import time
+import uuid
+from dataclasses import fields
+from typing import Dict, List, Optional
+
+from .arguments import ConfigError, flag_name
+
+log = logging.getLogger("megatron_streaming")
+
+PREFIX = "megatron_streaming/door/"
+_MODEL_SKIP = {"recompute_granularity", "recompute_method", "recompute_num_layers",
+               "recompute_modules", "hidden_dropout", "attention_dropout"}
+_STREAMING_SKIP = {"diloco_worker_index", "diloco_timeout", "eval_params"}
+_PARALLEL = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "sequence_parallel",
+             "ds_sequence_parallel_size", "zero_stage")
+_TRAINING = ("micro_batch_size", "global_batch_size", "train_iters", "train_samples",
+             "train_tokens", "rampup_batch_size", "step_batch_size_schedule", "seed")
+_PRECISION = ("fp16", "bf16", "grad_reduce_in_bf16")
+
+
+def fingerprint(cfg, layout, tokenizer) -> Dict[str, str]:
+    """What must be equal on every worker, as ``{label: value}``; a label is the flag's name
+    where there is one."""
+    out: Dict[str, str] = {
+        "ranks per worker (nodes x --nproc-per-node)": str(layout.ranks_per_worker),
+        "world size": str(layout.world_size),
+    }
+
+    def section(obj, names):
+        for name in names:
+            out[flag_name(name)] = _shown(getattr(obj, name))
+
+    section(cfg.model, [f.name for f in fields(cfg.model) if f.name not in _MODEL_SKIP])
+    out["parameters (from the model flags)"] = str(parameter_count(cfg.model, tokenizer))
+    section(cfg.parallel, _PARALLEL)
+    section(cfg.precision, _PRECISION)
+    section(cfg.streaming, [f.name for f in fields(cfg.streaming)
+                            if f.name not in _STREAMING_SKIP])
+    section(cfg.optimizer, [f.name for f in fields(cfg.optimizer)])
+    section(cfg.training, _TRAINING)
+    out.update(tokenizer_fingerprint(cfg.data, tokenizer))
+    out.update(versions())
+    return out
+
+
+def _shown(value) -> str:
+    """A flag's value as typed: strings bare, the rest as JSON (lists, None -> null)."""
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def padded_vocab_size(model_cfg, vocab_size: int) -> int:
+    """Megatron's padding of the vocabulary (a multiple of --make-vocab-size-divisible-by;
+    the TP factor is left out: the door compares flags, and TP is compared on its own)."""
+    m = model_cfg.make_vocab_size_divisible_by
+    return -(-vocab_size // m) * m
+
+
+def parameter_count(m, tokenizer) -> int:
+    """Parameters of the GPT the model flags describe (a formula; compared across workers, so
+    two launches that would build different models differ here too)."""
+    h, L = m.hidden_size, m.num_layers
+    heads = m.num_attention_heads
+    kv_channels = m.kv_channels or h // heads
+    groups = m.num_query_groups if (m.group_query_attention and m.num_query_groups) else heads
+    ffn = m.ffn_hidden_size or 4 * h
+    bias = 0 if m.disable_bias_linear else 1
+    norm = h * (1 if m.normalization == "RMSNorm" else 2)
+    q, kv = heads * kv_channels, 2 * groups * kv_channels
+    attention = h * (q + kv) + bias * (q + kv) + q * h + bias * h
+    mlp = h * ffn * (2 if m.swiglu else 1) + bias * ffn * (2 if m.swiglu else 1) + ffn * h \
+        + bias * h
+    vocab = padded_vocab_size(m, tokenizer.vocab_size)
+    embedding = vocab * h
+    if m.position_embedding_type == "learned_absolute":
+        embedding += (m.max_position_embeddings or m.seq_length) * h
+    output = vocab * h if m.untie_embeddings_and_output_weights else 0
+    return embedding + L * (attention + mlp + 2 * norm) + norm + output
+
+
+def tokenizer_fingerprint(data_cfg, tokenizer) -> Dict[str, str]:
+    """Type, vocabulary size and a digest of the files (content, not path: each cluster keeps
+    its copy where it likes)."""
+    from .data.tokenizers import TokenizerSpec
+
+    spec = TokenizerSpec.of(data_cfg)
+    out = {"--tokenizer-type": spec.kind if spec.tokenizer_type or data_cfg.tokenizer_model or
+           data_cfg.vocab_file else "none (ids only, --mock-data)",
+           "vocabulary size": str(tokenizer.vocab_size)}
+    for name in ("tokenizer_model", "vocab_file", "merge_file"):
+        path = getattr(data_cfg, name)
+        if path:
+            out[flag_name(name) + " (sha256 of its contents)"] = _digest_path(path)
+    for name in ("tiktoken_pattern", "tiktoken_num_special_tokens"):
+        if spec.kind == "TikTokenizer":
+            out[flag_name(name)] = _shown(getattr(data_cfg, name))
+    return out
+
+
+def _digest_path(path: str) -> str:
+    """sha256 of a file, or of a directory's files (names and contents); the string itself
+    where it names no local path (a hub name)."""
+    h = hashlib.sha256()
+    if os.path.isdir(path):
+        for root, dirs, files in os.walk(path):
+            dirs.sort()
+            for f in sorted(files):
+                full = os.path.join(root, f)
+                h.update(os.path.relpath(full, path).encode() + b"\0")
+                with open(full, "rb") as fh:
+                    h.update(fh.read())
+    elif os.path.isfile(path):
+        with open(path, "rb") as fh:
+            h.update(fh.read())
+    else:
+        return path
+    return h.hexdigest()[:16]
+
+
+def versions() -> Dict[str, str]:
+    from importlib.metadata import version
+
+    def base(v: str) -> str:  # 2.13.0+cpu and 2.13.0+cu128 are the same release
+        return v.split("+", 1)[0]
+
+    return {"megatron-streaming (sha256 of its source)": source_digest(),
+            "torch version": base(version("torch")),
+            "deepspeed version": base(version("deepspeed")),
+            "megatron-core version": base(version("megatron-core"))}
+
+
+def source_digest() -> str:
+    """The package's and its patches' Python sources: two clusters on different commits of
+    this code differ here."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    h = hashlib.sha256()
+    for pkg in ("megatron_streaming", "patches"):
+        for dirpath, dirs, files in os.walk(os.path.join(root, pkg)):
+            dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+            for f in sorted(files):
+                if f.endswith(".py"):
+                    full = os.path.join(dirpath, f)
+                    h.update(os.path.relpath(full, root).encode() + b"\0")
+                    with open(full, "rb") as fh:
+                        h.update(fh.read())
+    return h.hexdigest()[:16]
+
+
+def differences(records: List[dict]) -> List[str]:
+    """One clause per worker that differs from worker 0: each differing label with both
+    values. The same on every rank, since every rank reads the same records."""
+    ref = records[0]["fingerprint"]
+    out = []
+    for w, rec in enumerate(records[1:], start=1):
+        mine = rec["fingerprint"]
+        diffs = [f"{k} {ref.get(k, '(absent)')} vs {mine.get(k, '(absent)')}"
+                 for k in sorted(set(ref) | set(mine)) if ref.get(k) != mine.get(k)]
+        if diffs:
+            out.append(f"worker 0 and worker {w} differ: " + "; ".join(diffs))
+    return out
+
+
+class Door:
+    """One pass through the door on one rank (``agree``); ``bytes`` counts what it sent and
+    read."""
+
+    def __init__(self, store, worker: int, workers: int, rank_in_worker: int,
+                 timeout: datetime.timedelta):
+        self.store, self.worker, self.workers = store, worker, workers
+        self.rank_in_worker, self.timeout = rank_in_worker, timeout
+        self.bytes = 0
+
+    def _set(self, key: str, value: bytes) -> None:
+        self.bytes += len(key) + len(value)
+        self.store.set(PREFIX + key, value)
+
+    def _get(self, key: str) -> bytes:
+        value = self.store.get(PREFIX + key)
+        self.bytes += len(key) + len(value)
+        return value
+
+    def agree(self, mine: Dict[str, str]) -> None:
+        """Publish (first rank of the worker), read every worker's, raise ConfigError on a
+        difference. Waits for workers not yet started up to ``timeout``."""
+        if self.rank_in_worker == 0:
+            self._claim(mine)
+        # Stop at the first difference: a worker that counts more workers than the others
+        # would otherwise wait for one that never comes.
+        records, problems = [], []
+        for w in range(self.workers):
+            records.append(self._wait_for(w))
+            problems = differences(records)
+            if problems:
+                break
+        # Whoever hosts the store must not take it away before every rank has read.
+        read = self.store.add(PREFIX + "read", 1)
+        self.bytes += 2 * len(PREFIX + "read")
+        if problems:
+            if int(os.environ.get("RANK", "0")) == 0:
+                expected = sum(int(r["ranks_per_worker"]) for r in records)
+                deadline = time.monotonic() + 15
+                while read < expected and time.monotonic() < deadline:
+                    time.sleep(0.2)
+                    read = self.store.add(PREFIX + "read", 0)
+            raise ConfigError("workers launched with different settings (every worker stops "
+                              "here): " + " | ".join(problems))
+        log.debug("door: %d workers agree (%d bytes)", self.workers, self.bytes)
+
+    def _claim(self, mine: Dict[str, str]) -> None:
+        ident = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        record = json.dumps({"launch": ident, "fingerprint": mine,
+                             "ranks_per_worker": mine["ranks per worker (nodes x "
+                                                      "--nproc-per-node)"]}).encode()
+        key = f"worker{self.worker}"
+        self.bytes += len(key) + 2 * len(record)
+        held = self.store.compare_set(PREFIX + key, "", record)
+        if held != record:
+            other = json.loads(held)["launch"].rsplit(":", 1)[0]
+            raise ConfigError(f"--diloco-worker-index {self.worker}: another launch "
+                              f"({other}) already joined as worker {self.worker}; give each "
+                              "cluster its own index in [0, --diloco-workers)")
+
+    def _wait_for(self, worker: int) -> dict:
+        key = f"worker{worker}"
+        started = time.monotonic()
+        deadline = started + self.timeout.total_seconds()
+        said = False
+        while not self.store.check([PREFIX + key]):  # polled: a timed-out wait logs in C++
+            if time.monotonic() > deadline:
+                raise ConfigError(
+                    f"worker {worker} did not arrive within {self.timeout.total_seconds():.0f} "
+                    "s (--distributed-timeout-minutes): start its launch with the same "
+                    "--master-addr/--master-port and its own --diloco-worker-index")
+            if not said and self.rank_in_worker == 0 and time.monotonic() > started + 10:
+                log.warning("waiting for worker %d to start (up to %.0f s)", worker,
+                            self.timeout.total_seconds())
+                said = True
+            time.sleep(0.5)
+        return json.loads(self._get(key))

@@ -1,0 +1,53 @@
+"""``pretrain_gpt.py`` with faults injected, for tests and drills; switched on by environment
+variables, through the library's step-hook extensions (nothing in the library reads them).
+
+* ``MEGATRON_STREAMING_SLOW_WORKER=W:SECONDS``: worker W sleeps SECONDS after every step, so
+  it runs slower than the others (the schedule must keep every worker in step anyway).
+* ``MEGATRON_STREAMING_STALL_WORKER=W:STEP``: worker W stops answering after step STEP (it
+  sleeps instead of training), so its peers must end in the sync timeout, not hang.
+
+Launch it as ``pretrain_gpt.py`` is launched (torchrun, the deepspeed launcher, python).
+"""
+
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+SLOW = "MEGATRON_STREAMING_SLOW_WORKER"
+STALL = "MEGATRON_STREAMING_STALL_WORKER"
+
+
+def _parse(name):
+    value = os.environ.get(name)
+    if not value:
+        return None
+    worker, amount = value.split(":")
+    return int(worker), float(amount)
+
+
+class Faults:
+    """A step hook: after each optimizer step of this rank's worker, the faults asked for."""
+
+    def __init__(self, run):
+        self.worker = run.topology.worker
+        self.slow, self.stall = _parse(SLOW), _parse(STALL)
+
+    def before_step(self, step: int) -> None:
+        # Stalled after step STEP: the next step's update never comes (the run has counted
+        # STEP iterations, its heartbeat says so).
+        if self.stall and self.stall[0] == self.worker and step > self.stall[1]:
+            while True:  # a peer that never answers again
+                time.sleep(3600)
+
+    def after_step(self) -> None:
+        if self.slow and self.slow[0] == self.worker:
+            time.sleep(self.slow[1])
+
+
+if __name__ == "__main__":
+    import pretrain_gpt
+
+    pretrain_gpt.entry([Faults])
