@@ -83,6 +83,7 @@ class _Reference:
         self.theta_g = [self._flat(i).clone() for i in range(len(layout))]
         self.momentum = [torch.zeros_like(t) for t in self.theta_g]
         self.pending, self.events = {}, []
+        self.deferred, self.pushes, self.sent_n = [], set(), 0
         self.sent_sq, self.sent_at = {}, {}  # per fragment: ||outer gradient||^2, its step
         self.send = {k * H - p * (H // P): p for k in range(1, 100) for p in range(P)}
         self.merge = {s + tau: p for s, p in self.send.items()}
@@ -106,14 +107,28 @@ class _Reference:
                     self._shard(s, i, fragment)
 
     def _shard(self, s, i, fragment):
+        # A fragment's shards go out together once the last has stepped; with tau = 0 a shard
+        # stepped earlier merges then, and if its param group was stepped by an earlier hook
+        # call the step ends with one more copy to the model (a push).
+        shards = sum(f == fragment for _, f, _ in self.layout)
         if self.send.get(s) == fragment:
             self.pending[i] = self.theta_g[i] - self._flat(i)
             if self.sent_at.get(fragment) != s:  # a new send: its shards add up
-                self.sent_at[fragment], self.sent_sq[fragment] = s, 0.0
+                self.sent_at[fragment], self.sent_sq[fragment], self.sent_n = s, 0.0, 0
             self.sent_sq[fragment] += float(self.pending[i].double().pow(2).sum())
+            self.sent_n += 1
             self.events.append((s, "send", fragment, i))
+            if self.sent_n == shards:
+                for j in self.deferred:
+                    self._merge(s, j, fragment)
+                    if self.layout[j][0] != self.layout[i][0]:
+                        self.pushes.add(s)
+                self.deferred = []
         if self.merge.get(s) == fragment:
-            self._merge(s, i, fragment)
+            if self.send.get(s) == fragment and self.sent_n < shards:
+                self.deferred.append(i)
+            else:
+                self._merge(s, i, fragment)
 
     def finish(self, s):
         """End of training after step s: what is still in flight merges now, and not again."""
@@ -166,7 +181,10 @@ def test_sync_on_one_worker_matches_hand_computed_outer_steps(H, P, tau, alpha):
                     assert torch.equal(sync.groups[i].read(), sync.theta_g[i]), (s, i)
     assert sync.events == ref.events
     assert sum(kind == "merge" for _, kind, _, _ in ref.events) >= 2 * len(layout)
-    assert pushes == []  # the hook fired for every group: nothing left for after_step
+    # The hook fired for every group: after_step pushes only after a tau = 0 merge of a shard
+    # whose param group an earlier hook call had stepped (and copied to the model).
+    assert pushes == sorted(ref.pushes)
+    assert bool(pushes) == (tau == 0)
 
 
 def test_sync_attaches_to_a_real_torch_optimizer():

@@ -127,6 +127,7 @@ def test_merge():
 # ---- transport.py -----------------------------------------------------------------------------
 
 TRANSPORT_N = 301  # not a multiple of the block, nor of M * block
+MANY_N = (TRANSPORT_N, 77, 130)  # a fragment's shards of different sizes
 TRANSPORT_BLOCK = 8
 CODEC_NAMES = ("none", "bf16", "int8", "fp4")
 
@@ -136,6 +137,19 @@ def _worker_input(worker, n=TRANSPORT_N):
     x = torch.randn(n, generator=g) * (worker + 1)
     x[torch.randint(0, n, (5,), generator=g)] *= 50  # outliers: blocks with different scales
     return x
+
+
+class _GatedTransport(Transport):
+    """While ``gate`` is clear, exchanges wait before touching the wire (a link that has not
+    delivered yet), which shows the caller is not blocked meanwhile."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.gate = threading.Event()
+
+    def _exchange_on_current_stream(self, xs, feedbacks):
+        self.gate.wait()
+        return super()._exchange_on_current_stream(xs, feedbacks)
 
 
 def _transport_worker(rank, world, group):
@@ -151,6 +165,7 @@ def _transport_worker(rank, world, group):
                      "quant_error": r.quant_error}
         t.all_reduce_mean(_worker_input(rank) * 2, 2, name).wait()
         out[name]["counters_after_two"] = (t.bytes_sent, t.bytes_received)
+        out[name]["collectives_after_two"] = t.collectives
         t.close()
     # A NaN on rank 1 only.
     t = Transport(group, ranks, rank, make_codec("fp4", TRANSPORT_BLOCK), 60.0)
@@ -160,9 +175,18 @@ def _transport_worker(rank, world, group):
     r = t.all_reduce_mean(x, 3, "nan").wait()
     out["nonfinite"] = {"all_finite": r.all_finite, "mean_finite": bool(r.mean.isfinite().all())}
     t.close()
+    # A fragment's shards on this rank (several param groups) in one exchange; a NaN in one
+    # shard on rank 1 skips that shard only.
+    t = Transport(group, ranks, rank, make_codec("fp4", TRANSPORT_BLOCK), 60.0)
+    xs = [_worker_input(rank), _worker_input(rank, MANY_N[1]) * 3, _worker_input(rank, MANY_N[2])]
+    if rank == 1:
+        xs[1][5] = float("nan")
+    rs = [p.wait() for p in t.all_reduce_mean_many(xs, 5, ["a", "b", "c"], [None] * 3)]
+    out["many"] = {"means": [r.mean for r in rs], "finite": [r.all_finite for r in rs],
+                   "bytes": [r.bytes_sent for r in rs], "collectives": t.collectives}
+    t.close()
     # Asynchrony: while the link has not delivered, the caller goes on computing.
-    t = Transport(group, ranks, rank, make_codec("none"), 60.0)
-    t.gate = threading.Event()
+    t = _GatedTransport(group, ranks, rank, make_codec("none"), 60.0)
     pending = t.all_reduce_mean(_worker_input(rank), 4, "gated")
     done_at_once = pending.done()
     a = torch.randn(128, 128, generator=_gen(rank))
@@ -233,13 +257,17 @@ def test_transport_quantized_mean_matches_codec_simulation(transport_run, name):
     expected, _ = _simulate_exchange(codec, xs)
     for w in range(M):
         assert torch.equal(results[w][name]["mean"], expected), (name, w)
-        # Each rank's own quantization error, as the sync reports it.
+        # Each rank's own quantization error, as the sync reports it: measured on the chunk
+        # the rank reduces (its own codes for that chunk are decoded for the sum anyway).
         x = xs[w]
         full = torch.zeros(_padded(x.numel(), M, codec.block))
         full[:x.numel()] = x
-        own = codec.decode(codec.encode(full))[:x.numel()]
+        c = full.numel() // M
+        own = codec.decode(codec.encode(full))[w * c:(w + 1) * c]
+        ref = full[w * c:(w + 1) * c]
         assert results[w][name]["quant_error"] == pytest.approx(
-            float((own - x).norm() / x.norm()), rel=1e-5)
+            float((own - ref).norm() / ref.norm()), rel=1e-5)
+        assert results[w][name]["quant_error"] > 0
     exact = torch.stack(xs).mean(0)
     # Sanity of the simulation itself: close to the true mean, but not equal to it.
     assert not torch.equal(expected, exact)
@@ -253,14 +281,32 @@ def test_transport_counts_the_bytes_it_moves(transport_run, name):
     codec = make_codec(name, TRANSPORT_BLOCK)
     chunk = _padded(TRANSPORT_N, M, codec.block) // M
     assert TRANSPORT_N % codec.block or codec.block == 1
-    # Flag all-reduce (int32 to and from M-1 peers), all-to-all (M-1 of the M chunks out and
-    # in), all-gather (own mean chunk to M-1 peers, theirs in).
+    # All-to-all (M-1 of the M chunks out and in, each with the int32 finiteness flag),
+    # all-gather (own mean chunk to M-1 peers, theirs in): two collectives per exchange.
     expected = 4 * (M - 1) + 2 * (M - 1) * codec.wire_bytes(chunk)
     for w in range(M):
         got = results[w][name]
         assert got["bytes"] == (expected, expected), (name, w)
         assert got["counters"] == (expected, expected)
         assert got["counters_after_two"] == (2 * expected, 2 * expected)
+        assert got["collectives_after_two"] == 4
+
+
+@pytest.mark.timeout(120)
+def test_transport_sends_a_fragments_shards_in_one_exchange(transport_run):
+    M, results = transport_run
+    codec = make_codec("fp4", TRANSPORT_BLOCK)
+    xs = [[_worker_input(w), _worker_input(w, MANY_N[1]) * 3, _worker_input(w, MANY_N[2])]
+          for w in range(M)]
+    for w in range(M):
+        got = results[w]["many"]
+        assert got["collectives"] == 2  # flags, scales and codes of all three: 2 collectives
+        assert got["finite"] == [True, False, True]
+        for i in (0, 2):
+            expected, chunk = _simulate_exchange(codec, [x[i] for x in xs])
+            assert torch.equal(got["means"][i], expected), (w, i)
+            assert got["bytes"][i] == 4 * (M - 1) + 2 * (M - 1) * codec.wire_bytes(chunk)
+        assert bool(got["means"][1].isfinite().all())
 
 
 @pytest.mark.timeout(120)

@@ -11,9 +11,12 @@ own parameters.
 Per group, after inner step s (schedule.py):
 
 * send: ``delta = theta_g - theta_local``, handed to the transport (quantized, asynchronous);
+  a fragment's shards in all param groups go in one exchange, once the last has stepped;
 * merge (tau steps later): wait for the mean, outer step on ``theta_g``, then
   ``theta_local = alpha * theta_local + (1 - alpha) * theta_g``. The inner optimizer state is
-  left alone.
+  left alone. With tau = 0 a shard of an earlier param group merges when that exchange
+  returns, after DeepSpeed copied its group to the model, so the step ends with one more copy
+  (``push_to_model``).
 
 The outer state (``theta_g``, momentum, error-feedback residual) is fp32 and shard-sized,
 optionally on the CPU. An outer gradient with an inf or NaN on any worker skips that outer
@@ -100,6 +103,14 @@ class StreamingSync:
         self.stats = {p: FragmentStats() for p in range(schedule.num_fragments)}
         self.step = 0
         self._done_this_step: set = set()
+        # A fragment's shards on this rank (one per param group) travel in one exchange: the
+        # deltas wait here until the fragment's last shard has stepped.
+        self._shards_of = {p: sum(g.fragment == p for g in groups)
+                           for p in range(schedule.num_fragments)}
+        self._outbox: Dict[int, list] = {}
+        self._merge_later: List[ShardGroup] = []  # tau = 0: merges waiting for that exchange
+        self._stepping: Optional[set] = None  # param groups of the hook call in progress
+        self._stale = False  # a partition changed after DeepSpeed copied it to the model
         # (step, "send" | "merge" | "skip", fragment, shard index): what this rank did, in
         # order; every worker's list must be identical (the schedule is a function of the step).
         self.events: List[tuple] = []
@@ -119,22 +130,30 @@ class StreamingSync:
         missed = [g for g in self.groups if g.index not in self._done_this_step]
         for g in missed:
             self._process(g)
-        if missed:
+        if missed or self._stale:
             self.push_to_model()
+        self._stale = False
 
     def _on_inner_step(self, optimizer, args, kwargs) -> None:
         # Under ZeRO the optimizer's groups are narrowed to the one being stepped.
         stepped = {group["sync_index"] for group in optimizer.param_groups}
-        for g in self.groups:
-            if g.param_group in stepped:
-                self._process(g)
+        self._stepping = stepped
+        try:
+            for g in self.groups:
+                if g.param_group in stepped:
+                    self._process(g)
+        finally:
+            self._stepping = None
 
     def _process(self, g: ShardGroup) -> None:
         self._done_this_step.add(g.index)
         if g.fragment in self.schedule.sends_after(self.step):
             self._send(g)
         if g.fragment in self.schedule.merges_after(self.step):
-            self._merge(g)
+            if g.index in self.pending or g.index in self.merged_early:
+                self._merge(g)
+            else:  # tau = 0: sent at this step, with shards of later param groups to come
+                self._merge_later.append(g)
 
     # ---- the algorithm ----------------------------------------------------------------
     def _send(self, g: ShardGroup) -> None:
@@ -147,9 +166,25 @@ class StreamingSync:
             stats.grad_sq, stats.send_step = 0.0, self.step
         stats.grad_sq += float(delta.double().pow(2).sum())
         self.events.append((self.step, "send", g.fragment, g.index))
-        self.pending[g.index] = self.transport.all_reduce_mean(
-            delta, self.step, f"fragment {g.fragment} (param group {g.param_group})",
-            self.feedback[g.index])
+        outbox = self._outbox.setdefault(g.fragment, [])
+        outbox.append((g, delta))
+        if len(outbox) < self._shards_of[g.fragment]:
+            return
+        del self._outbox[g.fragment]
+        shards = [s for s, _ in outbox]
+        pendings = self.transport.all_reduce_mean_many(
+            [d for _, d in outbox], self.step,
+            [f"fragment {s.fragment} (param group {s.param_group})" for s in shards],
+            [self.feedback[s.index] for s in shards])
+        for s, pending in zip(shards, pendings):
+            self.pending[s.index] = pending
+        later = [s for s in self._merge_later if s.fragment == g.fragment]
+        self._merge_later = [s for s in self._merge_later if s.fragment != g.fragment]
+        for s in later:
+            self._merge(s)
+            # DeepSpeed copied that param group to the model when it stepped: copy again.
+            if self._stepping is not None and s.param_group not in self._stepping:
+                self._stale = True
 
     def finish(self) -> int:
         """At the end of training: merge every exchange still in flight now (sent at one of

@@ -3,8 +3,10 @@
 Data flow: the sync module hands over one rank's shard of an outer gradient; this module
 quantizes it, runs a quantized reduce-scatter (an all-to-all of codes, decoded and summed in
 fp32) and a quantized all-gather of the averaged chunks over the rank's cross-worker group,
-and hands back the fp32 mean. Each rank moves about ``2 (M-1)/M x n x bits`` and every byte
-it puts on the wire is counted here.
+and hands back the fp32 mean. Two collectives per exchange, whatever the link's round trip
+costs: the finiteness flag, the scales and the codes travel packed in one byte row per peer.
+Each rank moves about ``2 (M-1)/M x n x bits`` and every byte it puts on the wire is counted
+here.
 
 The exchange runs asynchronously: on a background thread for gloo (collectives on the
 cross-worker group are issued only from that thread, one at a time, in submission order, so
@@ -12,7 +14,7 @@ all workers pair their collectives up identically), and additionally on a side C
 for NCCL, so the inner steps in between really overlap it. ``Pending.wait`` fails with a
 message naming the step, the fragment and the peer group when the peers do not answer in time.
 
-This is also the seam for tests and for slow-link emulation.
+Tests and slow-link emulation subclass it (``tests/``).
 """
 
 from __future__ import annotations
@@ -90,13 +92,11 @@ class Transport:
         self.wire_device = torch.device(wire_device)  # gloo moves CPU tensors, NCCL CUDA ones
         self.bytes_sent = 0
         self.bytes_received = 0
+        self.collectives = 0  # issued on the cross-worker group: 2 per exchange
         self._lock = threading.Lock()
         self._executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="cross-worker")
         self._stream = torch.cuda.Stream() if use_cuda_stream else None
-        # Test seam: while this event is clear, exchanges wait before touching the wire (a
-        # link that has not delivered yet), which shows the caller is not blocked meanwhile.
-        self.gate: Optional[threading.Event] = None
 
     def padded_numel(self, numel: int) -> int:
         """Shards are padded so that each worker's chunk is a whole number of blocks."""
@@ -106,89 +106,157 @@ class Transport:
     def all_reduce_mean(self, x: torch.Tensor, step: int, tag: str,
                         feedback: Optional[ErrorFeedback] = None) -> Pending:
         """Start averaging ``x`` (flat fp32) over the workers; returns at once."""
-        # A copy: the caller keeps training on the original while this one travels.
-        x = x.detach().to(self.wire_device, copy=True)
+        return self.all_reduce_mean_many([x], step, [tag], [feedback])[0]
+
+    def all_reduce_mean_many(self, xs: List[torch.Tensor], step: int, tags: List[str],
+                             feedbacks: List[Optional[ErrorFeedback]]) -> List[Pending]:
+        """Start averaging several flat fp32 tensors (a fragment's shards on this rank) in one
+        exchange: two collectives whatever their number. One ``Pending`` per tensor."""
+        # Copies: the caller keeps training on the originals while these travel.
+        xs = [x.detach().to(self.wire_device, copy=True) for x in xs]
         if self._stream is not None:
             self._stream.wait_stream(torch.cuda.current_stream())
-        future = self._executor.submit(self._exchange, x, feedback)
-        return Pending(future, step, tag, self.group_ranks, self.timeout)
+        futures = [concurrent.futures.Future() for _ in xs]
+        self._executor.submit(self._exchange, xs, feedbacks, futures)
+        return [Pending(f, step, tag, self.group_ranks, self.timeout)
+                for f, tag in zip(futures, tags)]
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)
 
     # ---- the exchange, on the background thread ----------------------------------------
-    def _exchange(self, x: torch.Tensor, feedback: Optional[ErrorFeedback]) -> ExchangeResult:
-        if self._stream is None:
-            return self._exchange_on_current_stream(x, feedback)
-        with torch.cuda.stream(self._stream):
-            result = self._exchange_on_current_stream(x, feedback)
-            self._stream.synchronize()
-            return result
+    def _exchange(self, xs, feedbacks, futures) -> None:
+        try:
+            if self._stream is None:
+                results = self._exchange_on_current_stream(xs, feedbacks)
+            else:
+                with torch.cuda.stream(self._stream):
+                    results = self._exchange_on_current_stream(xs, feedbacks)
+                    self._stream.synchronize()
+        except BaseException as e:  # every waiter hears of it
+            for f in futures:
+                f.set_exception(e)
+            return
+        for f, r in zip(futures, results):
+            f.set_result(r)
 
-    def _exchange_on_current_stream(self, x, feedback) -> ExchangeResult:
+    def _exchange_on_current_stream(self, xs, feedbacks) -> List[ExchangeResult]:
         started = time.perf_counter()
-        if self.gate is not None:
-            self.gate.wait()
-        finite = is_finite(x)
+        finite = [is_finite(x) for x in xs]
         if self.workers == 1:  # nothing crosses a wire: the mean is the value itself
-            return ExchangeResult(x, finite, 0, 0, 0.0, time.perf_counter() - started)
-        n = x.numel()
-        padded = torch.zeros(self.padded_numel(n), dtype=torch.float32, device=x.device)
-        # A non-finite gradient is replaced by zeros on the wire; the flag tells every worker
-        # to skip this fragment's outer step, so it never reaches the global parameters.
-        if finite:
-            padded[:n] = x
-        encoded = feedback.encode(padded) if (feedback is not None and finite) else \
-            self.codec.encode(padded)
-        quant_error = _relative_error(self.codec.decode(encoded)[:n], padded[:n])
-        sent = received = 0
-        all_finite, b = self._all_finite(finite)
-        sent, received = sent + b, received + b
-        chunk_mean, b_s, b_r = self._reduce_scatter(encoded, padded.numel())
-        sent, received = sent + b_s, received + b_r
-        mean, b_s, b_r = self._all_gather(self.codec.encode(chunk_mean))
-        sent, received = sent + b_s, received + b_r
+            return [ExchangeResult(x, f, 0, 0, 0.0, time.perf_counter() - started)
+                    for x, f in zip(xs, finite)]
+        shards = []
+        for x, ok, feedback in zip(xs, finite, feedbacks):
+            padded = torch.zeros(self.padded_numel(x.numel()), dtype=torch.float32,
+                                 device=x.device)
+            # A non-finite gradient is replaced by zeros on the wire; its flag tells every
+            # worker to skip this shard's outer step, so it never reaches the global
+            # parameters.
+            if ok:
+                padded[:x.numel()] = x
+            encoded = feedback.encode(padded) if (feedback is not None and ok) else \
+                self.codec.encode(padded)
+            shards.append((padded, encoded))
+        reduced, b1 = self._reduce_scatter(finite, shards)
+        means, b2 = self._all_gather([self.codec.encode(chunk_mean)
+                                      for _, chunk_mean, _ in reduced])
         with self._lock:
-            self.bytes_sent += sent
-            self.bytes_received += received
-        return ExchangeResult(mean[:n], all_finite, sent, received, quant_error,
-                              time.perf_counter() - started)
+            self.bytes_sent += sum(b1) + sum(b2)
+            self.bytes_received += sum(b1) + sum(b2)
+        seconds = time.perf_counter() - started
+        return [ExchangeResult(mean[:x.numel()], all_finite, s1 + s2, s1 + s2, quant_error,
+                               seconds)
+                for x, mean, (all_finite, _, quant_error), s1, s2
+                in zip(xs, means, reduced, b1, b2)]
 
-    def _all_finite(self, finite: bool):
-        flag = torch.tensor([1 if finite else 0], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
-        return bool(flag.item()), 4 * (self.workers - 1)
-
-    def _reduce_scatter(self, encoded: Encoded, numel: int):
-        """All-to-all of codes: worker j receives every worker's j-th chunk, sums in fp32."""
-        M = self.workers
-        chunk = numel // M
-        parts = [encoded.payload.view(M, -1)]
-        if encoded.scales is not None:
-            parts.append(encoded.scales.view(M, -1))
-        received = [_all_to_all(p.contiguous(), self.group) for p in parts]
-        def chunk_of(w):
-            return Encoded(received[0][w], received[1][w] if len(received) > 1 else None, chunk)
-
-        total = self.codec.decode(chunk_of(0))
-        part = torch.empty_like(total)
-        for w in range(1, M):  # fixed order: the sum is the same on every run
-            total += self.codec.decode(chunk_of(w), out=part)
-        per_chunk = encoded.nbytes() // M
-        return total / M, per_chunk * (M - 1), per_chunk * (M - 1)
-
-    def _all_gather(self, encoded: Encoded):
-        """Every worker's averaged chunk to every worker; decoded and concatenated."""
-        M = self.workers
-        payloads = _all_gather(encoded.payload, self.group, M)
-        scales = _all_gather(encoded.scales, self.group, M) if encoded.scales is not None \
-            else [None] * M
-        n = encoded.numel
-        mean = torch.empty(M * n, dtype=torch.float32, device=encoded.payload.device)
+    def _reduce_scatter(self, finite: List[bool], shards):
+        """One all-to-all: worker j receives every worker's j-th chunk of each shard (codes,
+        scales and a finiteness flag), packed in one byte row per destination; decodes and
+        sums in fp32. Per shard: (all finite, the mean of chunk j, this rank's quantization
+        error measured on chunk j); and the bytes each way per shard. The error needs no
+        decode of its own: chunk j's own codes are decoded for the sum anyway."""
+        M, me = self.workers, self.index
+        device = shards[0][0].device
+        flags = torch.tensor([[1 if f else 0 for f in finite]] * M, dtype=torch.int32,
+                             device=device)
+        layout = [flags]
+        for _, encoded in shards:
+            if encoded.scales is not None:
+                layout.append(encoded.scales.view(M, -1))
+            layout.append(encoded.payload.view(M, -1))
+        rows = _pack(layout)
+        received = _all_to_all(rows.view(-1), self.group).view(M, -1)
+        self.collectives += 1
+        flags_of, parts_of = [], []  # per worker: its flags; its (scales, codes) per shard
         for w in range(M):
-            self.codec.decode(Encoded(payloads[w], scales[w], n), out=mean[w * n:(w + 1) * n])
-        size = encoded.nbytes()
-        return mean, size * (M - 1), size * (M - 1)
+            flags_w, *rest = _unpack(received[w], layout)
+            flags_of.append(flags_w)
+            parts_of.append(_per_shard(rest, [e for _, e in shards]))
+        out, sizes = [], []
+        for i, (padded, encoded) in enumerate(shards):
+            chunk = padded.numel() // M
+            all_finite, total, part, quant_error = True, None, None, 0.0
+            for w in range(M):  # fixed order: the sum is the same on every run
+                all_finite = all_finite and bool(flags_of[w][i].item())
+                scales, codes = parts_of[w][i]
+                decoded = self.codec.decode(Encoded(codes, scales, chunk),
+                                            out=None if total is None else part)
+                if w == me:
+                    quant_error = _relative_error(decoded, padded[me * chunk:(me + 1) * chunk])
+                if total is None:
+                    total, part = decoded.clone(), torch.empty_like(decoded)
+                else:
+                    total += decoded
+            out.append((all_finite, total / M, quant_error))
+            sizes.append((4 + encoded.nbytes() // M) * (M - 1))
+        return out, sizes
+
+    def _all_gather(self, encoded: List[Encoded]):
+        """One all-gather: every worker's averaged chunk of each shard (scales and codes, one
+        byte row) to every worker; decoded and concatenated per shard."""
+        M = self.workers
+        layout = []
+        for e in encoded:
+            if e.scales is not None:
+                layout.append(e.scales.view(1, -1))
+            layout.append(e.payload.view(1, -1))
+        row = _pack(layout).view(-1)
+        rows = _all_gather(row, self.group, M)
+        self.collectives += 1
+        means = [torch.empty(M * e.numel, dtype=torch.float32, device=row.device)
+                 for e in encoded]
+        for w in range(M):
+            for e, mean, (scales, codes) in zip(encoded, means,
+                                                _per_shard(_unpack(rows[w], layout), encoded)):
+                self.codec.decode(Encoded(codes, scales, e.numel),
+                                  out=mean[w * e.numel:(w + 1) * e.numel])
+        return means, [e.nbytes() * (M - 1) for e in encoded]
+
+
+def _per_shard(parts: List[torch.Tensor], encoded: List[Encoded]) -> List[tuple]:
+    """Unpacked parts, laid out as [scales,] codes per shard, as (scales or None, codes)."""
+    it, out = iter(parts), []
+    for e in encoded:
+        scales = next(it) if e.scales is not None else None
+        out.append((scales, next(it)))
+    return out
+
+
+def _pack(parts: List[torch.Tensor]) -> torch.Tensor:
+    """Rows of several tensors (each [rows, k], any dtype) side by side as one uint8 [rows, B]
+    tensor: what one collective carries."""
+    return torch.cat([p.contiguous().view(torch.uint8) for p in parts], dim=1)
+
+
+def _unpack(row: torch.Tensor, like: List[torch.Tensor]) -> List[torch.Tensor]:
+    """One packed row back into flat tensors with the dtypes and row widths of ``like``."""
+    out, offset = [], 0
+    for p in like:
+        width = p.shape[1] * p.element_size()
+        out.append(row[offset:offset + width].clone().view(p.dtype))
+        offset += width
+    return out
 
 
 def _all_to_all(t: torch.Tensor, group) -> torch.Tensor:
