@@ -129,6 +129,13 @@ VARIANTS = {
                            "--diloco-alpha", "0.5", *PAPER]),
     "defaults": ("the library's defaults with H=30, P=3, tau=1, FP4",
                  ["--diloco-inner-steps", "30", *STREAM, "--diloco-quantize", "fp4"]),
+    # As many syncs, placed at equal shares of the summed lr (often early, seldom late).
+    "h30_lr_spaced": ("h30 with --diloco-sync-spacing lr",
+                      [*PLAIN, "--diloco-inner-steps", "30", "--diloco-quantize", "none",
+                       "--diloco-sync-spacing", "lr"]),
+    "defaults_lr_spaced": ("defaults with --diloco-sync-spacing lr",
+                           ["--diloco-inner-steps", "30", *STREAM, "--diloco-quantize", "fp4",
+                            "--diloco-sync-spacing", "lr"]),
 }
 LADDER = list(VARIANTS)
 
@@ -225,7 +232,12 @@ def resolved_settings(args: list[str]) -> dict:
     cfg = parse_args(args)
     if not enabled(cfg):
         return {}
-    return {name: getattr(cfg.streaming, name) for name in KEYED_SETTINGS}
+    out = {name: getattr(cfg.streaming, name) for name in KEYED_SETTINGS}
+    # Settings added later enter the key only away from what runs did before they existed,
+    # so earlier records keep their keys.
+    if cfg.streaming.diloco_sync_spacing != "steps":
+        out["diloco_sync_spacing"] = cfg.streaming.diloco_sync_spacing
+    return out
 
 
 def run_flags(variant: str, opts, lr: float) -> tuple[list[str], int]:

@@ -218,6 +218,10 @@ class StreamingConfig:
     diloco_fragment_pattern: str = arg(
         "strided", "Layers of fragment p: p, p+P, ... (strided) or a contiguous block.",
         choices=["strided", "sequential"])
+    diloco_sync_spacing: str = arg(
+        "steps", "When fragments sync: every H/P steps (steps), or as often over the run but "
+        "at equal shares of the summed learning rate (lr): often while the lr is high, "
+        "seldom at the end of its decay.", choices=["steps", "lr"])
     diloco_overlap_steps: int = arg(
         0, "tau: inner steps that overlap a fragment's exchange before its merge (< H/P).")
     diloco_alpha: float = arg(

@@ -34,7 +34,7 @@ import socket
 import time
 import uuid
 from dataclasses import fields
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 from .arguments import ConfigError, flag_name
 

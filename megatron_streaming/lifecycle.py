@@ -29,6 +29,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from .crossworker import byte_count
 from .errors import JobFailure
 from .topology import device_of
 
@@ -66,11 +67,9 @@ class StopAgreement:
         self.lag = lag
         self.worker_group = topology.groups["worker"]
         self.workers = topology.layout.workers
-        self.cross_group = topology.groups["cross_worker_control"] if self.workers > 1 else None
+        self.cross = topology.cross
         self.device = device_of(self.worker_group)
-        self.cross_device = device_of(self.cross_group) if self.cross_group else None
         self._pending = collections.deque()  # (work, tensor) of the last ``lag`` steps
-        self.control_bytes = 0  # what this rank put on the cross-worker wire for this
 
     def should_stop(self) -> Optional[str]:
         """The name of the signal that stops every rank after this iteration, or None.
@@ -80,13 +79,10 @@ class StopAgreement:
         flag = torch.tensor([self.request.received or 0], dtype=torch.int32,
                             device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.worker_group)
-        if self.cross_group is None:
+        if self.workers == 1:
             return _signal_name(int(flag.item()))
-        posted = flag.to(self.cross_device)
-        work = dist.all_reduce(posted, op=dist.ReduceOp.MAX, group=self.cross_group,
-                               async_op=True)
+        work, posted = self.cross.all_reduce_control(flag, dist.ReduceOp.MAX, async_op=True)
         self._pending.append((work, posted))
-        self.control_bytes += 2 * 4 * (self.workers - 1)
         if len(self._pending) <= self.lag:
             return None
         return self._finish_oldest()
@@ -117,6 +113,8 @@ class Liveness:
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         self.prefix = f"{self.PREFIX}/{restart}"
         self.store = self._connect()
+        # The store lives with global rank 0: another worker's beats cross the link.
+        self._cross = topology.cross if topology.worker != 0 else None
         self._stop = threading.Event()
         self._beat()
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
@@ -133,8 +131,12 @@ class Liveness:
         return f"{self.prefix}/{kind}/{rank}"
 
     def _beat(self) -> None:
-        self.store.add(self._key("beat", self.rank), 1)
-        self.store.set(self._key("iteration", self.rank), str(self.iteration))
+        beat, it, value = self._key("beat", self.rank), self._key("iteration", self.rank), \
+            str(self.iteration)
+        self.store.add(beat, 1)
+        self.store.set(it, value)
+        if self._cross is not None:
+            self._cross.count_control(byte_count(beat, it, value) + 16)  # + the counter
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):

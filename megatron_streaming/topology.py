@@ -133,6 +133,7 @@ class Topology:
     groups: Dict[str, object] = field(default_factory=dict)
     group_ranks: Dict[str, List[int]] = field(default_factory=dict)
     cross_worker_backend: Optional[str] = None
+    cross: object = None  # the CrossWorker: every collective across workers goes through it
 
     @classmethod
     def create(cls, layout: RankLayout, rank: int, timeout=None,
@@ -153,6 +154,9 @@ class Topology:
                 if rank in ranks:
                     topo.groups[name] = group
                     topo.group_ranks[name] = ranks
+        from .crossworker import CrossWorker
+
+        topo.cross = CrossWorker(topo)
         return topo
 
     # ---- coordinates -------------------------------------------------------------------
@@ -207,7 +211,7 @@ class Topology:
         import torch.distributed as dist
 
         dist.barrier(group=self.groups["worker"])
-        dist.barrier(group=self.groups["cross_worker_control"])
+        self.cross.barrier()
 
     def ranks_reporting(self, flag: bool) -> List[int]:
         """The global ranks whose ``flag`` is set, known to every rank (collective over
@@ -219,10 +223,7 @@ class Topology:
                             device=device_of(self.groups["worker"]))
         flags[self.rank] = int(flag)
         dist.all_reduce(flags, group=self.groups["worker"])
-        if self.layout.workers > 1:
-            cross = self.groups["cross_worker_control"]
-            flags = flags.to(device_of(cross))
-            dist.all_reduce(flags, group=cross)
+        _, flags = self.cross.all_reduce_control(flags)
         return [int(r) for r in flags.nonzero().flatten().tolist()]
 
     # ---- adapters ----------------------------------------------------------------------

@@ -88,8 +88,7 @@ class Run:
         self.tokenizer = load_run_tokenizer(cfg)
         self.resume = self._resume_source(layout)
         self.patches = patches.apply()
-        self.door_bytes = 0
-        store = None
+        door = store = None
         if not distributed.is_initialized():  # else embedded: the world exists already
             from .door import Door, fingerprint
 
@@ -99,7 +98,6 @@ class Run:
             door = Door(store, coords["worker"], layout.workers, coords["local"],
                         datetime.timedelta(minutes=p.distributed_timeout_minutes))
             door.agree(fingerprint(cfg, layout, self.tokenizer))
-            self.door_bytes = door.bytes
         rank, _ = distributed.init_distributed(p.distributed_backend,
                                                p.distributed_timeout_minutes, store)
         distributed.cpu_threads()
@@ -108,6 +106,8 @@ class Run:
             cross_worker_backend=None if s.diloco_backend == "auto" else s.diloco_backend,
             cross_worker_timeout=datetime.timedelta(seconds=s.diloco_timeout))
         self.topology.install_into_megatron()
+        if door is not None and self.topology.worker != 0:  # worker 0 hosts the store
+            self.topology.cross.count_control(door.bytes)
         from .lifecycle import Liveness, StopAgreement
 
         self.liveness = Liveness(self.topology)
@@ -239,7 +239,8 @@ class Run:
         if self.sync is not None:
             from .streaming import report
 
-            scalars = report.worker_scalars(self.sync, self.topology.groups["worker"])
+            scalars = report.worker_scalars(self.sync, self.topology.groups["worker"],
+                                            self.topology.cross.control_bytes)
             report.reset_interval_stats(self.sync)
         elif self.topology.layout.workers == 1:
             step_bytes = self._data_parallel_step_bytes()
@@ -379,7 +380,7 @@ class Run:
                                        self.topology.layout.workers)
 
     def summary(self, train_loss, valid_loss, test_loss, peak_rss, sync_bytes,
-                parameters) -> dict:
+                parameters, control_bytes) -> dict:
         steady = self.step_seconds[1:] or self.step_seconds
         return {
             "iteration": self.iteration,
@@ -389,11 +390,9 @@ class Run:
             "tokens": self.data.tokens_through(self.iteration),  # all workers
             "samples": self.data.samples_through(self.iteration),
             "cross_worker_bytes": sync_bytes,
-            # The per-step stop flag (lifecycle.StopAgreement) and the door's fingerprints
-            # (door.Door), every rank alike.
-            "cross_worker_control_bytes":
-                (self.stop.control_bytes + (self.door_bytes if self.topology.layout.workers > 1
-                                            else 0)) * self.topology.layout.world_size,
+            # Everything else that crossed workers (crossworker.CrossWorker): the stop flag,
+            # checkpoint agreement, the door, heartbeats of the workers without the store.
+            "cross_worker_control_bytes": control_bytes,
             "parameters": parameters,
             "wall_seconds": time.perf_counter() - self.start_time,
             "workers": self.topology.layout.workers,
@@ -448,11 +447,12 @@ def _train_and_report(run: Run) -> Optional[dict]:
         run.sync.close()  # finishes exchanges still in flight, so the byte count is final
     peak_rss = run.peak_rss_mib()
     sync_bytes = run.cross_worker_bytes()
+    control_bytes = run.topology.cross.total_control_bytes(run.topology.groups["worker"])
     parameters = run.parameter_count()
     summary = None
     if run.topology.is_logging_rank():
         summary = run.summary(train_loss, valid_loss, test_loss, peak_rss, sync_bytes,
-                              parameters)
+                              parameters, control_bytes)
         if cfg.logging.summary_json:
             write_summary(cfg.logging.summary_json, summary)
         log.info("done: %s", summary)

@@ -31,6 +31,7 @@ FRAGMENT_TAGS = ("outer_grad_norm", "bytes_sent", "bytes_received", "skipped", "
                  "send_to_merge_s", "merge_wait_s", "quant_rel_error")
 STREAMING_TAGS = ("streaming/drift", "streaming/worker_bytes_sent",
                   "streaming/skipped_fragments", "streaming/cross_worker_bytes",
+                  "streaming/cross_worker_control_bytes",
                   *(f"streaming/fragment_{p}/{k}" for p in range(FRAGMENTS) for k in FRAGMENT_TAGS))
 EVAL_STEPS = [4, 8, ITERS]  # every --eval-interval, and once more at the end
 
@@ -110,6 +111,11 @@ def test_streaming_run_scalars_as_tensorboard_reads_them(runs):
     per_fragment = [values(tags, f"streaming/fragment_{p}/bytes_sent") for p in range(FRAGMENTS)]
     assert f32(WORKERS * sum(map(sum, per_fragment))) == total[-1]
     assert all(sum(v) > 0 for v in per_fragment)  # every fragment went out at least once
+    # Control bytes (stop flags, ...): cumulative, and within the summary's job-wide total
+    # (which also has worker 1's door and heartbeats, through the store on worker 0).
+    control = values(tags, "streaming/cross_worker_control_bytes")
+    assert all(a <= b for a, b in zip(control, control[1:])) and control[-1] > 0
+    assert control[-1] <= summary["cross_worker_control_bytes"]
     worker_sent = values(tags, "streaming/worker_bytes_sent")
     assert worker_sent == [f32(sum(v)) for v in zip(*per_fragment)]
     for p in range(FRAGMENTS):

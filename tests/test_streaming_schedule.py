@@ -3,6 +3,7 @@
 Expected numbers are derived here from the algorithm, not read back from the library.
 """
 
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 from megatron_streaming.config import Config
 from megatron_streaming.streaming import builder
 from megatron_streaming.streaming.fragments import FragmentPlan
-from megatron_streaming.streaming.schedule import SyncSchedule
+from megatron_streaming.streaming.schedule import SyncSchedule, lr_spaced_sends
 
 
 def _gen(seed):
@@ -87,6 +88,33 @@ def test_schedule_rejects_bad_settings_naming_flags_and_values(H, P, tau, flags)
         SyncSchedule(H, P, tau)
     for text in flags:
         assert text in str(err.value), str(err.value)
+
+
+def test_lr_spacing_with_a_constant_lr_is_even_spacing():
+    even = SyncSchedule(12, 3, 1)
+    spaced = SyncSchedule(12, 3, 1, lr_spaced_sends([1e-3] * 120, even.interval, 1))
+    assert spaced.send_steps == tuple(range(4, 121, 4))
+    for step in range(0, 200):  # also past the end: sends go on every H/P steps
+        assert spaced.sends_after(step) == even.sends_after(step), step
+        assert spaced.merges_after(step) == even.merges_after(step), step
+
+
+def test_lr_spacing_syncs_often_early_and_as_often_over_the_run():
+    T, H, P, tau = 1200, 30, 3, 1
+    lrs = [2e-3 * min(1, (i + 1) / 30) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * i / T)))
+           for i in range(T)]
+    sends = lr_spaced_sends(lrs, H // P, tau)
+    assert len(sends) == T // (H // P) and sends[-1] == T
+    gaps = [b - a for a, b in zip((0, *sends), sends)]
+    assert min(gaps) >= tau + 1
+    assert max(gaps[2:20]) < H // P < min(gaps[-5:])  # dense at the peak lr, sparse at the end
+    schedule = SyncSchedule(H, P, tau, sends)
+    fragments = [schedule.sends_after(s) for s in range(1, T + 1)]
+    assert sum(len(f) for f in fragments) == len(sends)
+    assert [f[0] for f in fragments if f] == [(-k) % P for k in range(1, len(sends) + 1)]
+    for s in sends:
+        assert schedule.merges_after(s + tau) == schedule.sends_after(s)
+        assert schedule.in_flight_after(s) == schedule.sends_after(s)
 
 
 # ---- fragments.py -----------------------------------------------------------------------------

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-import torch
-
 from ..config import Config
 from ..topology import Topology
 from ..weights import global_name
@@ -14,7 +12,6 @@ from .fragments import FragmentPlan
 from .outer import OuterOptimizer
 from .schedule import SyncSchedule
 from .sync import ShardGroup, StreamingSync
-from .transport import Transport
 
 
 def enabled(cfg: Config) -> bool:
@@ -34,9 +31,20 @@ def fragment_plan(cfg: Config) -> FragmentPlan:
                         cfg.streaming.diloco_fragment_pattern)
 
 
-def sync_schedule(cfg: Config) -> SyncSchedule:
+def sync_schedule(cfg: Config, dp: int = 1) -> SyncSchedule:
+    """The schedule of the flags (``dp``: a worker's data-parallel size, for a batch ramp's
+    effect on the learning rate under ``--diloco-sync-spacing lr``)."""
     s = cfg.streaming
-    return SyncSchedule(s.diloco_inner_steps, num_fragments(cfg), s.diloco_overlap_steps)
+    schedule = SyncSchedule(s.diloco_inner_steps, num_fragments(cfg), s.diloco_overlap_steps)
+    if s.diloco_sync_spacing == "lr" and cfg.training.train_iters:
+        from ..engine import lr_at
+        from .schedule import lr_spaced_sends
+
+        lrs = [lr_at(i, cfg, dp) for i in range(cfg.training.train_iters)]
+        schedule = SyncSchedule(s.diloco_inner_steps, num_fragments(cfg),
+                                s.diloco_overlap_steps,
+                                lr_spaced_sends(lrs, schedule.interval, s.diloco_overlap_steps))
+    return schedule
 
 
 def outer_optimizer(cfg: Config) -> OuterOptimizer:
@@ -79,15 +87,12 @@ def build_sync(cfg: Config, topology: Topology, engine) -> Optional[StreamingSyn
         return None
     s = cfg.streaming
     groups = shard_groups(engine, fragment_function(cfg, topology))
-    nccl = topology.cross_worker_backend == "nccl"
-    transport = Transport(topology.groups["cross_worker"], topology.group_ranks["cross_worker"],
-                          topology.rank, make_codec(s.diloco_quantize, s.diloco_quant_block),
-                          s.diloco_timeout,
-                          wire_device=f"cuda:{torch.cuda.current_device()}" if nccl else "cpu",
-                          use_cuda_stream=nccl)
+    transport = topology.cross.make_transport(
+        make_codec(s.diloco_quantize, s.diloco_quant_block), s.diloco_timeout)
     warm_up(transport.codec, max((transport.padded_numel(g.numel) for g in groups), default=0),
             transport.wire_device)
-    sync = StreamingSync(groups, sync_schedule(cfg), transport, outer_optimizer(cfg),
+    sync = StreamingSync(groups, sync_schedule(cfg, topology.layout.dp), transport,
+                         outer_optimizer(cfg),
                          s.diloco_alpha, s.diloco_error_feedback,
                          s.diloco_offload_outer_state, engine.push_to_model)
     sync.attach(engine.inner_optimizer)

@@ -24,10 +24,12 @@ _SUMMED = ("grad_sq", "bytes_sent", "bytes_received", "skipped")
 _MAXED = ("latency", "wait", "quant_error")
 
 
-def worker_scalars(sync: StreamingSync, worker_group) -> Dict[str, float]:
+def worker_scalars(sync: StreamingSync, worker_group,
+                   control_bytes: float = 0.0) -> Dict[str, float]:
     P = sync.schedule.num_fragments
-    # Rows 0..P-1: per fragment; row P: per rank (the transport's cumulative bytes sent),
-    # reduced in the same all-reduce rather than by a collective of its own.
+    # Rows 0..P-1: per fragment; row P: per rank (the transport's cumulative bytes sent and
+    # the rank's cross-worker control bytes), reduced in the same all-reduce rather than by a
+    # collective of its own.
     sums = torch.zeros(P + 1, len(_SUMMED) + 2, dtype=torch.float64)
     maxes = torch.zeros(P, len(_MAXED), dtype=torch.float64)
     for p, stats in sync.stats.items():
@@ -35,6 +37,7 @@ def worker_scalars(sync: StreamingSync, worker_group) -> Dict[str, float]:
         maxes[p] = torch.tensor([float(getattr(stats, k)) for k in _MAXED])
     sums[:P, len(_SUMMED):] = sync.drift_terms()
     sums[P, 0] = float(sync.transport.bytes_sent)
+    sums[P, 1] = float(control_bytes)
     device = device_of(worker_group)  # NCCL on a GPU job: the reduction runs on the GPU
     sums, maxes = sums.to(device), maxes.to(device)
     dist.all_reduce(sums, group=worker_group)
@@ -56,6 +59,8 @@ def worker_scalars(sync: StreamingSync, worker_group) -> Dict[str, float]:
     out["streaming/skipped_fragments"] = float(sums[:P, 3].sum())
     # transport.workers is M, the size of this rank's cross-worker group.
     out["streaming/cross_worker_bytes"] = float(sums[P, 0]) * sync.transport.workers
+    # Control (stop flag, checkpoint agreement, door, heartbeats): this worker's, times M.
+    out["streaming/cross_worker_control_bytes"] = float(sums[P, 1]) * sync.transport.workers
     return out
 
 

@@ -12,8 +12,9 @@ Steps are counted from 1: "after step s" is after the s-th optimizer step.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
-from typing import List
+from typing import List, Optional, Sequence, Tuple
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,10 @@ class SyncSchedule:
     inner_steps: int      # H
     num_fragments: int    # P
     overlap_steps: int = 0  # tau
+    # ``--diloco-sync-spacing lr``: the steps after which the 1st, 2nd, ... send starts (one
+    # fragment each, in the same rotation as evenly spaced sends); past the last of them,
+    # sends go on every H/P steps. None: every H/P steps from the start.
+    send_steps: Optional[Tuple[int, ...]] = None
 
     def __post_init__(self):
         H, P, tau = self.inner_steps, self.num_fragments, self.overlap_steps
@@ -41,10 +46,23 @@ class SyncSchedule:
 
     def sends_after(self, step: int) -> List[int]:
         """Fragments whose sync starts after ``step`` (at most one)."""
-        if step <= 0 or step % self.interval:
-            return []
-        # s = k*H - p*H/P  <=>  p = (k*P - s/(H/P)) mod P with k chosen so that 0 <= p < P.
-        return [(-(step // self.interval)) % self.num_fragments]
+        k = self._send_number(step)
+        # The k-th send, after k*H/P in even spacing: s = k*H - p*H/P  <=>  p = -k mod P.
+        return [] if k is None else [(-k) % self.num_fragments]
+
+    def _send_number(self, step: int) -> Optional[int]:
+        """k when the k-th send (from 1) starts after ``step``, else None."""
+        if step <= 0:
+            return None
+        if self.send_steps:
+            last = self.send_steps[-1]
+            if step <= last:
+                i = bisect.bisect_left(self.send_steps, step)
+                return i + 1 if self.send_steps[i] == step else None
+            after = step - last
+            return None if after % self.interval else len(self.send_steps) + after // \
+                self.interval
+        return None if step % self.interval else step // self.interval
 
     def merges_after(self, step: int) -> List[int]:
         """Fragments whose in-flight sync is merged after ``step``."""
@@ -58,3 +76,22 @@ class SyncSchedule:
         """Fragments sent at or before ``step`` whose merge comes after it."""
         return [p for s in range(max(1, step - self.overlap_steps + 1), step + 1)
                 for p in self.sends_after(s)]
+
+
+def lr_spaced_sends(lrs: Sequence[float], interval: int, overlap_steps: int) -> Tuple[int, ...]:
+    """``--diloco-sync-spacing lr``: as many sends as every ``interval`` steps would make over
+    ``len(lrs)`` steps, placed where the summed learning rate crosses equal shares of its total,
+    so a fragment syncs often while the lr is high (the workers drift apart fastest) and
+    seldom at the end of the decay. ``lrs[i]`` is step i+1's. Two sends are at least
+    ``overlap_steps + 1`` apart."""
+    total, sends = sum(lrs), len(lrs) // interval
+    if sends == 0 or total <= 0:
+        return ()
+    out, running, k = [], 0.0, 1
+    for step, lr in enumerate(lrs, start=1):
+        running += lr
+        while k <= sends and running >= total * k / sends * (1 - 1e-12):
+            earliest = out[-1] + overlap_steps + 1 if out else 1
+            out.append(max(step, earliest))
+            k += 1
+    return tuple(s for s in out if s <= len(lrs))

@@ -1,0 +1,109 @@
+"""The one door across workers: every collective over a cross-worker group goes through here,
+and every byte this rank puts on the cross-worker wire is counted here, data and control apart.
+
+* data: the outer-gradient exchanges (``streaming.transport.Transport``, built by
+  ``make_transport`` over this rank's cross-worker data group, which pairs the ranks at one
+  in-worker coordinate of every worker);
+* control: the stop flag of every step (``lifecycle.StopAgreement``), checkpoint agreement
+  (``Topology.ranks_reporting``) and the end-of-run barrier, over the control group, plus what
+  the door (``door``) and the heartbeats (``lifecycle.Liveness``) exchange through the
+  rendezvous store (``count_control``).
+
+Counting convention for a collective on the control group: the tensor's bytes to and from
+each of the M-1 peers (``2 x bytes x (M-1)``), whatever the backend's algorithm. Tensors are
+moved to the group's device (CUDA for NCCL, else CPU) before the collective.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+
+class CrossWorker:
+    def __init__(self, topology):
+        from .topology import device_of
+
+        self.workers = topology.layout.workers
+        self.rank = topology.rank
+        self.data_group = topology.groups.get("cross_worker")
+        self.data_ranks: List[int] = topology.group_ranks.get("cross_worker", [topology.rank])
+        self.control_group = topology.groups.get("cross_worker_control")
+        self.backend = topology.cross_worker_backend
+        self.control_device = device_of(self.control_group) if self.control_group is not None \
+            else torch.device("cpu")
+        self.transport = None
+        self._control_bytes = 0
+        self._lock = threading.Lock()  # the heartbeat thread counts too
+
+    # ---- data ------------------------------------------------------------------------------
+    def make_transport(self, codec, timeout: float):
+        """The quantized exchange over this rank's data group (one per rank)."""
+        from .streaming.transport import Transport
+
+        nccl = self.backend == "nccl"
+        self.transport = Transport(
+            self.data_group, self.data_ranks, self.rank, codec, timeout,
+            wire_device=f"cuda:{torch.cuda.current_device()}" if nccl else "cpu",
+            use_cuda_stream=nccl)
+        return self.transport
+
+    @property
+    def data_bytes_sent(self) -> int:
+        return self.transport.bytes_sent if self.transport is not None else 0
+
+    # ---- control ---------------------------------------------------------------------------
+    @property
+    def control_bytes(self) -> int:
+        with self._lock:
+            return self._control_bytes
+
+    def count_control(self, nbytes: int) -> None:
+        """Bytes that crossed workers outside a collective (the rendezvous store)."""
+        with self._lock:
+            self._control_bytes += int(nbytes)
+
+    def all_reduce_control(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM,
+                           async_op: bool = False):
+        """All-reduce over the control group (every worker's rank at this coordinate).
+        Returns ``(work or None, the reduced tensor)``: on the group's device, so a caller
+        on another device reads the result from what is returned, not from its input."""
+        if self.control_group is None:
+            return None, tensor
+        on_wire = tensor.to(self.control_device)
+        work = dist.all_reduce(on_wire, op=op, group=self.control_group, async_op=async_op)
+        self.count_control(2 * on_wire.numel() * on_wire.element_size() * (self.workers - 1))
+        return work, on_wire
+
+    def barrier(self) -> None:
+        if self.control_group is not None:
+            dist.barrier(group=self.control_group)
+            self.count_control(2 * (self.workers - 1))  # a byte each way (gloo's barrier)
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+    def total_control_bytes(self, worker_group) -> int:
+        """Control bytes of every rank of every worker, as counted before this call
+        (collective over the worker, then across workers)."""
+        from .topology import device_of
+
+        mine = torch.tensor([self.control_bytes], dtype=torch.float64,
+                            device=device_of(worker_group))
+        dist.all_reduce(mine, group=worker_group)
+        _, total = self.all_reduce_control(mine)
+        return int(total.item())
+
+
+def byte_count(*parts: Optional[object]) -> int:
+    """Bytes of store keys and values (str or bytes) as they travel."""
+    total = 0
+    for p in parts:
+        if p is None:
+            continue
+        total += len(p.encode() if isinstance(p, str) else p)
+    return total
