@@ -2,9 +2,11 @@
 
     sudo .venv/bin/python benchmarks/slow_link.py --lock /tmp/bench.lock
     sudo .venv/bin/python benchmarks/slow_link.py --rates 10,100 --out /tmp/sl   # a subset
+    sudo .venv/bin/python benchmarks/slow_link.py --rates 10,30,100 --rtts 0,50,100  # latency
 
 Needs root (network namespaces and tc, see launch/slow_link.sh). Two "clusters" of one rank
-each, in two network namespaces joined by a veth pair rate-limited with ``tc tbf``; each
+each, in two network namespaces joined by a veth pair rate-limited with ``tc tbf`` (with
+``--rtts``, through a router namespace that delays every packet in user space); each
 worker is its own launch inside its namespace (``--diloco-worker-index W --master-addr
 --master-port``), so only cross-worker traffic crosses the limited link. Per rate, the
 methods run back to back:
@@ -185,6 +187,34 @@ def measure_link(rate_mbit: float, seconds: float = 1.5) -> float:
             server.wait()
 
 
+def measure_rtt(probes: int = 10) -> float:
+    """Median round trip (ms) of a 1-byte TCP echo from namespace 1 to namespace 0."""
+    port = 29401
+    server = subprocess.Popen(
+        [LINK, "exec", "0", PYTHON, "-c",
+         "import socket\n"
+         "s=socket.socket();s.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1)\n"
+         f"s.bind(('{MASTER_ADDR}',{port}));s.listen(1);c,_=s.accept()\n"
+         "c.setsockopt(socket.IPPROTO_TCP,socket.TCP_NODELAY,1)\n"
+         "while True:\n b=c.recv(1)\n if not b: break\n c.sendall(b)"],
+        cwd=REPO, start_new_session=True)
+    try:
+        client = ("import socket,time\n"
+                  "for i in range(100):\n"
+                  f" try: c=socket.create_connection(('{MASTER_ADDR}',{port}));break\n"
+                  " except OSError: time.sleep(0.1)\n"
+                  "c.setsockopt(socket.IPPROTO_TCP,socket.TCP_NODELAY,1);r=[]\n"
+                  f"for i in range({probes}):\n"
+                  " t=time.perf_counter();c.sendall(b'x');c.recv(1)\n"
+                  " r.append(1e3*(time.perf_counter()-t))\n"
+                  "print(sorted(r)[len(r)//2])")
+        return float(link("exec", "1", PYTHON, "-c", client).stdout.strip())
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
+
+
 def report_intervals(jsonl: Path) -> list:
     """(iteration, steps, wall seconds) per progress report of worker 0, since the previous
     report: tokens over tokens/s, so everything between reports counts."""
@@ -256,15 +286,18 @@ def run_method(children, method: Method, port, out: Path, tag: str) -> dict:
             "parameters": result["parameters"], "run_wall_s": time.perf_counter() - started}
 
 
-def measure_rate(rate, methods, out: Path, children, port: int) -> dict:
-    """Every method at one link rate; the ceiling runs first and again last, and the rate's
-    ceiling is their mean, so a drift of the shared machine's speed during the rate cancels."""
-    link("up", f"{rate}mbit")
-    measured = measure_link(rate)
-    print(f"link {rate} Mbit/s: measured {measured:.1f} Mbit/s", flush=True)
-    point, ceilings = {"measured_mbit": measured, "methods": {}}, []
+def measure_rate(rate, rtt, methods, out: Path, children, port: int) -> dict:
+    """Every method at one link rate and round trip; the ceiling runs first and again last,
+    and the point's ceiling is their mean, so a drift of the shared machine's speed during the
+    point cancels."""
+    link("up", f"{rate}mbit", rtt)
+    measured, measured_rtt = measure_link(rate), measure_rtt()
+    print(f"link {rate} Mbit/s, RTT {rtt} ms: measured {measured:.1f} Mbit/s, RTT "
+          f"{measured_rtt:.1f} ms", flush=True)
+    point, ceilings = {"measured_mbit": measured, "rtt_ms": rtt,
+                       "measured_rtt_ms": measured_rtt, "methods": {}}, []
     for i, name in enumerate([*methods, CEILING]):
-        tag = f"{rate}mbit_{name.split(' (')[0].replace(' ', '_').replace('+', 'p')}"
+        tag = f"{rate}mbit_{rtt}ms_{name.split(' (')[0].replace(' ', '_').replace('+', 'p')}"
         tag = tag.replace(",", "") + ("_repeat" if i == len(methods) else "")
         r = run_method(children, METHODS[name], port + i, out, tag)
         print(f"  {name:50} {r['ms_per_step']:9.1f} ms/step ({r['steps_measured']} steps, "
@@ -281,29 +314,41 @@ def measure_rate(rate, methods, out: Path, children, port: int) -> dict:
     return point
 
 
-def sweep(rates, methods, out: Path, lock) -> dict:
+def sweep(rates, rtts, methods, out: Path, lock) -> dict:
+    """{RTT ms: {rate: point}}."""
     children = Children()
-    results = {}
-    for k, rate in enumerate(rates):
-        with bench_lock(lock):
-            # Torn down before the lock is let go: another sweep may build them next.
-            try:
-                results[str(rate)] = measure_rate(rate, methods, out, children,
-                                                  29610 + 10 * k)
-            finally:
-                children.kill_all()
-                link("down", check=False)
+    results, k = {}, 0
+    for rtt in rtts:
+        for rate in rates:
+            with bench_lock(lock):
+                # Torn down before the lock is let go: another sweep may build them next.
+                try:
+                    results.setdefault(str(rtt), {})[str(rate)] = measure_rate(
+                        rate, rtt, methods, out, children, 29610 + 10 * k)
+                finally:
+                    children.kill_all()
+                    link("down", check=False)
+            k += 1
     return results
 
 
-def plot(results: dict, path: Path) -> None:
+def plot(by_rtt: dict, path: Path) -> None:
+    """One panel per round trip: utilisation against link rate."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    rtts = sorted(by_rtt, key=float)
+    fig, axes = plt.subplots(1, len(rtts), figsize=(6.4 * len(rtts), 5.0), squeeze=False)
+    for ax, rtt in zip(axes[0], rtts):
+        _plot_panel(ax, by_rtt[rtt], f"RTT {rtt} ms" if len(rtts) > 1 else "")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def _plot_panel(ax, results: dict, label: str) -> None:
     rates = sorted(results, key=float)
-    fig, ax = plt.subplots(figsize=(6.4, 5.0))
     x = [float(r) for r in rates]
     # The two ceiling runs of each rate, relative to their mean: the run-to-run noise.
     spread = [[100 * c / results[r]["methods"][CEILING]["ms_per_step"]
@@ -323,16 +368,17 @@ def plot(results: dict, path: Path) -> None:
     ax.set_ylim(0, max(105, top + 5))
     ax.set_xlabel("link rate (Mbit/s, tc tbf)")
     ax.set_ylabel("compute utilisation (%)")
-    ax.set_title("2 workers x 1 rank, 842k-param GPT, CPU + gloo")
+    ax.set_title("2 workers x 1 rank, 842k-param GPT, CPU + gloo" + (f", {label}" if label
+                                                                    else ""))
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
     ax.grid(True, which="both", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rates", default="10,30,100,300", help="Mbit/s, comma-separated")
+    ap.add_argument("--rtts", default="0", help="round trips in ms, comma-separated (a delay "
+                    "in user space, launch/delay_link.py); 0: the direct veth pair")
     ap.add_argument("--methods", default=DEFAULT_METHODS,
                     help="indices into METHODS (the ceiling, 0, always runs)")
     ap.add_argument("--lock", default=None,
@@ -342,19 +388,22 @@ def main():
     opts = ap.parse_args()
     if opts.plot_only:
         path = Path(opts.plot_only)
-        return plot(json.loads(path.read_text())["results"], path.with_suffix(".png"))
+        record = json.loads(path.read_text())
+        return plot(record.get("results_by_rtt") or {"0": record["results"]},
+                    path.with_suffix(".png"))
     if os.geteuid() != 0:
         sys.exit("benchmarks/slow_link.py: needs root (ip netns, tc)")
     names = list(METHODS)
     methods = [CEILING] + [names[int(i)] for i in opts.methods.split(",") if int(i) != 0]
     rates = [float(r) if "." in r else int(r) for r in opts.rates.split(",")]
+    rtts = [int(r) for r in opts.rtts.split(",")]
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
     for s in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(s, _on_signal)
     began = time.perf_counter()
     try:
-        results = sweep(rates, methods, out, opts.lock)
+        by_rtt = sweep(rates, rtts, methods, out, opts.lock)
     except (KeyboardInterrupt, Terminated) as e:
         print(f"interrupted ({type(e).__name__} {e}): stopped the runs, removed the namespaces",
               file=sys.stderr)
@@ -362,17 +411,20 @@ def main():
     finally:
         left = namespaces()
         print(f"namespaces left after teardown: {left or 'none'}", flush=True)
-    record = {"rates_mbit": rates, "results": results, "model_flags": MODEL,
+    record = {"rates_mbit": rates, "rtts_ms": rtts, "results_by_rtt": by_rtt,
+              "results": by_rtt.get("0", {}), "model_flags": MODEL,
               "inner_steps": H, "fragments": P, "overlap_steps": TAU,
               "methods": {n: vars(METHODS[n]) for n in methods},
               "sweep_wall_s": time.perf_counter() - began, "namespaces_left": left}
     (out / "slow_link.json").write_text(json.dumps(record, indent=1) + "\n")
-    plot(results, out / "slow_link.png")
-    for rate, point in results.items():
-        print(f"{rate} Mbit/s (measured {point['measured_mbit']:.1f}): ms/step, utilisation")
-        for name in methods:
-            r = point["methods"][name]
-            print(f"  {name:50} {r['ms_per_step']:8.1f} {100 * r['utilisation']:6.1f} %")
+    plot(by_rtt, out / "slow_link.png")
+    for rtt, results in by_rtt.items():
+        for rate, point in results.items():
+            print(f"{rate} Mbit/s, RTT {rtt} ms (measured {point['measured_mbit']:.1f} Mbit/s, "
+                  f"{point['measured_rtt_ms']:.1f} ms): ms/step, utilisation")
+            for name in methods:
+                r = point["methods"][name]
+                print(f"  {name:50} {r['ms_per_step']:8.1f} {100 * r['utilisation']:6.1f} %")
     print(f"wrote {out / 'slow_link.json'} and {out / 'slow_link.png'}")
 
 

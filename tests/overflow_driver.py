@@ -52,6 +52,8 @@ def main():
     out_dir, spec, argv = sys.argv[1], sys.argv[2], sys.argv[3:]
     worker, steps = spec.split(":")
     run = Run(parse_args(argv)).setup()
+    if run.sync is not None:
+        run.sync.events = []  # what the sync did, step by step (off by default)
     if run.topology.worker == int(worker):
         inject_overflow(run, {int(s) for s in steps.split(",")})
     results = record_steps(run)

@@ -42,6 +42,8 @@ def full_parameters(run) -> dict:
 def main():
     out_dir, argv = sys.argv[1], sys.argv[2:]
     run = Run(parse_args(argv), [Faults]).setup()
+    if run.sync is not None:
+        run.sync.events = []  # what the sync did, step by step (off by default)
     run.train()
     run.stop.close()
     if run.sync is not None:

@@ -52,6 +52,7 @@ def _build_sync(layout, tensors, schedule, alpha):
     pushes = []
     sync = StreamingSync(groups, schedule, transport, OuterOptimizer(LR, MU, True),
                          alpha, False, False, lambda: pushes.append(sync.step))
+    sync.events = []  # recorded on request only
     return sync, pushes
 
 

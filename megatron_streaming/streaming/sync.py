@@ -113,7 +113,13 @@ class StreamingSync:
         self._stale = False  # a partition changed after DeepSpeed copied it to the model
         # (step, "send" | "merge" | "skip", fragment, shard index): what this rank did, in
         # order; every worker's list must be identical (the schedule is a function of the step).
-        self.events: List[tuple] = []
+        # Recorded only when a caller sets it to a list (tests, drills): a long run would
+        # otherwise grow it for nothing.
+        self.events: Optional[List[tuple]] = None
+
+    def _event(self, kind: str, g: ShardGroup) -> None:
+        if self.events is not None:
+            self.events.append((self.step, kind, g.fragment, g.index))
 
     # ---- driven by the engine ----------------------------------------------------------
     def attach(self, inner_optimizer: torch.optim.Optimizer) -> None:
@@ -165,7 +171,7 @@ class StreamingSync:
         if stats.send_step != self.step:
             stats.grad_sq, stats.send_step = 0.0, self.step
         stats.grad_sq += float(delta.double().pow(2).sum())
-        self.events.append((self.step, "send", g.fragment, g.index))
+        self._event("send", g)
         outbox = self._outbox.setdefault(g.fragment, [])
         outbox.append((g, delta))
         if len(outbox) < self._shards_of[g.fragment]:
@@ -217,11 +223,11 @@ class StreamingSync:
         stats.quant_error = max(stats.quant_error, result.quant_error)
         if not result.all_finite:
             stats.skipped += 1
-            self.events.append((self.step, "skip", g.fragment, g.index))
+            self._event("skip", g)
             log.warning("step %d: non-finite outer gradient in fragment %d on some worker: "
                         "outer step skipped", self.step, g.fragment)
             return
-        self.events.append((self.step, "merge", g.fragment, g.index))
+        self._event("merge", g)
         theta_g = self.theta_g[g.index]
         self.outer.step(theta_g, self.momentum[g.index], result.mean.to(theta_g.device))
         local = g.read()
