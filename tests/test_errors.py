@@ -188,11 +188,11 @@ def test_entry_point_reports_data_errors_and_keeps_tracebacks_of_bugs(monkeypatc
     garbage = tmp_path / "garbage.model"
     garbage.write_bytes(b"not a sentencepiece model" * 10)
     monkeypatch.setattr(megatron_streaming.train, "pretrain",
-                        lambda cfg: load_tokenizer(str(garbage)))
+                        lambda cfg, extensions=(): load_tokenizer(str(garbage)))
     assert entry.main(["--mock-data"]) == 2
     assert f"pretrain_gpt.py: error: --tokenizer-model '{garbage}'" in capsys.readouterr().err
 
-    def bug(cfg):
+    def bug(cfg, extensions=()):
         raise ValueError("an internal bug")
 
     monkeypatch.setattr(megatron_streaming.train, "pretrain", bug)
