@@ -17,7 +17,7 @@ moved to the group's device (CUDA for NCCL, else CPU) before the collective.
 from __future__ import annotations
 
 import threading
-from typing import List, Optional
+from typing import List
 
 import torch
 import torch.distributed as dist
@@ -51,10 +51,6 @@ class CrossWorker:
             use_cuda_stream=nccl)
         return self.transport
 
-    @property
-    def data_bytes_sent(self) -> int:
-        return self.transport.bytes_sent if self.transport is not None else 0
-
     # ---- control ---------------------------------------------------------------------------
     @property
     def control_bytes(self) -> int:
@@ -83,10 +79,6 @@ class CrossWorker:
             dist.barrier(group=self.control_group)
             self.count_control(2 * (self.workers - 1))  # a byte each way (gloo's barrier)
 
-    def close(self) -> None:
-        if self.transport is not None:
-            self.transport.close()
-
     def total_control_bytes(self, worker_group) -> int:
         """Control bytes of every rank of every worker, as counted before this call
         (collective over the worker, then across workers)."""
@@ -99,11 +91,6 @@ class CrossWorker:
         return int(total.item())
 
 
-def byte_count(*parts: Optional[object]) -> int:
-    """Bytes of store keys and values (str or bytes) as they travel."""
-    total = 0
-    for p in parts:
-        if p is None:
-            continue
-        total += len(p.encode() if isinstance(p, str) else p)
-    return total
+def byte_count(*parts: str) -> int:
+    """Bytes of store keys and values as they travel."""
+    return sum(len(p.encode()) for p in parts)

@@ -41,6 +41,7 @@ from .arguments import ConfigError, flag_name
 log = logging.getLogger("megatron_streaming")
 
 PREFIX = "megatron_streaming/door/"
+RANKS = "ranks per worker (nodes x --nproc-per-node)"
 _MODEL_SKIP = {"recompute_granularity", "recompute_method", "recompute_num_layers",
                "recompute_modules", "hidden_dropout", "attention_dropout"}
 _STREAMING_SKIP = {"diloco_worker_index", "diloco_timeout", "eval_params"}
@@ -55,7 +56,7 @@ def fingerprint(cfg, layout, tokenizer) -> Dict[str, str]:
     """What must be equal on every worker, as ``{label: value}``; a label is the flag's name
     where there is one."""
     out: Dict[str, str] = {
-        "ranks per worker (nodes x --nproc-per-node)": str(layout.ranks_per_worker),
+        RANKS: str(layout.ranks_per_worker),
         "world size": str(layout.world_size),
     }
 
@@ -202,10 +203,6 @@ class Door:
         self.rank_in_worker, self.timeout = rank_in_worker, timeout
         self.bytes = 0
 
-    def _set(self, key: str, value: bytes) -> None:
-        self.bytes += len(key) + len(value)
-        self.store.set(PREFIX + key, value)
-
     def _get(self, key: str) -> bytes:
         value = self.store.get(PREFIX + key)
         self.bytes += len(key) + len(value)
@@ -229,7 +226,7 @@ class Door:
         self.bytes += 2 * len(PREFIX + "read")
         if problems:
             if int(os.environ.get("RANK", "0")) == 0:
-                expected = sum(int(r["ranks_per_worker"]) for r in records)
+                expected = sum(int(r["fingerprint"][RANKS]) for r in records)
                 deadline = time.monotonic() + 15
                 while read < expected and time.monotonic() < deadline:
                     time.sleep(0.2)
@@ -240,9 +237,7 @@ class Door:
 
     def _claim(self, mine: Dict[str, str]) -> None:
         ident = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-        record = json.dumps({"launch": ident, "fingerprint": mine,
-                             "ranks_per_worker": mine["ranks per worker (nodes x "
-                                                      "--nproc-per-node)"]}).encode()
+        record = json.dumps({"launch": ident, "fingerprint": mine}).encode()
         key = f"worker{self.worker}"
         self.bytes += len(key) + 2 * len(record)
         held = self.store.compare_set(PREFIX + key, "", record)

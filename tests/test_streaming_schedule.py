@@ -99,6 +99,18 @@ def test_lr_spacing_with_a_constant_lr_is_even_spacing():
         assert spaced.merges_after(step) == even.merges_after(step), step
 
 
+def test_lr_spacing_follows_the_runs_own_learning_rate():
+    from megatron_streaming.arguments import parse_args
+    from megatron_streaming.engine import lr_at
+
+    cfg = parse_args(["--mock-data", "--diloco-workers", "2", "--diloco-inner-steps", "12",
+                      "--diloco-fragments", "3", "--diloco-overlap-steps", "1",
+                      "--diloco-sync-spacing", "lr", "--lr-decay-style", "cosine",
+                      "--lr-warmup-iters", "10", "--train-iters", "240"])
+    expected = lr_spaced_sends([lr_at(i, cfg) for i in range(240)], 4, 1)
+    assert builder.sync_schedule(cfg).send_steps == expected and len(expected) == 60
+
+
 def test_lr_spacing_syncs_often_early_and_as_often_over_the_run():
     T, H, P, tau = 1200, 30, 3, 1
     lrs = [2e-3 * min(1, (i + 1) / 30) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * i / T)))

@@ -37,10 +37,11 @@ def sync_schedule(cfg: Config, dp: int = 1) -> SyncSchedule:
     s = cfg.streaming
     schedule = SyncSchedule(s.diloco_inner_steps, num_fragments(cfg), s.diloco_overlap_steps)
     if s.diloco_sync_spacing == "lr" and cfg.training.train_iters:
-        from ..engine import lr_at
+        from ..schedules import BatchSchedule, LrSchedule
         from .schedule import lr_spaced_sends
 
-        lrs = [lr_at(i, cfg, dp) for i in range(cfg.training.train_iters)]
+        lr = LrSchedule(cfg, BatchSchedule(cfg.training, cfg.model.seq_length, dp))
+        lrs = [lr(i) for i in range(cfg.training.train_iters)]
         schedule = SyncSchedule(s.diloco_inner_steps, num_fragments(cfg),
                                 s.diloco_overlap_steps,
                                 lr_spaced_sends(lrs, schedule.interval, s.diloco_overlap_steps))

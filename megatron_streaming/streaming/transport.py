@@ -250,11 +250,15 @@ def _pack(parts: List[torch.Tensor]) -> torch.Tensor:
 
 
 def _unpack(row: torch.Tensor, like: List[torch.Tensor]) -> List[torch.Tensor]:
-    """One packed row back into flat tensors with the dtypes and row widths of ``like``."""
+    """One packed row back into flat tensors with the dtypes and row widths of ``like``:
+    views into ``row``, copied only where a piece does not start on its dtype's alignment."""
     out, offset = [], 0
     for p in like:
         width = p.shape[1] * p.element_size()
-        out.append(row[offset:offset + width].clone().view(p.dtype))
+        piece = row[offset:offset + width]
+        if piece.storage_offset() % p.element_size():
+            piece = piece.clone()
+        out.append(piece.view(p.dtype))
         offset += width
     return out
 
