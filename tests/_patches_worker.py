@@ -257,8 +257,8 @@ def _check_norm_zero_centered():
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     x = torch.randn(3, HIDDEN)
-    for normalization, plain in (("LayerNorm", torch.nn.LayerNorm(HIDDEN)),
-                                 ("RMSNorm", torch.nn.RMSNorm(HIDDEN))):
+    for normalization, plain in (("LayerNorm", torch.nn.LayerNorm(HIDDEN, eps=1e-5)),
+                                 ("RMSNorm", torch.nn.RMSNorm(HIDDEN, eps=1e-5))):
         config = _tiny_config(normalization=normalization)
         config.layernorm_zero_centered_gamma = True
         norm = WrappedTorchNorm(config=config, hidden_size=HIDDEN, eps=1e-5)
