@@ -136,6 +136,10 @@ VARIANTS = {
     "defaults_lr_spaced": ("defaults with --diloco-sync-spacing lr",
                            ["--diloco-inner-steps", "30", *STREAM, "--diloco-quantize", "fp4",
                             "--diloco-sync-spacing", "lr"]),
+    # Each exchange applied a whole round late, the worker's own share at once.
+    "defaults_eager": ("defaults with eager outer updates instead of tau=1",
+                       ["--diloco-inner-steps", "30", *STREAM, "--diloco-quantize", "fp4",
+                        "--diloco-overlap-steps", "0", "--diloco-eager"]),
 }
 LADDER = list(VARIANTS)
 
@@ -237,6 +241,8 @@ def resolved_settings(args: list[str]) -> dict:
     # so earlier records keep their keys.
     if cfg.streaming.diloco_sync_spacing != "steps":
         out["diloco_sync_spacing"] = cfg.streaming.diloco_sync_spacing
+    if cfg.streaming.diloco_eager:
+        out["diloco_eager"] = True
     return out
 
 

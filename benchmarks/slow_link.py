@@ -17,7 +17,8 @@ methods run back to back:
   (RANK/WORLD_SIZE from the environment), so its fp32 gradient traffic crosses every step;
 * DiLoCo: one fragment, blocking (tau = 0), fp32 outer gradients (as in the paper's Fig. 4);
 * Streaming DiLoCo + overlap + FP4: P fragments, tau = 1, FP4 E3M0, with the default
-  ``--diloco-control-lag 1`` and again with ``--diloco-control-lag 4``.
+  ``--diloco-control-lag 1`` and again with ``--diloco-control-lag 4``; by ``--methods``,
+  tau = 3, or eager outer updates (an exchange may take a whole round of H steps).
 
 Step time is wall clock on worker 0 between progress reports (tokens over
 ``train/tokens_per_s``: it includes the stop-flag wait, which ``train/step_seconds`` does
@@ -96,6 +97,10 @@ METHODS = {
     # workers also wait for each other's slow steps; the ceiling under the same lag as method 2.
     "ceiling, control lag 4": Method("workers", ["--diloco-workers", "2", "--no-diloco-sync",
                                                  "--diloco-control-lag", "4"]),
+    # Eager outer updates: each exchange has a whole round (H steps) instead of tau.
+    "Streaming DiLoCo + eager + FP4, control lag 4": Method("workers", [
+        *STREAMING[:-4], "--diloco-overlap-steps", "0", "--diloco-eager",
+        "--diloco-quantize", "fp4", "--diloco-control-lag", "4"]),
 }
 DEFAULT_METHODS = "1,2,3,4"
 CEILING = "ceiling (no cross-worker sync)"

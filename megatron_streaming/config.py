@@ -224,6 +224,12 @@ class StreamingConfig:
         "seldom at the end of its decay.", choices=["steps", "lr"])
     diloco_overlap_steps: int = arg(
         0, "tau: inner steps that overlap a fragment's exchange before its merge (< H/P).")
+    diloco_eager: bool = arg(
+        False, "Eager outer updates (arXiv 2502.12996): at a fragment's send the worker takes an "
+        "outer step at once, its own fresh outer gradient standing in for its share of the "
+        "mean in flight; that mean is applied at the fragment's next send, so an exchange may "
+        "take a whole round (H steps) without stalling training. Needs "
+        "--diloco-overlap-steps 0.")
     diloco_alpha: float = arg(
         0.0, "Merge: local = alpha * local + (1 - alpha) * global (0 = replace).")
     diloco_outer_lr: float = arg(

@@ -8,6 +8,10 @@ gradient clipping. The outer step is torch's SGD with Nesterov momentum on the g
 Nothing of the library's sync, transport or codec is used, so a bug there cannot hide in both.
 Writes OUT/reference.pt: per worker the local parameters, and the global parameters.
 
+``--diloco-eager``: each worker keeps its own global copy and outer optimizer; at a fragment's
+send it steps with the previous round's mean, less its own share of it (applied a round ago),
+plus its fresh outer gradient over M (arXiv 2502.12996). Writes each worker's global copy too.
+
 A resume under other flags (``REFERENCE_RESUME_AT=R``, ``REFERENCE_RESUME_ARGS``: a JSON list of
 the second run's flags, ``REFERENCE_RESUME_WORLD_SIZE``) continues after step R as the
 checkpoint rules say: another sync schedule merges the exchange in flight at once and keeps
@@ -117,30 +121,40 @@ class Reference:
                         for n, p in self.models[0].named_parameters()}
         self.pending = {}
         self.configure(cfg, world, 0)
+        if self.schedule.eager:  # each worker its own global copy, outer optimizer, last share
+            self.thetas = [{n: torch.nn.Parameter(t.detach().clone())
+                            for n, t in self.theta_g.items()} for _ in range(self.M)]
+            self.eager_outer = [self._outer_optimizers(theta) for theta in self.thetas]
+            self.own = [{} for _ in range(self.M)]
 
     def configure(self, cfg, world, start):
         self.cfg, self.M = cfg, cfg.streaming.diloco_workers
         self.DP = data_parallel_size(cfg, world)
         self.iterators = worker_iterators(cfg, self.tokenizer, self.M, self.DP, start)
         self.micro_batches = num_microbatches(cfg, self.DP)
-        s = cfg.streaming
         self.plan, self.schedule = fragment_plan(cfg), sync_schedule(cfg)
         self.fragment = {n: self.plan.fragment_of(n) for n in self.names}
         old = getattr(self, "outer", {})
-        self.outer = {p: torch.optim.SGD(
-            [self.theta_g[n] for n in self.names if self.fragment[n] == p],
-            lr=s.diloco_outer_lr, momentum=s.diloco_outer_momentum,
-            nesterov=s.diloco_nesterov and s.diloco_outer_momentum > 0)
-            for p in range(self.plan.num_fragments)}
+        self.outer = self._outer_optimizers(self.theta_g)
         for opt in old.values():  # each parameter keeps its outer momentum
             for param, state in opt.state.items():
                 self.outer[self.fragment[self._name(param)]].state[param] = state
+
+    def _outer_optimizers(self, theta):
+        s = self.cfg.streaming
+        return {p: torch.optim.SGD(
+            [theta[n] for n in self.names if self.fragment[n] == p],
+            lr=s.diloco_outer_lr, momentum=s.diloco_outer_momentum,
+            nesterov=s.diloco_nesterov and s.diloco_outer_momentum > 0)
+            for p in range(self.plan.num_fragments)}
 
     def _name(self, param):
         return next(n for n, t in self.theta_g.items() if t is param)
 
     def resume(self, cfg, world, start):
         """Another run resumes the checkpoint of step ``start`` with ``cfg``."""
+        if self.schedule.eager or sync_schedule(cfg).eager:
+            raise NotImplementedError("the reference does not resume eager runs")
         changed = (fragment_plan(cfg), sync_schedule(cfg)) != (self.plan, self.schedule)
         if changed:  # the exchange in flight merges at load
             for p in sorted(self.pending):
@@ -180,6 +194,9 @@ class Reference:
             inner_step(self.cfg, self.models[w], self.opts[w], self.iterators[w], step - 1,
                        self.micro_batches)
         local = [dict(m.named_parameters()) for m in self.models]
+        if self.schedule.eager:
+            self.eager_step(step, last, local)
+            return
         for p in self.schedule.sends_after(step):
             self.pending[p] = {}
             for n in self.names:
@@ -193,6 +210,33 @@ class Reference:
         for p in merging:
             if p in self.pending:  # else: sent under another schedule, merged at the resume
                 self.merge(p)
+
+
+    def eager_step(self, step, last, local):
+        for p in self.schedule.sends_after(step):
+            self.eager_apply(p, local, sending=True)
+        if last:  # the end: what is in flight is applied now, with nothing fresh
+            for p in sorted(self.pending):
+                self.eager_apply(p, local, sending=False)
+
+    def eager_apply(self, p, local, sending):
+        M, alpha = self.M, self.cfg.streaming.diloco_alpha
+        names = [n for n in self.names if self.fragment[n] == p]
+        previous = self.pending.pop(p, None)
+        fresh = [{n: (self.thetas[w][n].detach() - local[w][n].detach()) if sending
+                  else torch.zeros_like(local[w][n]) for n in names} for w in range(M)]
+        for w in range(M):
+            for n in names:
+                grad = (fresh[w][n] - self.own[w].get(n, 0.0)) / M
+                self.thetas[w][n].grad = grad + previous[n] if previous is not None else grad
+            self.eager_outer[w][p].step()
+            with torch.no_grad():
+                for n in names:
+                    local[w][n].mul_(alpha).add_(self.thetas[w][n], alpha=1 - alpha)
+            self.own[w].update(fresh[w])
+        if sending:
+            self.pending[p] = {n: sum(fresh[w][n] for w in range(M)) / M for n in names}
+        self.theta_g = self.thetas[0]
 
 
 def main():
@@ -215,7 +259,9 @@ def main():
         ref.step(step, step == last_cfg.training.train_iters)
     torch.save({"local": [{n: p.detach().clone() for n, p in m.named_parameters()}
                           for m in ref.models],
-                "global": {n: t.detach().clone() for n, t in ref.theta_g.items()}},
+                "global": {n: t.detach().clone() for n, t in ref.theta_g.items()},
+                "globals": [{n: t.detach().clone() for n, t in theta.items()}
+                            for theta in getattr(ref, "thetas", [ref.theta_g] * ref.M)]},
                os.path.join(out_dir, "reference.pt"))
 
 

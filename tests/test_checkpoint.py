@@ -199,20 +199,33 @@ STREAMING = [*TINY, "--num-layers", "2", "--train-iters", "12", "--eval-iters", 
              "--diloco-error-feedback"]
 
 
-@pytest.mark.timeout(400)
-def test_resume_with_a_fragment_in_flight_continues_exactly(tmp_path):
+_TAU = STREAMING.index("--diloco-overlap-steps")
+EAGER = STREAMING[:_TAU] + STREAMING[_TAU + 2:] + [
+    "--diloco-eager", "--diloco-outer-lr", "0.7", "--diloco-outer-momentum", "0.9"]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("eager", [False, True], ids=["tau2", "eager"])
+def test_resume_with_a_fragment_in_flight_continues_exactly(tmp_path, eager):
     """H=6, P=2, tau=2: fragment 0 is sent after step 6 and merged after step 8, so a
     checkpoint after step 7 holds an exchange in flight (and the FP4 error-feedback residual,
-    the outer momentum and the global copy)."""
+    the outer momentum and the global copy). Eager (outer momentum on, so each worker's global
+    copy and momentum are its own): fragment 1 sent after step 3 and fragment 0 after step 6
+    are both in flight, applied at their next sends, 9 and 12."""
+    args = EAGER if eager else STREAMING
     full_summary, resumed_summary = tmp_path / "full.json", tmp_path / "resumed.json"
-    run(2, [*STREAMING, "--log-jsonl", str(tmp_path / "full.jsonl"),
+    run(2, [*args, "--log-jsonl", str(tmp_path / "full.jsonl"),
             "--summary-json", str(full_summary)])
     ckpt = tmp_path / "ckpt"
-    run(2, [*STREAMING, "--save", str(ckpt), "--exit-interval", "7",
+    run(2, [*args, "--save", str(ckpt), "--exit-interval", "7",
             "--log-jsonl", str(tmp_path / "first.jsonl")])
     meta = json.loads((ckpt / "iter_0000007" / "checkpoint.json").read_text())
-    assert meta["pending"] == [{"fragment": 0, "step": 6, "all_finite": True}]
-    run(2, [*STREAMING, "--load", str(ckpt), "--log-jsonl", str(tmp_path / "second.jsonl"),
+    assert meta["pending"] == [{"fragment": 0, "step": 6, "all_finite": True}] + (
+        [{"fragment": 1, "step": 3, "all_finite": True}] if eager else [])
+    if eager:
+        assert {"worker1.outer.theta_g", "worker1.outer.momentum", "worker0.outer.own",
+                "worker1.outer.own"} <= set(meta["kinds"]["prefixes"])
+    run(2, [*args, "--load", str(ckpt), "--log-jsonl", str(tmp_path / "second.jsonl"),
             "--summary-json", str(resumed_summary)])
 
     def records(name, key):

@@ -90,6 +90,26 @@ def test_schedule_rejects_bad_settings_naming_flags_and_values(H, P, tau, flags)
         assert text in str(err.value), str(err.value)
 
 
+@pytest.mark.parametrize("spaced", [False, True])
+@pytest.mark.parametrize("H,P", [(6, 3), (4, 1), (12, 4)])
+def test_eager_schedule_merges_each_exchange_at_its_fragments_next_send(H, P, spaced):
+    send_steps = lr_spaced_sends([1.0 / (i + 1) for i in range(5 * H)], H // P, 0) \
+        if spaced else None
+    sched = SyncSchedule(H, P, 0, send_steps, eager=True)
+    in_flight = {}  # fragment -> step it was sent after
+    for s in range(1, 5 * H + 1):
+        sends = sched.sends_after(s)
+        assert sends == SyncSchedule(H, P, 0, send_steps).sends_after(s)  # same sends
+        # A send merges the fragment's previous exchange (none at its first send).
+        assert sched.merges_after(s) == [p for p in sends if p in in_flight]
+        for p in sends:
+            in_flight[p] = s
+        assert sorted(sched.in_flight_after(s)) == sorted(in_flight), s
+    assert len(in_flight) == P
+    with pytest.raises(ValueError, match=r"--diloco-eager .*--diloco-overlap-steps \(1\)"):
+        SyncSchedule(H * 2, P, 1, eager=True)
+
+
 def test_lr_spacing_with_a_constant_lr_is_even_spacing():
     even = SyncSchedule(12, 3, 1)
     spaced = SyncSchedule(12, 3, 1, lr_spaced_sends([1e-3] * 120, even.interval, 1))

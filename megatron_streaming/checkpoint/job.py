@@ -150,8 +150,15 @@ class JobState:
             # error-feedback residual while it encodes, so reading it before would save the
             # value of a moment chosen by the thread scheduler.
             pending = self._pending_means()
-            add("outer.theta_g", self._params(self._sync_vectors(s.theta_g)), True)
-            add("outer.momentum", self._params(self._sync_vectors(s.momentum)), True)
+            # Eager: each worker's global copy is its own (worker 0's stays the global one,
+            # read by new workers and the offline tools); so is its latest share.
+            eager = s.own is not None
+            outer_key = f"{w}.outer" if eager and self.worker != 0 else "outer"
+            add(f"{outer_key}.theta_g", self._params(self._sync_vectors(s.theta_g)), not eager)
+            add(f"{outer_key}.momentum", self._params(self._sync_vectors(s.momentum)),
+                not eager)
+            if eager:
+                add(f"{w}.outer.own", self._params(self._sync_vectors(s.own)))
             if any(f is not None for f in s.feedback):
                 add(f"{w}.outer.residual", self._params(self._sync_vectors(
                     [f.residual[:g.numel] if f is not None else torch.zeros(g.numel)
@@ -321,6 +328,10 @@ class JobState:
             if self.sync is not None or src is None:
                 for kind in ("theta_g", "momentum", "pending"):
                     want(f"outer.{kind}.{slot.gname}", slot)
+                if plan.eager_saved:  # each worker's own outer state (worker 0: the above)
+                    for kind in ("theta_g", "momentum"):
+                        want(f"worker{src}.outer.{kind}.{slot.gname}", slot)
+                    want(f"worker{src if src is not None else 0}.outer.own.{slot.gname}", slot)
             if self.sync is not None and src is not None and plan.residuals:
                 want(f"worker{src}.outer.residual.{slot.gname}", slot)
         if plan.restore_rng:
@@ -355,8 +366,11 @@ class JobState:
 
         collect("model", lambda s: f"worker{src}.model.{s.gname}")
         collect("master", lambda s: f"worker{src}.master.{s.gname}")
-        collect("theta_g", lambda s: f"outer.theta_g.{s.gname}")
-        collect("momentum", lambda s: f"outer.momentum.{s.gname}")
+        for kind in ("theta_g", "momentum"):  # eager: worker src's own, if not worker 0
+            collect(kind, lambda s, k=kind: f"worker{src}.outer.{k}.{s.gname}"
+                    if f"worker{src}.outer.{k}.{s.gname}" in loaded else
+                    f"outer.{k}.{s.gname}")
+        collect("own", lambda s: f"worker{src if src is not None else 0}.outer.own.{s.gname}")
         collect("pending", lambda s: f"outer.pending.{s.gname}")
         collect("residual", lambda s: f"worker{src}.outer.residual.{s.gname}")
         for key in plan.optimizer_keys:
@@ -408,15 +422,20 @@ class JobState:
 
         outer = self.sync.outer if self.sync is not None else None
         alpha = self.cfg.streaming.diloco_alpha
+        workers = self._plan.saved_workers
         for i, mean in per_kind["pending"].items():
             theta, momentum = per_kind["theta_g"][i], per_kind["momentum"][i]
-            if outer is not None and self._plan.pending_finite:
+            if not self._plan.pending_finite:
+                mean = torch.zeros_like(mean)
+            if i in per_kind["own"]:  # eager: this worker's share was applied at its send
+                mean = mean - per_kind["own"][i] / workers
+            if outer is not None and (self._plan.pending_finite or i in per_kind["own"]):
                 outer.step(theta, momentum, mean)
             if self._plan.weights_worker is None:  # a new worker starts from the new theta_g
                 weights[i] = theta.clone()
             else:
                 merge(weights[i], theta, alpha)
-        per_kind["pending"] = {}
+        per_kind["pending"], per_kind["own"] = {}, {}
 
     @torch.no_grad()
     def _restore_weights(self, weights, model_values) -> None:
@@ -465,6 +484,11 @@ class JobState:
         momentum = per_kind["momentum"]
         for dst, value in zip(s.momentum, self._group_values(self._space_vectors(momentum))):
             dst.copy_(value.to(dst.device) if momentum else torch.zeros_like(dst))
+        if s.own is not None:
+            own = per_kind["own"]
+            for i, value in enumerate(self._group_values(self._space_vectors(own))):
+                s.own[i] = value.to(s.theta_g[i].device) if own else \
+                    torch.zeros_like(s.theta_g[i])
         residual = per_kind["residual"]
         for f, value in zip(s.feedback, self._group_values(self._space_vectors(residual))):
             if f is not None:

@@ -5,8 +5,9 @@ every rank with the flag, the old and the new value.
 Honoured: any TP / PP / Ulysses SP / DP size and ZeRO stage (the checkpoint is keyed by global
 parameter names); precision (weights come from the fp32 masters when there are any); another
 sync schedule (``--diloco-fragments``, ``--diloco-fragment-pattern``, ``--diloco-inner-steps``,
-``--diloco-overlap-steps``: an exchange in flight is merged at load, since the new schedule
-never sent it) or wire format (``--diloco-quantize``: the error-feedback residual is carried
+``--diloco-overlap-steps``, ``--diloco-eager``: an exchange in flight is merged at load, since
+the new schedule never sent it; with eager updates, less the worker's own share of it, applied
+at its send; also when the number of workers changes, since that share is over M) or wire format (``--diloco-quantize``: the error-feedback residual is carried
 over); another number of workers (new workers start from the global parameters, with the
 inner optimizer state of worker 0 or a fresh one, ``--diloco-new-worker-optimizer``; fewer
 workers keep the first ones).
@@ -52,6 +53,7 @@ SCHEDULE = (
     ("--diloco-fragment-pattern", "pattern"),
     ("--diloco-inner-steps", "inner_steps"),
     ("--diloco-overlap-steps", "overlap_steps"),
+    ("--diloco-eager", "eager"),
 )
 
 
@@ -66,6 +68,7 @@ def streaming_description(cfg) -> dict:
     return {"enabled": builder.enabled(cfg), "workers": s.diloco_workers,
             "fragments": builder.num_fragments(cfg), "pattern": s.diloco_fragment_pattern,
             "inner_steps": s.diloco_inner_steps, "overlap_steps": s.diloco_overlap_steps,
+            "eager": s.diloco_eager,
             "quantize": s.diloco_quantize, "error_feedback": s.diloco_error_feedback,
             "outer_lr": s.diloco_outer_lr, "outer_momentum": s.diloco_outer_momentum,
             "alpha": s.diloco_alpha}
@@ -99,7 +102,9 @@ def check_compatible(root: str, meta: dict, cfg, vocab_size: Optional[int]) -> N
 def schedule_changes(meta: dict, cfg) -> List[Tuple[str, object, object]]:
     """(flag, old, new) of every sync-schedule flag that differs (empty: same schedule)."""
     old, new = meta["streaming"], streaming_description(cfg)
-    return [(flag, old[key], new[key]) for flag, key in SCHEDULE if old[key] != new[key]]
+    # Checkpoints from before a flag existed hold its default.
+    return [(flag, old.get(key, False), new[key]) for flag, key in SCHEDULE
+            if old.get(key, False) != new[key]]
 
 
 @dataclass
@@ -111,6 +116,8 @@ class ResumePlan:
     residuals: bool                     # this worker has an error-feedback residual saved
     merge_pending_now: bool             # another schedule: merge the exchange in flight
     pending_finite: bool                # the exchange in flight had a finite mean
+    eager_saved: bool                   # saved under --diloco-eager: per-worker outer state
+    saved_workers: int                  # the checkpoint's number of workers
     pending: Dict[int, dict]            # fragment -> {"step", "all_finite"} to keep in flight
     pending_stats: Dict[int, dict]      # shard index -> byte counts (same layout only)
     nothing_in_flight: List[int]        # fragments whose next merge has nothing to merge
@@ -150,7 +157,11 @@ def plan(meta: dict, cfg, layout, rank: int, new_worker_optimizer: str) -> Resum
     changes = schedule_changes(meta, cfg) if builder.enabled(cfg) else []
     old_pending = meta.get("pending", [])
     # Without the sync on resume, the worker simply goes on from its own weights.
-    merge_now = bool(old_pending) and bool(changes)
+    eager_saved = bool(meta["streaming"].get("eager"))
+    # Eager exchanges carry each worker's share over M: with another M they merge at load.
+    eager_regroup = (eager_saved or cfg.streaming.diloco_eager) and \
+        old_workers != cfg.streaming.diloco_workers
+    merge_now = bool(old_pending) and (bool(changes) or eager_regroup)
     iteration = meta["iteration"]
     pending, nothing = {}, []
     if builder.enabled(cfg):
@@ -159,13 +170,16 @@ def plan(meta: dict, cfg, layout, rank: int, new_worker_optimizer: str) -> Resum
                        for p in old_pending}
         elif meta.get("merged_early") and not changes:
             nothing = list(meta["merged_early"])
-        if changes or not meta["streaming"]["enabled"]:
+        if changes or eager_regroup or not meta["streaming"]["enabled"]:
             # The new schedule's exchanges that would be in flight now were never sent.
             nothing = builder.sync_schedule(cfg).in_flight_after(iteration)
     if changes:
         notes.append("sync schedule changed on resume (" + ", ".join(
             f"{flag} {old} -> {new}" for flag, old, new in changes) + ")"
             + ("; the exchange in flight was merged at load" if merge_now else ""))
+    elif merge_now:
+        notes.append(f"--diloco-workers {old_workers} -> {cfg.streaming.diloco_workers} "
+                     "with eager updates: the exchanges in flight were merged at load")
     outer = [(flag, meta["streaming"].get(key), new) for flag, key, new in (
         ("--diloco-outer-lr", "outer_lr", cfg.streaming.diloco_outer_lr),
         ("--diloco-outer-momentum", "outer_momentum", cfg.streaming.diloco_outer_momentum),
@@ -197,5 +211,6 @@ def plan(meta: dict, cfg, layout, rank: int, new_worker_optimizer: str) -> Resum
     old_pending_finite = all(p["all_finite"] for p in old_pending)
     restore_rng = same_layout and bool((mine or {}).get("rng"))
     return ResumePlan(weights_worker, optimizer_worker, optimizer_keys, optimizer_steps,
-                      residuals and not new_worker, merge_now, old_pending_finite, pending,
+                      residuals and not new_worker, merge_now, old_pending_finite,
+                      eager_saved, old_workers, pending,
                       pending_stats, nothing, counters, restore_rng, scaler or {}, notes)

@@ -35,7 +35,8 @@ def sync_schedule(cfg: Config, dp: int = 1) -> SyncSchedule:
     """The schedule of the flags (``dp``: a worker's data-parallel size, for a batch ramp's
     effect on the learning rate under ``--diloco-sync-spacing lr``)."""
     s = cfg.streaming
-    schedule = SyncSchedule(s.diloco_inner_steps, num_fragments(cfg), s.diloco_overlap_steps)
+    schedule = SyncSchedule(s.diloco_inner_steps, num_fragments(cfg), s.diloco_overlap_steps,
+                            eager=s.diloco_eager)
     if s.diloco_sync_spacing == "lr" and cfg.training.train_iters:
         from ..schedules import BatchSchedule, LrSchedule
         from .schedule import lr_spaced_sends
@@ -44,7 +45,8 @@ def sync_schedule(cfg: Config, dp: int = 1) -> SyncSchedule:
         lrs = [lr(i) for i in range(cfg.training.train_iters)]
         schedule = SyncSchedule(s.diloco_inner_steps, num_fragments(cfg),
                                 s.diloco_overlap_steps,
-                                lr_spaced_sends(lrs, schedule.interval, s.diloco_overlap_steps))
+                                lr_spaced_sends(lrs, schedule.interval, s.diloco_overlap_steps),
+                                s.diloco_eager)
     return schedule
 
 

@@ -3,7 +3,10 @@
 Streaming DiLoCo (arXiv 2501.18512): with H inner steps per round and P fragments, fragment p
 starts its k-th sync after inner step ``s = k*H - p*H/P`` (s > 0), so one fragment goes out
 every H/P steps and every fragment once per H steps. Its result is merged tau steps later
-(tau = 0: at once, blocking). All workers must run the same fragment at the same step in the
+(tau = 0: at once, blocking). With eager outer updates (arXiv 2502.12996) an exchange is
+instead applied at the fragment's next send, a whole round later: each send is also the merge
+of that fragment's previous exchange, and after its first send a fragment always has one
+exchange in flight. All workers must run the same fragment at the same step in the
 same order, whatever their speed, or their collectives pair up wrongly and deadlock: nothing
 here may depend on anything but the step.
 
@@ -26,9 +29,14 @@ class SyncSchedule:
     # fragment each, in the same rotation as evenly spaced sends); past the last of them,
     # sends go on every H/P steps. None: every H/P steps from the start.
     send_steps: Optional[Tuple[int, ...]] = None
+    eager: bool = False  # ``--diloco-eager``: an exchange merges at its fragment's next send
 
     def __post_init__(self):
         H, P, tau = self.inner_steps, self.num_fragments, self.overlap_steps
+        if self.eager and tau:
+            raise ValueError(f"--diloco-eager overlaps each exchange with a whole round (it "
+                             f"merges at the fragment's next send): --diloco-overlap-steps "
+                             f"({tau}) must be 0 with it")
         if H < 1 or P < 1:
             raise ValueError(f"--diloco-inner-steps ({H}) and --diloco-fragments ({P}) must "
                              "be >= 1")
@@ -64,8 +72,22 @@ class SyncSchedule:
                 self.interval
         return None if step % self.interval else step // self.interval
 
+    def _sends_through(self, step: int) -> int:
+        """How many sends started after steps 1 .. ``step``."""
+        if step <= 0:
+            return 0
+        if self.send_steps:
+            last = self.send_steps[-1]
+            if step <= last:
+                return bisect.bisect_right(self.send_steps, step)
+            return len(self.send_steps) + (step - last) // self.interval
+        return step // self.interval
+
     def merges_after(self, step: int) -> List[int]:
         """Fragments whose in-flight sync is merged after ``step``."""
+        if self.eager:  # the previous send of the fragment sent now, if there was one
+            k = self._send_number(step)
+            return [] if k is None or k <= self.num_fragments else [(-k) % self.num_fragments]
         return self.sends_after(step - self.overlap_steps)
 
     def send_step_of(self, fragment: int, round_index: int) -> int:
@@ -74,6 +96,10 @@ class SyncSchedule:
 
     def in_flight_after(self, step: int) -> List[int]:
         """Fragments sent at or before ``step`` whose merge comes after it."""
+        if self.eager:  # the last P sends, one per fragment
+            k = self._sends_through(step)
+            return [(-i) % self.num_fragments for i in range(max(1, k - self.num_fragments + 1),
+                                                              k + 1)]
         return [p for s in range(max(1, step - self.overlap_steps + 1), step + 1)
                 for p in self.sends_after(s)]
 

@@ -17,6 +17,13 @@ Per group, after inner step s (schedule.py):
   left alone. With tau = 0 a shard of an earlier param group merges when that exchange
   returns, after DeepSpeed copied its group to the model, so the step ends with one more copy
   (``push_to_model``).
+* eager (``--diloco-eager``, arXiv 2502.12996): at each send the worker steps at once with
+  ``mean_prev - delta_prev / M + delta / M``: the previous round's mean (in flight for a whole
+  round) with this worker's share of it taken out, since that share was applied a round ago,
+  and the fresh ``delta`` standing in for this worker's share of the mean now in flight. Each
+  worker's outer gradients are applied exactly once; its ``theta_g`` leads the others' by its
+  own latest share, so the workers' ``theta_g`` differ (by momentum's memory of those shares
+  too, when there is momentum) and are checkpointed per worker.
 
 The outer state (``theta_g``, momentum, error-feedback residual) is fp32 and shard-sized,
 optionally on the CPU. An outer gradient with an inf or NaN on any worker skips that outer
@@ -96,6 +103,10 @@ class StreamingSync:
             ErrorFeedback(transport.codec, transport.padded_numel(g.numel), t.device)
             if error_feedback else None for g, t in zip(groups, self.theta_g)]
         self.pending: Dict[int, Pending] = {}
+        # Eager: this worker's outer gradient of each shard's latest send (applied at once, to
+        # be taken out of that exchange's mean when it is applied); None: not eager.
+        self.own: Optional[List[torch.Tensor]] = (
+            [torch.zeros_like(t) for t in self.theta_g] if schedule.eager else None)
         # Shards whose exchange ``finish`` merged before its scheduled step: that merge step,
         # should training go on past the end (a resume with more iterations), does nothing.
         self.merged_early: set = set()
@@ -153,6 +164,10 @@ class StreamingSync:
 
     def _process(self, g: ShardGroup) -> None:
         self._done_this_step.add(g.index)
+        if self.own is not None:
+            if g.fragment in self.schedule.sends_after(self.step):
+                self._send(g)
+            return
         if g.fragment in self.schedule.sends_after(self.step):
             self._send(g)
         if g.fragment in self.schedule.merges_after(self.step):
@@ -171,6 +186,8 @@ class StreamingSync:
         if stats.send_step != self.step:
             stats.grad_sq, stats.send_step = 0.0, self.step
         stats.grad_sq += float(delta.double().pow(2).sum())
+        if self.own is not None:
+            self._eager_step(g, delta)
         self._event("send", g)
         outbox = self._outbox.setdefault(g.fragment, [])
         outbox.append((g, delta))
@@ -201,7 +218,10 @@ class StreamingSync:
         indices = sorted(self.pending)
         self.finished_step = self.step
         for index in indices:
-            self._merge(self.groups[index])
+            if self.own is not None:
+                self._eager_step(self.groups[index], None)
+            else:
+                self._merge(self.groups[index])
             self.merged_early.add(index)
         self.push_to_model()
         return len(indices)
@@ -210,6 +230,32 @@ class StreamingSync:
         if g.index in self.merged_early:  # finish() did it already
             self.merged_early.discard(g.index)
             return
+        mean = self._arrived(g)
+        if mean is not None:
+            self._apply(g, mean)
+
+    def _eager_step(self, g: ShardGroup, delta: Optional[torch.Tensor]) -> None:
+        """The eager outer step at a send of ``delta`` (None: ``finish``, nothing new)."""
+        theta_g = self.theta_g[g.index]
+        workers = self.transport.workers
+        mean = None
+        if g.index in self.merged_early:  # finish() applied the previous exchange already
+            self.merged_early.discard(g.index)
+        elif g.index in self.pending:
+            mean = self._arrived(g)  # None: non-finite somewhere, its others' shares dropped
+        grad = self.own[g.index].div(-workers)
+        if mean is not None:
+            grad.add_(mean.to(theta_g.device))
+        fresh = torch.zeros_like(theta_g)
+        if delta is not None and bool(torch.isfinite(delta).all()):
+            fresh = delta.to(theta_g.device)  # a non-finite one is skipped by every worker
+        grad.add_(fresh, alpha=1.0 / workers)
+        self.own[g.index] = fresh
+        self._apply(g, grad)
+
+    def _arrived(self, g: ShardGroup) -> Optional[torch.Tensor]:
+        """Wait for the shard's exchange in flight; its mean, or None if some worker's outer
+        gradient was not finite (the outer step is skipped everywhere)."""
         pending = self.pending.pop(g.index)
         started = time.perf_counter()
         result = pending.wait()
@@ -226,10 +272,14 @@ class StreamingSync:
             self._event("skip", g)
             log.warning("step %d: non-finite outer gradient in fragment %d on some worker: "
                         "outer step skipped", self.step, g.fragment)
-            return
+            return None
         self._event("merge", g)
+        return result.mean
+
+    def _apply(self, g: ShardGroup, grad: torch.Tensor) -> None:
+        """Outer step on the shard's ``theta_g`` with ``grad``, then the local merge."""
         theta_g = self.theta_g[g.index]
-        self.outer.step(theta_g, self.momentum[g.index], result.mean.to(theta_g.device))
+        self.outer.step(theta_g, self.momentum[g.index], grad.to(theta_g.device))
         local = g.read()
         merge(local, theta_g.to(local.device), self.alpha)
         g.write(local)
