@@ -119,8 +119,8 @@ def sync_overhead_rank(blocks: int, block_steps: int, warmup: int, out: Path) ->
     run = Run(cfg).setup()
     sync, engine = run.sync, run.engine
     timer = HookTimer(sync)  # before attach, so the optimizer hook is the timed one
-    sync._handle.remove()
-    sync.attach(engine.inner_optimizer)
+    sync.detach()
+    sync.attach(engine.inner_optimizer, engine.step_hooks)
     iterator = run.data.train_iterator(0)
     steps = {"on": [], "off": []}
     hook_seconds, report_seconds = [], []
@@ -130,11 +130,9 @@ def sync_overhead_rank(blocks: int, block_steps: int, warmup: int, out: Path) ->
         on = step < warmup or (block % 4) in (0, 3)
         attached = sync in engine.step_hooks
         if on and not attached:
-            sync.attach(engine.inner_optimizer)
-            engine.step_hooks.append(sync)
+            sync.attach(engine.inner_optimizer, engine.step_hooks)
         elif not on and attached:
-            sync._handle.remove()
-            engine.step_hooks.remove(sync)
+            sync.detach()
         before = timer.seconds
         started = time.perf_counter()
         engine.train_step(iterator, step)

@@ -23,7 +23,8 @@ methods run back to back:
 Step time is wall clock on worker 0 between progress reports (tokens over
 ``train/tokens_per_s``: it includes the stop-flag wait, which ``train/step_seconds`` does
 not), averaged over a window after warm-up that spans exactly two rounds of H steps, so every
-fragment's exchange (and DiLoCo's sync) is counted twice; data parallel, whose steps are
+fragment's exchange (and DiLoCo's sync) is counted twice, and ends one report before the last
+step (which waits for every exchange still in flight, a once-per-run cost); data parallel, whose steps are
 all alike and seconds long at low rates, over 6 steps. Utilisation = ceiling step
 time / method step time, both measured at the same rate in the same sweep. Each run also
 records the bytes both veth ends sent. Writes ``slow_link.json`` and ``slow_link.png``
@@ -250,7 +251,10 @@ def run_method(children, method: Method, port, out: Path, tag: str) -> dict:
             f.unlink()
     m = method
     common = [PYTHON, str(REPO / "pretrain_gpt.py"), *MODEL, *m.flags,
-              "--train-iters", str(m.warmup + m.measured),
+              # One report interval past the window: the last step drains the exchanges
+              # still in flight (for eager, every fragment's), an end-of-run cost the steady
+              # state does not pay.
+              "--train-iters", str(m.warmup + m.measured + m.log_interval),
               "--log-interval", str(m.log_interval)]
     procs, sent_before = [], link_bytes()
     for w in (1, 0):  # worker 0 last: it hosts the rendezvous store, the peer waits for it

@@ -20,15 +20,13 @@ from typing import Iterator, List, Optional
 
 import torch
 
+from patches import deepspeed_zero
+
 from . import grads
 from .config import Config
 from .topology import Topology
 
 log = logging.getLogger("megatron_streaming")
-
-
-def dist_rank(group) -> int:
-    return torch.distributed.get_rank(group=group)
 
 
 def lr_at(iteration: int, cfg: Config, dp: int = 1) -> float:
@@ -163,8 +161,9 @@ def _undo_warm_up_step(optimizer) -> None:
     Adam's step count starts at 1. Undo both, so that --zero-stage 0 trains the same math
     as ZeRO (whose constructor steps nothing): the masters are reset from the 16-bit weights,
     which hold the initial values exactly, and the state is created at the first real step."""
-    optimizer.refresh_fp32_params()
-    optimizer.optimizer.state.clear()
+    from patches import deepspeed_zero
+
+    deepspeed_zero.reset_unfused_masters(optimizer)
 
 
 class WorkerEngine:
@@ -219,13 +218,13 @@ class WorkerEngine:
 
     @property
     def zero(self) -> bool:
-        return hasattr(self.optimizer, "single_partition_of_fp32_groups")
+        return deepspeed_zero.is_zero(self.optimizer)
 
     @property
     def sixteen_bit_without_zero(self) -> bool:
         """--bf16 / --fp16 at --zero-stage 0: DeepSpeed's FP16_UnfusedOptimizer (for bf16
         too, outside its pipeline engine) keeps an fp32 master copy of every parameter."""
-        return hasattr(self.optimizer, "fp32_groups") and hasattr(self.optimizer, "fp16_groups")
+        return deepspeed_zero.is_unfused_16bit(self.optimizer)
 
     def _scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         if self.zero:  # DeepSpeed's own scaling, which also tells it the loss was scaled
@@ -251,16 +250,12 @@ class WorkerEngine:
         this rank: the view is the parameter's slice of this rank's flat ZeRO partition (or,
         without ZeRO, its fp32 master copy under --bf16 / --fp16, else the parameter)."""
         if self.sixteen_bit_without_zero:
-            return [list(zip(low, master)) for low, master in
-                    zip(self.optimizer.fp16_groups, self.optimizer.fp32_groups)]
+            return deepspeed_zero.master_pairs(self.optimizer)
         if not self.zero:
             return [[(p, p) for p in g["params"]] for g in self.inner_optimizer.param_groups]
-        opt = self.optimizer
         out = []
-        for i, params in enumerate(opt.bit16_groups):
-            flat, partition = opt.bit16_groups_flat[i], opt.single_partition_of_fp32_groups[i]
-            size = opt.partition_size[i]
-            start = dist_rank(opt.real_dp_process_group[i]) * size
+        for params, flat, partition, start, size, _ in deepspeed_zero.zero_groups(
+                self.optimizer):
             views = []
             for p in params:
                 # Offsets from storage addresses: ZeRO made each parameter a view of ``flat``.
@@ -274,7 +269,7 @@ class WorkerEngine:
     def push_to_model(self) -> None:
         """After editing fp32 partitions outside a step: copy them into the model weights."""
         if self.zero:
-            self.optimizer.update_lp_params()
+            deepspeed_zero.push_partitions(self.optimizer)
         elif self.sixteen_bit_without_zero:
             with torch.no_grad():
                 for group in self.master_views():

@@ -246,36 +246,12 @@ class Topology:
         return WorkerMPU(self)
 
     def install_into_megatron(self) -> None:
-        """Point megatron-core's ``parallel_state`` at this worker's groups.
+        """Point megatron-core's ``parallel_state`` at this worker's groups (the few
+        megatron-core paths that still read module state; ``patches/megatron_parallel_state``
+        says which)."""
+        from patches.megatron_parallel_state import install_groups
 
-        The model and the schedule get their groups explicitly (``pg_collection``), but a few
-        megatron-core 0.16.1 paths still read module state (``vocab_parallel_cross_entropy``
-        takes the TP group from ``parallel_state``; attention takes its scratch buffer from
-        there). Installing our own in-worker groups keeps those paths inside the worker
-        without letting Megatron create any group of its own.
-        """
-        from megatron.core import parallel_state as ps
-
-        g, r = self.groups, self.group_ranks
-        ps._TENSOR_MODEL_PARALLEL_GROUP = g["tp"]
-        ps._TENSOR_MODEL_PARALLEL_GLOBAL_RANKS = r["tp"]
-        ps._PIPELINE_MODEL_PARALLEL_GROUP = g["pp"]
-        ps._PIPELINE_GLOBAL_RANKS = r["pp"]
-        ps._MODEL_PARALLEL_GROUP = g["mp"]
-        ps._MODEL_PARALLEL_GLOBAL_RANKS = r["mp"]
-        ps._EMBEDDING_GROUP = g.get("embd")
-        ps._EMBEDDING_GLOBAL_RANKS = r.get("embd")
-        ps._POSITION_EMBEDDING_GROUP = g.get("pos_embd")
-        ps._POSITION_EMBEDDING_GLOBAL_RANKS = r.get("pos_embd")
-        for name in ("_DATA_PARALLEL_GROUP", "_DATA_PARALLEL_GROUP_WITH_CP"):
-            setattr(ps, name, g["dp"])
-        ps._DATA_PARALLEL_GLOBAL_RANKS = r["dp"]
-        ps._DATA_PARALLEL_GLOBAL_RANKS_WITH_CP = r["dp"]
-        ps._CONTEXT_PARALLEL_GROUP = g["single"]
-        ps._CONTEXT_PARALLEL_GLOBAL_RANKS = r["single"]
-        ps._TENSOR_AND_CONTEXT_PARALLEL_GROUP = g["tp"]
-        if ps._GLOBAL_MEMORY_BUFFER is None:
-            ps._set_global_memory_buffer()
+        install_groups(self.groups, self.group_ranks)
 
 
 class WorkerMPU:

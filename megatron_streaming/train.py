@@ -18,7 +18,13 @@ log = logging.getLogger("megatron_streaming")
 
 
 class Run:
-    """The objects of one rank's run, built once by ``setup``."""
+    """The objects of one rank's run, built once by ``setup``; a context manager:
+
+        with Run(cfg) as run:      # setup(); the sync is hooked into the inner optimizer
+            run.train()
+                                   # close(): hooks detached, TensorBoard flushed, heartbeat
+                                   # stopped; also when the block raises
+    """
 
     def __init__(self, cfg: Config, extensions=()):
         self.cfg = cfg
@@ -36,6 +42,7 @@ class Run:
         self._start_processes()
         self._build_model()
         self._build_engine_and_sync()
+        self.sync.attach(self.engine.inner_optimizer, self.engine.step_hooks)
         for make in self.extensions:
             self.engine.step_hooks.append(make(self))
         self.iteration = 0
@@ -60,7 +67,26 @@ class Run:
         self.data = RunData(self.cfg, self.topology, self.tokenizer)
         self._check_data_position(run_state)
         self.writer = make_writer(self.cfg.logging, self.topology.is_logging_rank(), self.cfg)
+        self._closed = False
         return self
+
+    def __enter__(self) -> "Run":
+        return self.setup()
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        self.close()
+        return False
+
+    def close(self) -> None:
+        """Release what ``setup`` hooked in or started, without any collective (so also
+        after a failure: exchanges still in flight are left to the process's end, as a peer
+        may never answer them). Idempotent."""
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        self.sync.detach()
+        self.writer.close()
+        self.liveness.close()
 
     def _start_processes(self) -> None:
         """Check what can be checked alone, then join the process groups."""
@@ -182,7 +208,7 @@ class Run:
         iterator = self.data.eval_iterator(split)
         if iterator is None:
             return None
-        use_global = self.sync is not None and self.cfg.streaming.eval_params == "global"
+        use_global = self.cfg.streaming.eval_params == "global"
         with self.sync.global_parameters() if use_global else contextlib.nullcontext():
             losses = [self.engine.eval_step(iterator)
                       for _ in range(self.cfg.training.eval_iters)]
@@ -210,7 +236,7 @@ class Run:
             self.iteration += 1
             self.liveness.iteration = self.iteration
             loss = result.loss
-            if self.sync is not None and self.iteration == t.train_iters:
+            if self.iteration == t.train_iters:
                 merged = self.sync.finish()
                 if merged:
                     log.info("merged %d fragment exchange(s) still in flight after the last "
@@ -235,14 +261,12 @@ class Run:
 
     def _log_step(self, result, throughput, progress_line) -> None:
         """Called on every rank: the sync's scalars are reduced over the worker first."""
-        scalars = {}
-        if self.sync is not None:
-            from .streaming import report
+        from .streaming import report
 
-            scalars = report.worker_scalars(self.sync, self.topology.groups["worker"],
-                                            self.topology.cross.control_bytes)
-            report.reset_interval_stats(self.sync)
-        elif self.topology.layout.workers == 1:
+        scalars = report.worker_scalars(self.sync, self.topology.groups["worker"],
+                                        self.topology.cross.control_bytes)
+        report.reset_interval_stats(self.sync)
+        if not self.sync.enabled and self.topology.layout.workers == 1:
             step_bytes = self._data_parallel_step_bytes()
             if step_bytes:
                 scalars = {"traffic/data_parallel_bytes": self.iteration * step_bytes}
@@ -250,7 +274,7 @@ class Run:
             return
         rate = throughput.rate(self.iteration)
         extra = ""
-        if self.sync is not None:
+        if self.sync.enabled:
             extra = (f" | sync bytes {scalars['streaming/worker_bytes_sent']:,.0f} | drift "
                      f"{scalars['streaming/drift']:.4f}")
         if result.loss_scale is not None:  # --fp16, as Megatron reports it (this worker's)
@@ -372,8 +396,6 @@ class Run:
 
     def cross_worker_bytes(self) -> int:
         """Collective over the worker; 0 without the sync."""
-        if self.sync is None:
-            return 0
         from .streaming import report
 
         return report.total_bytes_sent(self.sync, self.topology.groups["worker"],
@@ -420,11 +442,11 @@ def pretrain(cfg: Config, extensions=()) -> Optional[dict]:
 
     A communication failure (a lost or stuck peer) ends in ``JobFailure`` naming the lost
     rank and the last good checkpoint; SIGTERM ends in a checkpoint and a normal return."""
-    run = Run(cfg, extensions).setup()
-    try:
-        return _train_and_report(run)
-    except Exception as e:
-        raise run.failure(e)
+    with Run(cfg, extensions) as run:
+        try:
+            return _train_and_report(run)
+        except Exception as e:
+            raise run.failure(e)
 
 
 def _train_and_report(run: Run) -> Optional[dict]:
@@ -443,8 +465,7 @@ def _train_and_report(run: Run) -> Optional[dict]:
             valid_loss = run._report_eval("valid")
         test_loss = run._report_eval("test")
     run.stop.close()
-    if run.sync is not None:
-        run.sync.close()  # finishes exchanges still in flight, so the byte count is final
+    run.sync.close()  # finishes exchanges still in flight, so the byte count is final
     peak_rss = run.peak_rss_mib()
     sync_bytes = run.cross_worker_bytes()
     control_bytes = run.topology.cross.total_control_bytes(run.topology.groups["worker"])
@@ -456,7 +477,6 @@ def _train_and_report(run: Run) -> Optional[dict]:
         if cfg.logging.summary_json:
             write_summary(cfg.logging.summary_json, summary)
         log.info("done: %s", summary)
-    run.writer.close()
-    run.liveness.close()
+    run.close()
     run.topology.barrier()
     return summary

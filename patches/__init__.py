@@ -16,10 +16,13 @@ DeepSpeed's CPU accelerator.
 ``apply()`` may run before or after megatron/deepspeed are imported, but must run before
 ``deepspeed.init_distributed`` and before models are built. It is idempotent.
 
-Not handled here (not a CPU issue): without ``parallel_state.initialize_model_parallel`` the
-caller must create megatron's global memory buffer once, used by ``DotProductAttention`` and the
-sequence-parallel layers: ``parallel_state._set_global_memory_buffer()`` (it asserts it runs
-once; guard on ``parallel_state._GLOBAL_MEMORY_BUFFER is None``).
+Adapters (not patches: they change nothing upstream, and ``apply()`` does not list them) reach
+private upstream state through one module per package, version-pinned the same way:
+``deepspeed_zero`` (the ZeRO and FP16_UnfusedOptimizer fields the engine, the sync and the
+checkpoint use) and ``megatron_parallel_state`` (``parallel_state``'s module globals, pointed at
+a worker's own groups; it also creates megatron's global memory buffer, which
+``DotProductAttention`` and the sequence-parallel layers need and which only
+``initialize_model_parallel`` would otherwise create).
 """
 
 import importlib

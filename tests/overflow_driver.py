@@ -51,20 +51,19 @@ def record_steps(run) -> list:
 def main():
     out_dir, spec, argv = sys.argv[1], sys.argv[2], sys.argv[3:]
     worker, steps = spec.split(":")
-    run = Run(parse_args(argv)).setup()
-    if run.sync is not None:
+    with Run(parse_args(argv)) as run:
         run.sync.events = []  # what the sync did, step by step (off by default)
-    if run.topology.worker == int(worker):
-        inject_overflow(run, {int(s) for s in steps.split(",")})
-    results = record_steps(run)
-    run.train()
-    run.stop.close()
-    run.sync.close()
-    torch.save({"worker": run.topology.worker, "events": run.sync.events,
-                "losses": [r.loss for r in results], "skipped": [r.skipped for r in results],
-                "loss_scale": [r.loss_scale for r in results]},
-               os.path.join(out_dir, f"rank{run.topology.rank}.pt"))
-    run.liveness.close()
+        if run.topology.worker == int(worker):
+            inject_overflow(run, {int(s) for s in steps.split(",")})
+        results = record_steps(run)
+        run.train()
+        run.stop.close()
+        run.sync.close()
+        torch.save({"worker": run.topology.worker, "events": run.sync.events,
+                    "losses": [r.loss for r in results],
+                    "skipped": [r.skipped for r in results],
+                    "loss_scale": [r.loss_scale for r in results]},
+                   os.path.join(out_dir, f"rank{run.topology.rank}.pt"))
     run.topology.barrier()
 
 

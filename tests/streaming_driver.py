@@ -41,30 +41,22 @@ def full_parameters(run) -> dict:
 
 def main():
     out_dir, argv = sys.argv[1], sys.argv[2:]
-    run = Run(parse_args(argv), [Faults]).setup()
-    if run.sync is not None:
+    with Run(parse_args(argv), [Faults]) as run:
         run.sync.events = []  # what the sync did, step by step (off by default)
-    run.train()
-    run.stop.close()
-    if run.sync is not None:
+        run.train()
+        run.stop.close()
         run.sync.close()
-    sync_bytes = run.cross_worker_bytes()
-    local = full_parameters(run)
-    if run.sync is not None:
+        sync_bytes = run.cross_worker_bytes()
+        local = full_parameters(run)
         with run.sync.global_parameters():
             global_ = full_parameters(run)
-    else:
-        global_ = local
-    topo = run.topology
-    if topo.tp_rank == 0 and topo.dp_rank == 0 and topo.coords["sp"] == 0:
-        tag = f"worker{topo.worker}_stage{topo.pp_rank}"
-        events = run.sync.events if run.sync is not None else []
-        torch.save({"local": local, "global": global_, "events": events,
-                    "cross_worker_bytes": sync_bytes},
-                   os.path.join(out_dir, f"{tag}.pt"))
-    run.liveness.close()
+        topo = run.topology
+        if topo.tp_rank == 0 and topo.dp_rank == 0 and topo.coords["sp"] == 0:
+            tag = f"worker{topo.worker}_stage{topo.pp_rank}"
+            torch.save({"local": local, "global": global_, "events": run.sync.events or [],
+                        "cross_worker_bytes": sync_bytes},
+                       os.path.join(out_dir, f"{tag}.pt"))
     topo.barrier()
-
 
 if __name__ == "__main__":
     main()

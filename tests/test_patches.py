@@ -210,6 +210,24 @@ def test_version_refusal_names_package_found_and_expected(monkeypatch, package, 
     assert patches.applied() == []  # refused before installing anything
 
 
+def test_adapters_refuse_another_version_before_touching_anything(monkeypatch):
+    """The adapters to private upstream state refuse another release, naming the adapter."""
+    from types import SimpleNamespace
+
+    from patches import _pinning, deepspeed_zero, megatron_parallel_state
+
+    monkeypatch.setattr(_pinning, "installed_version",
+                        {"megatron-core": "0.17.0", "deepspeed": "0.20.0"}.get)
+    monkeypatch.setattr(deepspeed_zero, "_checked", False)
+    optimizer = SimpleNamespace(single_partition_of_fp32_groups=[])
+    with pytest.raises(_pinning.UpstreamVersionError,
+                       match=r"'deepspeed_zero' .*deepspeed==0\.19\.8 .*deepspeed==0\.20\.0"):
+        deepspeed_zero.is_zero(optimizer)
+    with pytest.raises(_pinning.UpstreamVersionError,
+                       match=r"'megatron_parallel_state' .*megatron-core==0\.16\.1"):
+        megatron_parallel_state.install_groups({}, {})
+
+
 def test_unknown_skip_name_is_rejected():
     import patches
 

@@ -11,7 +11,7 @@ from megatron_streaming.streaming import report
 from megatron_streaming.streaming.codec import make_codec
 from megatron_streaming.streaming.outer import OuterOptimizer
 from megatron_streaming.streaming.schedule import SyncSchedule
-from megatron_streaming.streaming.sync import ShardGroup, StreamingSync
+from megatron_streaming.streaming.sync import NoSync, ShardGroup, StreamingSync
 from megatron_streaming.streaming.transport import Transport
 
 
@@ -188,12 +188,57 @@ def test_sync_on_one_worker_matches_hand_computed_outer_steps(H, P, tau, alpha):
     assert bool(pushes) == (tau == 0)
 
 
-def test_sync_attaches_to_a_real_torch_optimizer():
-    layout = _layout(3)
+def _sgd_over(layout):
+    """The layout's tensors as parameters, and an SGD optimizer with one param group per
+    inner param group (tagged as the engine tags them)."""
     tensors = [[torch.nn.Parameter(t) for t in ts] for ts in _initial_tensors(layout)]
-    sync, pushes = _build_sync(layout, tensors, SyncSchedule(6, 3, 1), 0.5)
     opt = torch.optim.SGD([{"params": [t for (pg, _, _), ts in zip(layout, tensors) if pg == q
                                        for t in ts], "sync_index": q} for q in (0, 1)], lr=0.1)
+    return tensors, opt
+
+
+def test_sync_detaches_from_the_optimizer_and_the_engine_hooks():
+    layout = _layout(3)
+    tensors, opt = _sgd_over(layout)
+    sync, _ = _build_sync(layout, tensors, SyncSchedule(1, 1, 0), 0.0)
+    hooks = []
+    sync.attach(opt, hooks)
+    assert hooks == [sync]
+    sync.detach()
+    assert hooks == []
+    sync.detach()  # twice: nothing more to undo
+    before = [t.detach().clone() for ts in tensors for t in ts]
+    for ts in tensors:
+        for t in ts:
+            t.grad = torch.ones_like(t)
+    sync.before_step(1)
+    opt.step()  # H = 1: an attached sync would send (and merge) every fragment here
+    assert sync.events == [] and sync.pending == {}
+    assert all(torch.allclose(t, b - 0.1) for t, b in zip((t for ts in tensors for t in ts),
+                                                          before))
+
+
+def test_no_sync_answers_every_call_the_run_makes_with_nothing():
+    no = NoSync()
+    public = {n for n in dir(StreamingSync) if not n.startswith("_")} - {
+        "drift_terms"}  # per fragment, read by the report only when there is a sync
+    assert public <= set(dir(no)), public - set(dir(no))
+    assert not no.enabled and StreamingSync.enabled
+    no.attach(None, [])
+    no.before_step(1)
+    no.after_step()
+    assert no.finish() == 0 and no.in_flight_fragments() == [] and no.groups == []
+    with no.global_parameters():
+        pass
+    assert report.worker_scalars(no, None) == {} and report.total_bytes_sent(no, None, 2) == 0
+    report.reset_interval_stats(no)
+    no.detach(), no.close()
+
+
+def test_sync_attaches_to_a_real_torch_optimizer():
+    layout = _layout(3)
+    tensors, opt = _sgd_over(layout)
+    sync, pushes = _build_sync(layout, tensors, SyncSchedule(6, 3, 1), 0.5)
     sync.attach(opt)
     for s in range(1, 8):
         sync.before_step(s)

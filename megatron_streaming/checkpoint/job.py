@@ -15,6 +15,8 @@ from typing import Dict, List, Optional
 
 import torch
 
+from patches import deepspeed_zero
+
 from . import resume
 from .state import (EMBEDDING, GroupSpace, build_slots, group_spaces, replica_writer, sharded,
                     vocab_rows, whole)
@@ -23,7 +25,7 @@ log = logging.getLogger("megatron_streaming")
 
 
 class JobState:
-    def __init__(self, cfg, topology, model, engine, sync=None, vocab_size=None):
+    def __init__(self, cfg, topology, model, engine, sync, vocab_size=None):
         self.cfg, self.topology, self.engine, self.sync = cfg, topology, engine, sync
         self.vocab_size = vocab_size
         self._prefixes: set = set()
@@ -41,11 +43,8 @@ class JobState:
         self.sdp_rank = dist.get_rank(sdp) if sdp is not None else 0
         self.sdp_size = dist.get_world_size(sdp) if sdp is not None else 1
         # Per shard group of the sync: (position in its space, length) of each of its views.
-        self.pieces = []
-        if sync is not None:
-            for g in sync.groups:
-                space = self.spaces[g.param_group]
-                self.pieces.append([(space.position(t), t.numel()) for t in g.tensors])
+        self.pieces = [[(self.spaces[g.param_group].position(t), t.numel()) for t in g.tensors]
+                       for g in sync.groups]
 
     # ---- what is there -------------------------------------------------------------------
     @property
@@ -55,7 +54,7 @@ class JobState:
     def _state_tensors(self, i: int) -> List[torch.Tensor]:
         """The tensors the inner optimizer keeps state for, in param group ``i``."""
         if self.engine.zero:
-            return [self.engine.optimizer.single_partition_of_fp32_groups[i]]
+            return [deepspeed_zero.fp32_partition(self.engine.optimizer, i)]
         return [v for _, v in self.engine.master_views()[i]]
 
     def optimizer_keys(self) -> List[str]:
@@ -79,7 +78,7 @@ class JobState:
 
     def _master_vector(self, i: int) -> torch.Tensor:
         if self.engine.zero:
-            return self.engine.optimizer.single_partition_of_fp32_groups[i]
+            return deepspeed_zero.fp32_partition(self.engine.optimizer, i)
         return torch.cat([v.detach().reshape(-1).float() for v in self._state_tensors(i)]) \
             if self._state_tensors(i) else torch.zeros(0)
 
@@ -144,7 +143,7 @@ class JobState:
         for key in self.optimizer_keys():
             add(f"{w}.optim.{key}", self._params([self._optimizer_vector(i, key)
                                                   for i in range(len(self.spaces))]))
-        if self.sync is not None:
+        if self.sync.enabled:
             s = self.sync
             # First wait for the exchanges in flight: the transport's thread updates the
             # error-feedback residual while it encodes, so reading it before would save the
@@ -219,12 +218,10 @@ class JobState:
                 "optimizer_keys": self.optimizer_keys(),
                 "rng": getattr(self, "_rng_names", [])}
         if self.engine.cfg.precision.fp16:
-            scaler = getattr(self.engine.optimizer, "loss_scaler", None)
-            if scaler is not None:
-                info["loss_scaler"] = {k: getattr(scaler, k) for k in
-                                       ("cur_scale", "cur_iter", "last_overflow_iter",
-                                        "cur_hysteresis") if hasattr(scaler, k)}
-        if self.sync is not None:
+            scaler = deepspeed_zero.loss_scaler_state(self.engine.optimizer)
+            if scaler:
+                info["loss_scaler"] = scaler
+        if self.sync.enabled:
             s = self.sync
             info.update(bytes_sent=s.transport.bytes_sent,
                         bytes_received=s.transport.bytes_received, step=s.step,
@@ -325,14 +322,14 @@ class JobState:
             if plan.optimizer_worker is not None:
                 for key in plan.optimizer_keys:
                     want(f"worker{plan.optimizer_worker}.optim.{key}.{slot.gname}", slot)
-            if self.sync is not None or src is None:
+            if self.sync.enabled or src is None:
                 for kind in ("theta_g", "momentum", "pending"):
                     want(f"outer.{kind}.{slot.gname}", slot)
                 if plan.eager_saved:  # each worker's own outer state (worker 0: the above)
                     for kind in ("theta_g", "momentum"):
                         want(f"worker{src}.outer.{kind}.{slot.gname}", slot)
                     want(f"worker{src if src is not None else 0}.outer.own.{slot.gname}", slot)
-            if self.sync is not None and src is not None and plan.residuals:
+            if self.sync.enabled and src is not None and plan.residuals:
                 want(f"worker{src}.outer.residual.{slot.gname}", slot)
         if plan.restore_rng:
             from megatron.core.dist_checkpointing.mapping import ShardedTensor
@@ -383,16 +380,13 @@ class JobState:
             self._merge_pending(weights, per_kind)
         self._restore_weights(weights, per_kind["model"] if not self.has_master else None)
         self._restore_optimizer(per_kind, plan)
-        if self.sync is not None:
+        if self.sync.enabled:
             self._restore_sync(weights, per_kind, plan, meta)
         if plan.restore_rng:
             self._restore_rng({k.split(".", 2)[2]: v for k, v in loaded.items()
                                if k.startswith("rng.")})
         if plan.loss_scaler and self.engine.cfg.precision.fp16:
-            scaler = getattr(self.engine.optimizer, "loss_scaler", None)
-            for k, v in plan.loss_scaler.items():
-                if scaler is not None and hasattr(scaler, k):
-                    setattr(scaler, k, v)
+            deepspeed_zero.restore_loss_scaler(self.engine.optimizer, plan.loss_scaler)
         return {"read": read - started, "restore": time.perf_counter() - read}
 
     def _loaded_weights(self, per_kind, src) -> Dict[int, torch.Tensor]:
@@ -420,7 +414,7 @@ class JobState:
         step would have done (outer step on theta_g, then the local merge)."""
         from ..streaming.outer import merge
 
-        outer = self.sync.outer if self.sync is not None else None
+        outer = self.sync.outer if self.sync.enabled else None
         alpha = self.cfg.streaming.diloco_alpha
         workers = self._plan.saved_workers
         for i, mean in per_kind["pending"].items():
@@ -446,7 +440,7 @@ class JobState:
         for i, space in enumerate(self.spaces):
             vector = space.scatter(weights)
             if self.engine.zero:
-                self.engine.optimizer.single_partition_of_fp32_groups[i].copy_(vector)
+                deepspeed_zero.fp32_partition(self.engine.optimizer, i).copy_(vector)
             else:
                 offset = 0
                 for t in self._state_tensors(i):

@@ -31,6 +31,8 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from patches import deepspeed_zero
+
 from ..weights import global_name, local_spec_name
 
 EMBEDDING = "embedding.word_embeddings.weight"
@@ -148,18 +150,14 @@ class GroupSpace:
 def group_spaces(engine, slots: List[Slot]) -> List[GroupSpace]:
     by_param = {id(s.param): s for s in slots}
     spaces = []
-    opt = engine.optimizer
+    zero_groups = deepspeed_zero.zero_groups(engine.optimizer) if engine.zero else None
     for i, views in enumerate(engine.master_views()):
         pairs = [(by_param[id(p)], v) for p, v in views]
-        if engine.zero:
-            group = opt.real_dp_process_group[i]
+        if zero_groups is not None:
+            z = zero_groups[i]
             # Every parameter of the group, also those without elements on this rank.
-            pairs = [(by_param[id(p)], None) for p in opt.bit16_groups[i]]
-            size = opt.partition_size[i]
-            start = dist.get_rank(group) * size
-            zero = (opt.bit16_groups_flat[i], opt.single_partition_of_fp32_groups[i], start,
-                    size, group)
-            spaces.append(GroupSpace(pairs, zero))
+            pairs = [(by_param[id(p)], None) for p in z.params]
+            spaces.append(GroupSpace(pairs, (z.flat, z.partition, z.start, z.size, z.group)))
         else:
             spaces.append(GroupSpace(pairs))
     return spaces

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Union
 
 from ..config import Config
 from ..topology import Topology
@@ -11,7 +11,7 @@ from .codec import make_codec, warm_up
 from .fragments import FragmentPlan
 from .outer import OuterOptimizer
 from .schedule import SyncSchedule
-from .sync import ShardGroup, StreamingSync
+from .sync import NoSync, ShardGroup, StreamingSync
 
 
 def enabled(cfg: Config) -> bool:
@@ -84,10 +84,11 @@ def shard_groups(engine, fragment_of: Callable[[str], int]):
     return groups
 
 
-def build_sync(cfg: Config, topology: Topology, engine) -> Optional[StreamingSync]:
-    """The sync module, attached to the engine's optimizer; None when the sync is off."""
+def build_sync(cfg: Config, topology: Topology, engine) -> Union[StreamingSync, NoSync]:
+    """The sync module (``NoSync`` when the sync is off); ``attach`` hooks it into the
+    engine."""
     if not enabled(cfg):
-        return None
+        return NoSync()
     s = cfg.streaming
     groups = shard_groups(engine, fragment_function(cfg, topology))
     transport = topology.cross.make_transport(
@@ -98,6 +99,4 @@ def build_sync(cfg: Config, topology: Topology, engine) -> Optional[StreamingSyn
                          outer_optimizer(cfg),
                          s.diloco_alpha, s.diloco_error_feedback,
                          s.diloco_offload_outer_state, engine.push_to_model)
-    sync.attach(engine.inner_optimizer)
-    engine.step_hooks.append(sync)
     return sync

@@ -26,6 +26,9 @@ _MAXED = ("latency", "wait", "quant_error")
 
 def worker_scalars(sync: StreamingSync, worker_group,
                    control_bytes: float = 0.0) -> Dict[str, float]:
+    """The worker's sync scalars; none without a sync (``NoSync``, on every rank alike)."""
+    if not sync.enabled:
+        return {}
     P = sync.schedule.num_fragments
     # Rows 0..P-1: per fragment; row P: per rank (the transport's cumulative bytes sent and
     # the rank's cross-worker control bytes), reduced in the same all-reduce rather than by a
@@ -66,13 +69,16 @@ def worker_scalars(sync: StreamingSync, worker_group,
 
 def reset_interval_stats(sync: StreamingSync) -> None:
     """Byte counts and waits are per report interval; the rest keep their latest value."""
-    for stats in sync.stats.values():
+    for stats in getattr(sync, "stats", {}).values():
         stats.bytes_sent = stats.bytes_received = 0
         stats.wait = 0.0
 
 
 def total_bytes_sent(sync: StreamingSync, worker_group, workers: int) -> int:
-    """Bytes all ranks of all workers put on the cross-worker wire (collective in-worker)."""
+    """Bytes all ranks of all workers put on the cross-worker wire (collective in-worker;
+    0 without a sync, on every rank alike)."""
+    if not sync.enabled:
+        return 0
     mine = torch.tensor([sync.transport.bytes_sent], dtype=torch.float64,
                         device=device_of(worker_group))
     dist.all_reduce(mine, group=worker_group)

@@ -132,9 +132,25 @@ class StreamingSync:
         if self.events is not None:
             self.events.append((self.step, kind, g.fragment, g.index))
 
+    enabled = True
+
     # ---- driven by the engine ----------------------------------------------------------
-    def attach(self, inner_optimizer: torch.optim.Optimizer) -> None:
+    def attach(self, inner_optimizer: torch.optim.Optimizer,
+               step_hooks: Optional[list] = None) -> None:
+        """Hook into the inner optimizer's step (and the engine's ``step_hooks``)."""
         self._handle = inner_optimizer.register_step_post_hook(self._on_inner_step)
+        self._hooks = step_hooks
+        if step_hooks is not None:
+            step_hooks.append(self)
+
+    def detach(self) -> None:
+        """Undo ``attach``: the optimizer steps as if there were no sync."""
+        handle, self._handle = getattr(self, "_handle", None), None
+        if handle is not None:
+            handle.remove()
+        hooks, self._hooks = getattr(self, "_hooks", None), None
+        if hooks is not None and self in hooks:
+            hooks.remove(self)
 
     def before_step(self, step: int) -> None:
         """``step`` is the 1-based number of the optimizer step about to run."""
@@ -330,3 +346,43 @@ class StreamingSync:
         Their results are not merged (after ``finish`` there are none; a run stopped early
         keeps them in its checkpoint instead)."""
         self.transport.close()
+
+
+class NoSync:
+    """The sync of a run that has none (one worker, or ``--no-diloco-sync``): the same calls
+    as ``StreamingSync``, each doing nothing, so callers need no branch for it."""
+
+    enabled = False
+
+    def __init__(self):
+        self.groups: List[ShardGroup] = []
+        self.events: Optional[List[tuple]] = None
+        self.own = None
+        self.pending: Dict[int, Pending] = {}
+
+    def attach(self, inner_optimizer, step_hooks=None) -> None:
+        pass
+
+    def detach(self) -> None:
+        pass
+
+    def before_step(self, step: int) -> None:
+        pass
+
+    def after_step(self) -> None:
+        pass
+
+    def finish(self) -> int:
+        return 0
+
+    def global_parameters(self):
+        return contextlib.nullcontext()
+
+    def in_flight_fragments(self) -> list:
+        return []
+
+    def merged_early_fragments(self) -> list:
+        return []
+
+    def close(self) -> None:
+        pass
