@@ -65,3 +65,24 @@ def test_a_run_warns_once_per_job():
     text = out.stdout + out.stderr
     assert text.count("--diloco-outer-lr 0.7 with --diloco-outer-momentum 0.9") == 1, text[-3000:]
     assert text.count("--diloco-alpha 0.5:") == 1
+
+
+@pytest.mark.parametrize("exchange_steps,expect", [
+    (0.4, (1, 1, False)),
+    (2.3, (3, 4, False)),   # 10 Mbit/s, 100 ms, 842k parameters: tau 3, lag 4 (measured)
+    (9.0, (9, 10, False)),
+    (10.0, (0, 10, True)),  # as long as H/P: only a whole round hides it
+    (35.0, (0, 10, True)),
+])
+def test_overlap_covers_the_exchange_and_the_stop_flag_waits_longer(exchange_steps, expect):
+    assert rule.overlap_for(exchange_steps, 10) == expect
+
+
+@pytest.mark.parametrize("exchange_steps", [None, 2.3, 25.0])
+def test_advice_for_a_slow_exchange_parses(exchange_steps):
+    a = rule.advise(4000, 4, 40, exchange_steps)  # H=40, P=2: a fragment every 20 steps
+    s = parse_args(["--mock-data", "--diloco-workers", "2", "--num-layers", "4",
+                    "--train-iters", "4000", *a.flags()]).streaming
+    expect = (1, 1, False) if exchange_steps is None else rule.overlap_for(exchange_steps, 20)
+    assert (s.diloco_overlap_steps, s.diloco_control_lag, s.diloco_eager) == expect
+    assert s.diloco_eager == (exchange_steps == 25.0)
