@@ -12,13 +12,30 @@ import sys
 import traceback
 
 
-def _stop_children() -> None:
-    """Helper processes of this one (megatron-core's checkpoint writer keeps a spawned queue
-    server) would outlive an ``os._exit`` and hold the launcher's output pipes open."""
+EXIT_GRACE_SECONDS = 30.0
+
+
+def _leave(code: int) -> None:
+    """Exit with ``code`` after a failure, the normal way (the run has closed itself). Helper
+    processes (megatron-core's checkpoint writer keeps a spawned queue server) are stopped so
+    they do not hold the launcher's pipes open. Interpreter shutdown should not block (the
+    cross-worker thread is a daemon); should something upstream still wait on a dead peer
+    there, a watchdog ends the process after ``EXIT_GRACE_SECONDS``."""
     import multiprocessing
+    import threading
+    import time
 
     for child in multiprocessing.active_children():
         child.terminate()
+    sys.stdout.flush()
+    sys.stderr.flush()
+
+    def watchdog():
+        time.sleep(EXIT_GRACE_SECONDS)
+        os._exit(code)
+
+    threading.Thread(target=watchdog, name="exit-watchdog", daemon=True).start()
+    sys.exit(code)
 
 
 def main(argv=None, extensions=()) -> int:
@@ -35,13 +52,9 @@ def main(argv=None, extensions=()) -> int:
         for line in str(e).splitlines():
             print(f"pretrain_gpt.py: error: {line}", file=sys.stderr, flush=True)
         return 2
-    except JobFailure as e:
-        # Fatal for this job. A background thread may still sit in a dead collective, and
-        # interpreter shutdown would wait for it: leave at once, the launcher stops the rest.
+    except JobFailure as e:  # fatal for this job: the launcher stops the rest
         print(f"pretrain_gpt.py: error: {e}", file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        _stop_children()
-        os._exit(3)
+        return 3
     return 0
 
 
@@ -50,12 +63,11 @@ def entry(extensions=()) -> None:
     see ``megatron_streaming.train.Run`` (a drill's fault injection, for one)."""
     try:
         code = main(extensions=extensions)
-    except Exception:  # a bug: its traceback, then out, without waiting for busy threads
+    except Exception:  # a bug: its traceback, then out
         traceback.print_exc()
-        sys.stderr.flush()
-        sys.stdout.flush()
-        _stop_children()
-        os._exit(1)
+        code = 1
+    if code:
+        _leave(code)
     sys.exit(code)
 
 

@@ -370,3 +370,22 @@ def test_transport_times_out_naming_step_tag_and_peers(tmp_path):
     assert got["seconds"] < TIMEOUT_S + 2.0, got
     for text in ("step 17", TIMEOUT_TAG, "peer group (global ranks) [0, 1]"):
         assert text in got["message"], got["message"]
+
+
+def test_exchanges_run_in_order_on_a_daemon_thread_that_close_drains():
+    """A daemon, so a collective stuck on a peer that never answers cannot keep a failed
+    process from exiting; close() still waits for what was submitted (the peers run it too)."""
+    import threading
+    import time
+
+    from megatron_streaming.streaming.transport import _SerialThread
+
+    done, worker = [], _SerialThread("cross-worker")
+    names = []
+    for i in range(5):
+        worker.submit(lambda i=i: (time.sleep(0.01), done.append(i),
+                                   names.append(threading.current_thread())))
+    worker.shutdown()
+    assert done == list(range(5))
+    assert all(t.daemon and t.name == "cross-worker" for t in names)
+    worker.shutdown()  # twice: nothing left to stop
