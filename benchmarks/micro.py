@@ -1,6 +1,7 @@
 """Micro-benchmarks: codec throughput against a memory copy, and the sync's cost on quiet steps.
 
     .venv/bin/python benchmarks/micro.py [--numel 67108864,262144] [--threads 1] [--out runs/micro]
+    python3 benchmarks/micro.py --device cuda --codec-only     # the codec on a GPU
 
 Both parts run in one invocation and report ratios measured there (absolute times on a shared
 machine drift; ratios of interleaved repetitions do not, much):
@@ -49,14 +50,18 @@ QUIET_SYNC = ["--diloco-workers", "2", "--diloco-inner-steps", "100000", "--dilo
 
 
 # ---- codec throughput -------------------------------------------------------------------
-def codec_throughput(numel: int, reps: int) -> dict:
+def codec_throughput(numel: int, reps: int, device: str = "cpu") -> dict:
     import torch
 
-    from megatron_streaming.streaming.codec import make_codec
+    from megatron_streaming.streaming.codec import make_codec, warm_up
 
     torch.manual_seed(0)
     x = torch.randn(numel) * torch.logspace(-3, 0, numel)  # magnitudes spread like gradients
+    x = x.to(device)
     dst = torch.empty_like(x)
+    cuda = x.device.type == "cuda"
+    for name in CODECS:  # compiled here, on the main thread, as a training rank does
+        warm_up(make_codec(name, 128), numel, device)
     ops = {"memory copy": lambda: dst.copy_(x)}
     for name in CODECS:
         codec = make_codec(name, 128)
@@ -74,9 +79,13 @@ def codec_throughput(numel: int, reps: int) -> dict:
     calls = max(1, min(256, (64 << 20) // numel))  # small tensors: many calls per sample
     for _ in range(reps):
         for name, op in ops.items():
+            if cuda:
+                torch.cuda.synchronize()
             started = time.perf_counter()
             for _ in range(calls):
                 op()
+            if cuda:
+                torch.cuda.synchronize()
             times[name].append((time.perf_counter() - started) / calls)
     copy = statistics.median(times["memory copy"])
     out = {}
@@ -258,6 +267,8 @@ def main():
                     help="tensor sizes, comma-separated")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", default="cpu", help="where the codec runs (cpu, cuda)")
+    ap.add_argument("--codec-only", action="store_true", help="skip the sync-overhead part")
     ap.add_argument("--blocks", type=int, default=48, help="sync on/off blocks (ABBA order)")
     ap.add_argument("--block-steps", type=int, default=2)
     ap.add_argument("--warmup", type=int, default=5)
@@ -274,11 +285,16 @@ def main():
     began = time.perf_counter()
     codec = {}
     for numel in (int(n) for n in opts.numel.split(",")):
-        codec[str(numel)] = codec_throughput(numel, opts.reps)
-        print(f"codec, {numel:,} fp32 elements, {opts.threads} thread(s), median of "
-              f"{opts.reps}:")
+        codec[str(numel)] = codec_throughput(numel, opts.reps, opts.device)
+        print(f"codec on {opts.device}, {numel:,} fp32 elements, {opts.threads} thread(s), "
+              f"median of {opts.reps}:")
         for name, r in codec[str(numel)].items():
             print(f"  {name:14} {r['gb_per_s']:7.2f} GB/s  {r['time_vs_copy']:6.2f}x copy time")
+    if opts.codec_only:
+        record = {"numel": opts.numel, "device": opts.device, "commit": git_state(),
+                  "reps": opts.reps, "codec": codec, "wall_s": time.perf_counter() - began}
+        (out / "micro_codec.json").write_text(json.dumps(record, indent=1) + "\n")
+        return print(f"wrote {out / 'micro_codec.json'}")
     sync = sync_overhead(opts.blocks, opts.block_steps, opts.warmup, out)
     m = sync["mean_over_ranks"]
     cis = [p["on_over_off_95ci"] for p in sync["per_rank"]]

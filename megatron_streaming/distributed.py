@@ -84,16 +84,30 @@ def rendezvous_store(timeout_minutes: float):
                 raise
 
 
-def init_distributed(backend: str, timeout_minutes: float, store=None) -> tuple:
+def world_backend(in_worker: str, cross_worker: str) -> str:
+    """The default (world) group's backend. The world spans the workers, so it takes the
+    cross-worker backend when one is named: with NCCL inside each worker and gloo across, a
+    world-wide NCCL group would put ranks of different clusters (or, on one test GPU, two
+    ranks of one device, which NCCL refuses) into one communicator. Only object collectives
+    and barriers run on it (data cache agreement, checkpoint facts)."""
+    return backend_for(in_worker) if cross_worker == "auto" else cross_worker
+
+
+def init_distributed(backend: str, timeout_minutes: float, store=None,
+                     world: Optional[str] = None) -> tuple:
     """Initialise the default process group once (on ``store``, else on a new
-    ``rendezvous_store``); returns (rank, world_size)."""
+    ``rendezvous_store``), with backend ``world`` (default: the in-worker ``backend``);
+    returns (rank, world_size)."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
         store = store if store is not None else rendezvous_store(timeout_minutes)
-        backend = backend_for(backend)
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        if backend_for(backend) == "nccl":
+            # More local ranks than GPUs (two one-rank workers on one test GPU) share them;
+            # NCCL refuses two ranks of one device only within one group.
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0"))
+                                  % torch.cuda.device_count())
+        backend = backend_for(world or backend)
         dist.init_process_group(backend=backend, store=store, rank=int(os.environ["RANK"]),
                                 world_size=int(os.environ["WORLD_SIZE"]),
                                 timeout=datetime.timedelta(minutes=timeout_minutes))

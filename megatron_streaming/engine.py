@@ -16,6 +16,7 @@ import logging
 import math
 from dataclasses import dataclass
 from functools import partial
+from types import SimpleNamespace
 from typing import Iterator, List, Optional
 
 import torch
@@ -144,6 +145,9 @@ def _forward_step(forward, sequence, data_iterator, model):
     # so that the ZeRO optimizer sees the backward begin and end.
     del model
     batch = next(data_iterator)
+    if torch.cuda.is_available():  # the loader builds batches on the CPU
+        batch = {k: v.cuda(non_blocking=True) if torch.is_tensor(v) else v
+                 for k, v in batch.items()}
     sp_group = None
     if sequence is not None:
         from .ulysses import slice_for_sequence_parallel
@@ -190,6 +194,9 @@ class WorkerEngine:
             config=deepspeed_config(cfg),
             mpu=topology.mpu(),
             dist_init_required=False,
+            # The device init_distributed chose (LOCAL_RANK modulo the GPUs), not LOCAL_RANK.
+            args=SimpleNamespace(device_rank=torch.cuda.current_device())
+            if torch.cuda.is_available() else None,
         )
         # Without ZeRO, DeepSpeed refuses a backward it did not start; its step() then does
         # the plain data-parallel all-reduce of the accumulated gradients itself.

@@ -101,6 +101,8 @@ def transformer_config(model_cfg: ModelConfig, parallel_cfg: ParallelConfig,
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision.dtype_name,
                                                                  torch.float32)
     on_gpu = torch.cuda.is_available()
+    from patches.optional import have_apex, have_fused_softmax
+
     return TransformerConfig(
         num_layers=model_cfg.num_layers,
         hidden_size=model_cfg.hidden_size,
@@ -129,10 +131,12 @@ def transformer_config(model_cfg: ModelConfig, parallel_cfg: ParallelConfig,
         use_cpu_initialization=True,
         # Fused kernels exist only for CUDA; on CPU the unfused paths compute the same thing.
         gradient_accumulation_fusion=False,
-        bias_activation_fusion=on_gpu,
+        # As Megatron-LM: the fused bias-GeLU needs a bias (bias-SwiGLU takes none).
+        bias_activation_fusion=on_gpu and (model_cfg.swiglu or not model_cfg.disable_bias_linear),
         bias_dropout_fusion=on_gpu,
-        masked_softmax_fusion=on_gpu,
-        persist_layer_norm=on_gpu,
+        masked_softmax_fusion=on_gpu and have_fused_softmax(),
+        # apex's persistent layer norm; the torch norm that stands in without apex refuses it.
+        persist_layer_norm=on_gpu and have_apex(),
         apply_rope_fusion=False,
         **recompute_settings(model_cfg),
         **transformer_engine_settings(te_cfg),

@@ -138,9 +138,11 @@ class Topology:
     @classmethod
     def create(cls, layout: RankLayout, rank: int, timeout=None,
                cross_worker_backend: Optional[str] = None,
-               cross_worker_timeout=None) -> "Topology":
+               cross_worker_timeout=None, backend: Optional[str] = None) -> "Topology":
         """Create every group. The cross-worker groups may use their own backend (gloo over
-        a slow link while NCCL runs inside the worker) and their own timeout."""
+        a slow link while NCCL runs inside the worker) and their own timeout; the in-worker
+        groups use ``backend`` (default: the world group's, which may be the cross-worker
+        one, ``distributed.world_backend``)."""
         import torch.distributed as dist
 
         topo = cls(layout=layout, rank=rank)
@@ -150,7 +152,7 @@ class Topology:
             for ranks in rank_lists:
                 group = dist.new_group(
                     ranks, timeout=cross_worker_timeout if cross else timeout,
-                    backend=cross_worker_backend if cross else None)
+                    backend=cross_worker_backend if cross else backend)
                 if rank in ranks:
                     topo.groups[name] = group
                     topo.group_ranks[name] = ranks

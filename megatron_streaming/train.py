@@ -124,13 +124,15 @@ class Run:
             door = Door(store, coords["worker"], layout.workers, coords["local"],
                         datetime.timedelta(minutes=p.distributed_timeout_minutes))
             door.agree(fingerprint(cfg, layout, self.tokenizer))
-        rank, _ = distributed.init_distributed(p.distributed_backend,
-                                               p.distributed_timeout_minutes, store)
+        rank, _ = distributed.init_distributed(
+            p.distributed_backend, p.distributed_timeout_minutes, store,
+            world=distributed.world_backend(p.distributed_backend, s.diloco_backend))
         distributed.cpu_threads()
         self.topology = Topology.create(
             layout, rank, timeout=datetime.timedelta(minutes=p.distributed_timeout_minutes),
             cross_worker_backend=None if s.diloco_backend == "auto" else s.diloco_backend,
-            cross_worker_timeout=datetime.timedelta(seconds=s.diloco_timeout))
+            cross_worker_timeout=datetime.timedelta(seconds=s.diloco_timeout),
+            backend=distributed.backend_for(p.distributed_backend))
         self.topology.install_into_megatron()
         if door is not None and self.topology.worker != 0:  # worker 0 hosts the store
             self.topology.cross.count_control(door.bytes)

@@ -1,4 +1,5 @@
-"""Optional CUDA libraries megatron-core switches on when importable: apex and Transformer Engine.
+"""Optional CUDA libraries megatron-core switches on when importable: apex, Transformer Engine
+and Megatron-LM's fused softmax kernels.
 
 ``HAVE_APEX`` / ``HAVE_TE`` are computed on first access by trying the same imports megatron-core
 tries (``import apex``, ``import transformer_engine``), so importing this module costs nothing.
@@ -7,7 +8,7 @@ tries (``import apex``, ``import transformer_engine``), so importing this module
 import functools
 import importlib
 
-__all__ = ["HAVE_APEX", "HAVE_TE", "have_apex", "have_te"]
+__all__ = ["HAVE_APEX", "HAVE_TE", "have_apex", "have_te", "have_fused_softmax"]
 
 
 def _importable(module_name: str) -> bool:
@@ -28,6 +29,15 @@ def have_apex() -> bool:
 def have_te() -> bool:
     """Whether Transformer Engine imports."""
     return _importable("transformer_engine")
+
+
+@functools.cache
+def have_fused_softmax() -> bool:
+    """Whether Megatron-LM's fused softmax kernels import (built with Megatron-LM, not shipped
+    by megatron-core): megatron-core's ``FusedScaleMaskSoftmax`` imports them for 16-bit
+    inputs whenever ``masked_softmax_fusion`` is set, so without them it must not be."""
+    return _importable("scaled_masked_softmax_cuda") and \
+        _importable("scaled_upper_triang_masked_softmax_cuda")
 
 
 def __getattr__(name: str) -> bool:

@@ -35,7 +35,7 @@ def full_parameters(run) -> dict:
             tensor = tp_unshard(name, parts, param.partition_dim, run.cfg.model.swiglu)
         if name == "output_layer.weight" and not run.cfg.model.untie_embeddings_and_output_weights:
             continue  # the last stage's copy of the tied embedding
-        out[global_name(name, offset)] = tensor.clone()
+        out[global_name(name, offset)] = tensor.cpu().clone()  # compared on the CPU
     return out
 
 

@@ -212,13 +212,18 @@ def test_resume_with_a_fragment_in_flight_continues_exactly(tmp_path, eager):
     the outer momentum and the global copy). Eager (outer momentum on, so each worker's global
     copy and momentum are its own): fragment 1 sent after step 3 and fragment 0 after step 6
     are both in flight, applied at their next sends, 9 and 12."""
-    args = EAGER if eager else STREAMING
+    resumes_in_flight_exactly(tmp_path, EAGER if eager else STREAMING)
+
+
+def resumes_in_flight_exactly(tmp_path, args, extra_env=None):
+    """The body of the test above, for any flags that keep its schedule (the CUDA variant)."""
+    eager = "--diloco-eager" in args
     full_summary, resumed_summary = tmp_path / "full.json", tmp_path / "resumed.json"
     run(2, [*args, "--log-jsonl", str(tmp_path / "full.jsonl"),
-            "--summary-json", str(full_summary)])
+            "--summary-json", str(full_summary)], extra_env=extra_env)
     ckpt = tmp_path / "ckpt"
     run(2, [*args, "--save", str(ckpt), "--exit-interval", "7",
-            "--log-jsonl", str(tmp_path / "first.jsonl")])
+            "--log-jsonl", str(tmp_path / "first.jsonl")], extra_env=extra_env)
     meta = json.loads((ckpt / "iter_0000007" / "checkpoint.json").read_text())
     assert meta["pending"] == [{"fragment": 0, "step": 6, "all_finite": True}] + (
         [{"fragment": 1, "step": 3, "all_finite": True}] if eager else [])
@@ -226,7 +231,7 @@ def test_resume_with_a_fragment_in_flight_continues_exactly(tmp_path, eager):
         assert {"worker1.outer.theta_g", "worker1.outer.momentum", "worker0.outer.own",
                 "worker1.outer.own"} <= set(meta["kinds"]["prefixes"])
     run(2, [*args, "--load", str(ckpt), "--log-jsonl", str(tmp_path / "second.jsonl"),
-            "--summary-json", str(resumed_summary)])
+            "--summary-json", str(resumed_summary)], extra_env=extra_env)
 
     def records(name, key):
         return [(r["iteration"], r[key]) for r in read_jsonl(tmp_path / name) if key in r]
@@ -239,3 +244,16 @@ def test_resume_with_a_fragment_in_flight_continues_exactly(tmp_path, eager):
                                                                   "streaming/drift")[7:]
     full, resumed = json.loads(full_summary.read_text()), json.loads(resumed_summary.read_text())
     assert resumed["cross_worker_bytes"] == full["cross_worker_bytes"] > 0
+
+
+def test_restored_adam_step_count_lives_where_torch_keeps_it():
+    """Fused Adam (what a GPU run uses) wants its step counts on the parameters' device; a
+    CPU step count there fails the first step after a resume ("meta" stands in for CUDA)."""
+    from megatron_streaming.checkpoint.job import step_tensor
+
+    param = torch.empty(3, device="meta")
+    assert step_tensor(7, param, {"fused": True}).device.type == "meta"
+    assert step_tensor(7, param, {"capturable": True}).device.type == "meta"
+    assert step_tensor(7, param, {"fused": None, "capturable": False}).device.type == "cpu"
+    assert float(step_tensor(7, torch.empty(3), {"fused": True})) == 7.0
+

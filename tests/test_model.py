@@ -33,6 +33,52 @@ def test_local_spec_falls_back_to_torch_norm_without_apex():
     assert "megatron_norm" in patches.apply()
 
 
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_gpu_settings_build_a_layer_without_apex_or_biases(monkeypatch, swiglu):
+    """On a GPU the fused paths are asked for; without apex (the torch norm stands in) and
+    with --disable-bias-linear, megatron must still build a layer: no persistent layer norm,
+    no fused bias-GeLU without a bias (as Megatron-LM's own argument checks decide), and no
+    fused softmax without Megatron-LM's kernels."""
+    import patches
+    from megatron.core.transformer.spec_utils import build_module
+    from patches import optional
+
+    from megatron_streaming.config import ParallelConfig
+
+    if optional.have_apex():
+        pytest.skip("apex is installed: its persistent layer norm is allowed")
+    patches.apply()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cfg = ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=4,
+                      disable_bias_linear=True, swiglu=swiglu, transformer_impl="local")
+    config = model.transformer_config(cfg, ParallelConfig())
+    assert config.bias_dropout_fusion
+    assert config.masked_softmax_fusion == optional.have_fused_softmax()
+    assert config.bias_activation_fusion == swiglu and not config.persist_layer_norm
+    spec = model.layer_spec(ModelConfig(transformer_impl="local"))
+    build_module(spec.submodules.input_layernorm, config=config, hidden_size=32,
+                 eps=config.layernorm_epsilon)
+
+
+def test_forward_step_moves_the_loaders_batch_to_the_gpu(monkeypatch):
+    """The loader builds batches on the CPU; on a GPU the model gets them on the GPU ("meta"
+    stands in for CUDA here)."""
+    from megatron_streaming import engine
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.Tensor, "cuda", lambda self, non_blocking=False: self.to("meta"))
+    batch = {"tokens": torch.zeros(2, 4, dtype=torch.long), "labels": torch.zeros(2, 4),
+             "position_ids": torch.zeros(2, 4, dtype=torch.long), "loss_mask": torch.ones(2, 4)}
+    seen = {}
+
+    def forward(tokens, position_ids, attention_mask, labels):
+        seen.update(tokens=tokens, position_ids=position_ids, labels=labels)
+        return torch.zeros(2, 4)
+
+    engine._forward_step(forward, None, iter([batch]), None)
+    assert {k: v.device.type for k, v in seen.items()} == dict.fromkeys(seen, "meta")
+
+
 def test_padded_vocab_is_a_multiple_of_divisor_times_tp():
     assert model.padded_vocab_size(1000, 128, 1) == 1024
     assert model.padded_vocab_size(1000, 128, 2) == 1024

@@ -326,6 +326,23 @@ def test_finish_merges_what_is_in_flight_at_the_end():
     assert (5, "merge", 1, 1) not in sync.events and (11, "merge", 1, 1) in sync.events
 
 
+def test_error_feedback_residual_lives_where_the_transport_encodes():
+    """On a GPU job with gloo across workers the outer state is on CUDA but the transport
+    encodes on the CPU: the residual must be on the wire device, or ``x + residual`` mixes
+    devices at the first send. A wire device other than the outer state's ("meta" here)
+    stands in for the CPU of a CUDA job."""
+    layout = _layout(2)
+    groups = [ShardGroup(i, pg, f, ts)
+              for i, ((pg, f, _), ts) in enumerate(zip(layout, _initial_tensors(layout)))]
+    transport = Transport(None, [0, 1], 0, make_codec("fp4"), 30.0, wire_device="meta")
+    sync = StreamingSync(groups, SyncSchedule(4, 2, 0), transport, OuterOptimizer(LR, MU, True),
+                         0.0, True, False, lambda: None)
+    assert all(t.device.type == "cpu" for t in sync.theta_g)
+    assert [f.residual.device.type for f in sync.feedback] == ["meta"] * len(groups)
+    assert [f.residual.numel() for f in sync.feedback] == [
+        transport.padded_numel(g.numel) for g in groups]
+
+
 def test_after_step_runs_what_the_hook_missed():
     H, P, tau, alpha = 6, 3, 1, 0.5
     layout = _layout(P)

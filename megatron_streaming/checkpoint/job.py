@@ -85,7 +85,7 @@ class JobState:
     def _optimizer_vector(self, i: int, key: str) -> torch.Tensor:
         state = self.engine.inner_optimizer.state
         parts = [state[t][key].reshape(-1) if t in state and key in state[t]
-                 else torch.zeros(t.numel()) for t in self._state_tensors(i)]
+                 else torch.zeros(t.numel(), device=t.device) for t in self._state_tensors(i)]
         return torch.cat([p.float() for p in parts]) if parts else torch.zeros(0)
 
     def _sync_vectors(self, values: List[torch.Tensor]) -> List[torch.Tensor]:
@@ -463,7 +463,7 @@ class JobState:
                 state = {k: v[offset:offset + t.numel()].view_as(t).to(t.device).clone()
                          for k, v in vectors.items()}
                 if step is not None:
-                    state["step"] = torch.tensor(step, dtype=torch.float32)
+                    state["step"] = step_tensor(step, t, opt.param_groups[i])
                 opt.state[t] = state
                 offset += t.numel()
 
@@ -530,4 +530,13 @@ class JobState:
             torch.cuda.set_rng_state(tensors["cuda"].to(torch.uint8))
 
 
+def step_tensor(step: float, param: torch.Tensor, group: dict) -> torch.Tensor:
+    """Adam's step count where torch keeps it: with the parameter for fused (on a GPU, the
+    only fused Adam the run picks) or capturable Adam, on the CPU otherwise, as
+    ``Optimizer.load_state_dict`` places it."""
+    with_param = bool(group.get("fused") or group.get("capturable"))
+    return torch.tensor(step, dtype=torch.float32, device=param.device if with_param else "cpu")
+
+
 __all__ = ["JobState", "EMBEDDING"]
+

@@ -14,6 +14,9 @@ Codecs, chosen by ``--diloco-quantize`` with block size ``--diloco-quant-block``
 * ``bf16``: round-to-nearest-even cast, 2 bytes per element, relative error <= 2^-8.
 * ``int8``: per block, ``step = absmax / 127`` (the fp32 scale sent), ``q = round(x / step)``
   in [-127, 127]. Error <= step/2 exactly; with fp32 arithmetic <= step * (1/2 + 2^-16).
+  CUDA divides by the constant 127 as a multiplication by its reciprocal, so a GPU's scales
+  may differ from a CPU's in the last bit (and a code by one at a tie); the bound holds on
+  both, and workers agree whatever their devices, since each decodes the bytes on the wire.
 * ``fp4``: E3M0, one sign bit and three exponent bits, one fp32 scale ``s`` = block absmax.
   Exponent field -> magnitude / s (code = sign << 3 | field; sign 1 is negative):
 

@@ -100,8 +100,9 @@ class StreamingSync:
                         for g in groups]
         self.momentum = [torch.zeros_like(t) for t in self.theta_g]
         self.feedback: List[Optional[ErrorFeedback]] = [
-            ErrorFeedback(transport.codec, transport.padded_numel(g.numel), t.device)
-            if error_feedback else None for g, t in zip(groups, self.theta_g)]
+            # On the wire device: the transport encodes there (CPU for gloo on a GPU job).
+            ErrorFeedback(transport.codec, transport.padded_numel(g.numel), transport.wire_device)
+            if error_feedback else None for g in groups]
         self.pending: Dict[int, Pending] = {}
         # Eager: this worker's outer gradient of each shard's latest send (applied at once, to
         # be taken out of that exchange's mean when it is applied); None: not eager.

@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# Every GPU check in one call of a one-GPU machine (Python with a CUDA torch, no network):
+#   bash launch/device_check.sh [LIMIT_S]
+# Carry the wheels of what its Python lacks in .whl (megatron-core, deepspeed, pydantic, hjson;
+# built by `bash launch/device_wheels.sh`) and the quality corpus in .devdata/code. In order,
+# each inside what is left of LIMIT_S (default 500): the environment (and whether Transformer
+# Engine and apex import), the codec on CUDA against a device copy, the two-worker timeline
+# (overlap, step times, bytes), then the 34M quality run with the `-m cuda` tests beside it.
+# Work in $WORK (default /tmp/device_check); at most 8 files land in $OUT (default runs/device).
+# REHEARSE=1: the same sequence on a CPU machine (tiny model, codec on the CPU), to try it out.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-runs/device} W=${WORK:-/tmp/device_check}
+mkdir -p "$OUT" "$W"
+t0=$(date +%s) limit=${1:-500}
+left() { echo $(( limit - ($(date +%s) - t0) )); }
+device=cuda tiny=""
+[[ ${REHEARSE:-0} == 1 ]] && device=cpu tiny=--tiny
+export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
+# torch's checkpoint-metadata patch is pinned to torch 2.13.0; this machine's torch differs.
+export MEGATRON_STREAMING_SKIP_PATCHES=torch_dcp_safe_metadata
+if [[ ${REHEARSE:-0} != 1 ]] && compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
+fi
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  python3 -c 'import sys, torch, deepspeed, megatron.core as m
+print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda,
+      "deepspeed", deepspeed.__version__, "megatron-core", m.__version__,
+      "gpu", torch.cuda.get_device_name(0))'
+  for mod in transformer_engine apex; do
+    python3 -c "import $mod; print('$mod', getattr($mod, '__version__', 'importable'))" \
+      2>/dev/null || echo "$mod: not importable here"
+  done
+  python3 -c 'from patches import optional as o
+print("used by megatron-streaming: apex", o.have_apex(), "transformer-engine", o.have_te())' 2>&1
+} > "$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+
+stages=${STAGES:-codec timeline quality}  # "timeline smoke": a first, short call
+has() { [[ " $stages " == *" $1 "* ]]; }
+
+if has codec; then
+  echo "== codec on CUDA ($(left) s left)"
+  timeout 90 python3 benchmarks/micro.py --device $device --codec-only --reps 5 \
+    --numel $((64 << 20)),$((256 << 10)) --out "$W" > "$OUT/codec.log" 2>&1
+  tail -20 "$OUT/codec.log"
+fi
+
+step_s=${STEP_S:-0.1}
+if has timeline; then
+  echo "== timeline: two workers on the GPU ($(left) s left)"
+  timeout 150 python3 benchmarks/gpu.py timeline $tiny --out "$W/timeline" --data .devdata/code \
+    --steps ${TIMELINE_STEPS:-70} > "$W/timeline.out" 2>&1
+  tail -3 "$W/timeline.out"
+  grep -v -i warn "$W/timeline/timeline.log" | grep -B2 -A8 Traceback | head -60
+  step_s=$(python3 -c 'import json,sys
+try:
+    print(json.load(open(sys.argv[1]))["median_step_s"]["quiet"] or 0.1)
+except Exception:
+    print(0.1)' "$W/timeline/timeline.json")
+fi
+
+xdist=$(python3 -c "import xdist" 2>/dev/null && printf -- "-n 3")
+if has smoke; then
+  echo "== two cuda tests ($(left) s left)"
+  timeout $(( $(left) - 10 )) python3 -m pytest -m cuda tests/test_cuda.py $xdist -q \
+    -k "diloco_p1_tau0 or losses_follow or int8" --junitxml="$OUT/cuda_tests.xml" \
+    > "$OUT/cuda_tests.log" 2>&1
+  grep -E "^(FAILED|ERROR)|passed|failed|^E  " "$OUT/cuda_tests.log" | head -40
+fi
+
+if has quality; then
+  echo "== quality at 34M and the cuda tests beside it ($(left) s left, quiet step ${step_s} s)"
+  deadline=$(( $(left) - 25 ))
+  timeout $(( deadline + 20 )) python3 -m pytest -m cuda tests/test_cuda.py $xdist -q \
+    --junitxml="$OUT/cuda_tests.xml" > "$OUT/cuda_tests.log" 2>&1 &
+  tests=$!
+  python3 benchmarks/gpu.py quality $tiny --out "$W/quality" --data .devdata/code \
+    --deadline-s "$deadline" --startup-s 70 --step-s "$step_s" --slowdown 3.2 \
+    > "$W/quality.out" 2>&1
+  wait $tests
+  echo "== cuda tests"; grep -E "^(FAILED|ERROR)|passed|failed|^E  " "$OUT/cuda_tests.log" | head -40
+  echo "== quality"; tail -12 "$W/quality.out"
+fi
+cp "$W/quality/quality.json" "$W/timeline/timeline.json" "$W/micro_codec.json" "$OUT/" \
+  2>/dev/null
+tar -C "$W" -czf "$OUT/logs.tgz" --exclude=cache --exclude='*.pt' . 2>/dev/null
+ls -la "$OUT"
+echo "done in $(( $(date +%s) - t0 )) s"

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# What launch/device_check.sh needs on a one-GPU machine whose Python (3.12, CUDA torch) has
+# no network: wheels of the packages its image lacks, in .whl, and the quality corpus in
+# .devdata/code (benchmarks/quality.py's code corpus, built here if missing). Both folders are
+# ignored by git; carry them with the call (about 20 MiB).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash launch/setup.sh
+mkdir -p .whl .devdata
+platforms=()
+for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 \
+         manylinux_2_17_x86_64 manylinux2014_x86_64; do
+  platforms+=(--platform "$p")
+done
+for pkg in megatron-core==0.16.1 pydantic==2.14.3 pydantic_core==2.50.4 annotated-types==0.8.0 \
+           typing-inspection==0.4.5 hjson==3.1.0; do
+  .venv/bin/pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+    --implementation cp "${platforms[@]}" -d .whl "$pkg"
+done
+# DeepSpeed ships as a source archive: a pure-Python wheel, its ops built on first use there.
+ls .whl/deepspeed-0.19.8-*.whl > /dev/null 2>&1 || DS_BUILD_OPS=0 .venv/bin/pip wheel -q \
+  --no-deps --no-build-isolation -w .whl deepspeed==0.19.8
+code=runs/quality/data/code
+[ -f "$code/train_text_document.bin" ] || .venv/bin/python -c '
+import sys; from pathlib import Path; sys.path.insert(0, "benchmarks"); import quality
+quality.corpus_flags("code", Path("runs/quality"))'
+mkdir -p .devdata/code
+cp "$code"/{train,heldout}_text_document.{bin,idx} "$code"/{train.model,meta.json} .devdata/code/
+grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
+grep -qx '/.devdata/' .git/info/exclude 2>/dev/null || echo '/.devdata/' >> .git/info/exclude
+du -sh .whl .devdata
