@@ -40,15 +40,16 @@ class CrossWorker:
         self._lock = threading.Lock()  # the heartbeat thread counts too
 
     # ---- data ------------------------------------------------------------------------------
-    def make_transport(self, codec, timeout: float):
-        """The quantized exchange over this rank's data group (one per rank)."""
+    def make_transport(self, codec, timeout: float, codec_device=None):
+        """The quantized exchange over this rank's data group (one per rank); the codec runs
+        on ``codec_device`` (default: the wire's, CUDA for NCCL, else the CPU)."""
         from .streaming.transport import Transport
 
         nccl = self.backend == "nccl"
         self.transport = Transport(
             self.data_group, self.data_ranks, self.rank, codec, timeout,
             wire_device=f"cuda:{torch.cuda.current_device()}" if nccl else "cpu",
-            use_cuda_stream=nccl)
+            use_cuda_stream=nccl, codec_device=codec_device)
         return self.transport
 
     # ---- control ---------------------------------------------------------------------------

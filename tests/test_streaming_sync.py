@@ -327,14 +327,15 @@ def test_finish_merges_what_is_in_flight_at_the_end():
 
 
 def test_error_feedback_residual_lives_where_the_transport_encodes():
-    """On a GPU job with gloo across workers the outer state is on CUDA but the transport
-    encodes on the CPU: the residual must be on the wire device, or ``x + residual`` mixes
-    devices at the first send. A wire device other than the outer state's ("meta" here)
-    stands in for the CPU of a CUDA job."""
+    """The residual must be where the transport encodes (its codec device), whatever the
+    outer state's or the wire's, or ``x + residual`` mixes devices at the first send (as it
+    did on a GPU job with gloo across workers). A codec device other than the outer state's
+    ("meta" here) stands in for it."""
     layout = _layout(2)
     groups = [ShardGroup(i, pg, f, ts)
               for i, ((pg, f, _), ts) in enumerate(zip(layout, _initial_tensors(layout)))]
-    transport = Transport(None, [0, 1], 0, make_codec("fp4"), 30.0, wire_device="meta")
+    transport = Transport(None, [0, 1], 0, make_codec("fp4"), 30.0, codec_device="meta")
+    assert transport.wire_device.type == "cpu"
     sync = StreamingSync(groups, SyncSchedule(4, 2, 0), transport, OuterOptimizer(LR, MU, True),
                          0.0, True, False, lambda: None)
     assert all(t.device.type == "cpu" for t in sync.theta_g)

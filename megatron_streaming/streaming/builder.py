@@ -91,10 +91,14 @@ def build_sync(cfg: Config, topology: Topology, engine) -> Union[StreamingSync, 
         return NoSync()
     s = cfg.streaming
     groups = shard_groups(engine, fragment_function(cfg, topology))
+    # The codec runs where the outer state lives (the GPU, unless it is offloaded): only the
+    # codes go to the wire's device.
+    codec_device = "cpu" if s.diloco_offload_outer_state or not groups else \
+        groups[0].read().device
     transport = topology.cross.make_transport(
-        make_codec(s.diloco_quantize, s.diloco_quant_block), s.diloco_timeout)
+        make_codec(s.diloco_quantize, s.diloco_quant_block), s.diloco_timeout, codec_device)
     warm_up(transport.codec, max((transport.padded_numel(g.numel) for g in groups), default=0),
-            transport.wire_device)
+            transport.codec_device)
     sync = StreamingSync(groups, sync_schedule(cfg, topology.layout.dp), transport,
                          outer_optimizer(cfg),
                          s.diloco_alpha, s.diloco_error_feedback,

@@ -100,8 +100,8 @@ class StreamingSync:
                         for g in groups]
         self.momentum = [torch.zeros_like(t) for t in self.theta_g]
         self.feedback: List[Optional[ErrorFeedback]] = [
-            # On the wire device: the transport encodes there (CPU for gloo on a GPU job).
-            ErrorFeedback(transport.codec, transport.padded_numel(g.numel), transport.wire_device)
+            # Where the transport encodes (its codec device), whatever the outer state's.
+            ErrorFeedback(transport.codec, transport.padded_numel(g.numel), transport.codec_device)
             if error_feedback else None for g in groups]
         self.pending: Dict[int, Pending] = {}
         # Eager: this worker's outer gradient of each shard's latest send (applied at once, to

@@ -11,7 +11,8 @@ here.
 The exchange runs asynchronously: on a background thread for gloo (collectives on the
 cross-worker group are issued only from that thread, one at a time, in submission order, so
 all workers pair their collectives up identically), and additionally on a side CUDA stream
-for NCCL, so the inner steps in between really overlap it. ``Pending.wait`` fails with a
+where it touches the GPU (NCCL, or the codec on a GPU job with gloo across workers: then only
+the packed codes cross to host memory), so the inner steps in between really overlap it. ``Pending.wait`` fails with a
 message naming the step, the fragment and the peer group when the peers do not answer in time.
 
 Tests and slow-link emulation subclass it (``tests/``).
@@ -63,7 +64,11 @@ class Pending:
 
     def wait(self) -> ExchangeResult:
         try:
-            return self.future.result(timeout=self.timeout)
+            result = self.future.result(timeout=self.timeout)
+            if result.mean.is_cuda:  # made on the side stream, now read on this one: the
+                # allocator must not hand its memory to the next exchange before that
+                result.mean.record_stream(torch.cuda.current_stream())
+            return result
         except concurrent.futures.TimeoutError:
             raise SyncTimeout(
                 f"cross-worker exchange of {self.tag} sent after step {self.step} got no answer "
@@ -113,12 +118,20 @@ class Transport:
     """Quantized, asynchronous all-reduce-mean over one cross-worker group."""
 
     def __init__(self, group, group_ranks: List[int], rank: int, codec: Codec,
-                 timeout: float, wire_device: str = "cpu", use_cuda_stream: bool = False):
+                 timeout: float, wire_device: str = "cpu", use_cuda_stream: bool = False,
+                 codec_device: Optional[str] = None):
         self.group, self.group_ranks = group, list(group_ranks)
         self.workers = len(group_ranks)
         self.index = self.group_ranks.index(rank)
         self.codec, self.timeout = codec, timeout
         self.wire_device = torch.device(wire_device)  # gloo moves CPU tensors, NCCL CUDA ones
+        # Where the codec runs (default: the wire's). On a GPU job with gloo across workers,
+        # the GPU: the packed codes cross to the host, 8x fewer bytes than the fp32 outer
+        # gradient, and the GPU codes a fragment in well under a millisecond where one CPU
+        # thread takes tens (docs/RESULTS.md, "On a GPU").
+        self.codec_device = torch.device(codec_device) if codec_device is not None \
+            else self.wire_device
+        use_cuda_stream = use_cuda_stream or self.codec_device.type == "cuda"
         self.bytes_sent = 0
         self.bytes_received = 0
         self.collectives = 0  # issued on the cross-worker group: 2 per exchange
@@ -141,7 +154,7 @@ class Transport:
         """Start averaging several flat fp32 tensors (a fragment's shards on this rank) in one
         exchange: two collectives whatever their number. One ``Pending`` per tensor."""
         # Copies: the caller keeps training on the originals while these travel.
-        xs = [x.detach().to(self.wire_device, copy=True) for x in xs]
+        xs = [x.detach().to(self.codec_device, copy=True) for x in xs]
         if self._stream is not None:
             self._stream.wait_stream(torch.cuda.current_stream())
         futures = [concurrent.futures.Future() for _ in xs]
@@ -215,7 +228,8 @@ class Transport:
                 layout.append(encoded.scales.view(M, -1))
             layout.append(encoded.payload.view(M, -1))
         rows = _pack(layout)
-        received = _all_to_all(rows.view(-1), self.group).view(M, -1)
+        received = _all_to_all(rows.view(-1).to(self.wire_device), self.group)
+        received = received.to(device).view(M, -1)
         self.collectives += 1
         flags_of, parts_of = [], []  # per worker: its flags; its (scales, codes) per shard
         for w in range(M):
@@ -251,7 +265,7 @@ class Transport:
                 layout.append(e.scales.view(1, -1))
             layout.append(e.payload.view(1, -1))
         row = _pack(layout).view(-1)
-        rows = _all_gather(row, self.group, M)
+        rows = [r.to(row.device) for r in _all_gather(row.to(self.wire_device), self.group, M)]
         self.collectives += 1
         means = [torch.empty(M * e.numel, dtype=torch.float32, device=row.device)
                  for e in encoded]
