@@ -13,7 +13,12 @@
   dead peer within a step.
 * ``Liveness`` keeps a heartbeat (and the current iteration) per rank in the job's rendezvous
   store, on a background thread. When a collective fails, it tells a dead rank (heartbeat
-  frozen, no exit note) from a live but stuck one, so the error names the lost rank.
+  frozen, no exit note) from a live but stuck one, so the error names the lost rank. The same
+  thread keeps a rank from training on as an orphan: when its launcher is gone (torchrun and
+  the deepspeed launcher start ranks in sessions of their own, so a SIGKILL of the launcher
+  leaves them running) or the rendezvous store has been unreachable for longer than
+  ``--distributed-timeout-minutes``, it asks for a stop, which ``StopAgreement`` turns into a
+  job-wide stop after the same iteration, with a checkpoint when ``--save`` is set.
 """
 
 from __future__ import annotations
@@ -36,9 +41,14 @@ from .topology import device_of
 log = logging.getLogger("megatron_streaming")
 
 HEARTBEAT_SECONDS = 1.0
-# A stop reason that is not a signal: --exit-duration-in-mins ran out. Above every signal
-# number, so the MAX reduction of the stop flag carries it like one.
+# Stop reasons that are not signals, above every signal number, so the MAX reduction of the
+# stop flag carries them like one: --exit-duration-in-mins ran out; the rank's launcher is
+# gone; the rendezvous store is unreachable.
 EXIT_DURATION = 1000
+LAUNCHER_GONE = 1001
+RENDEZVOUS_GONE = 1002
+_REASONS = {EXIT_DURATION: "exit-duration-in-mins", LAUNCHER_GONE: "launcher-gone",
+            RENDEZVOUS_GONE: "rendezvous-unreachable"}
 
 
 class StopRequest:
@@ -103,8 +113,19 @@ class Liveness:
 
     PREFIX = "megatron_streaming/liveness"
 
-    def __init__(self, topology, interval: float = HEARTBEAT_SECONDS):
+    def __init__(self, topology, interval: float = HEARTBEAT_SECONDS,
+                 stop: Optional[StopRequest] = None, store_timeout: float = 600.0,
+                 saves: bool = False):
         self.topology = topology
+        # Where an orphaned rank asks to stop; whether that stop writes a checkpoint (--save).
+        self.stop_request, self.store_timeout, self.saves = stop, store_timeout, saves
+        # The launcher that started this rank, if one did (a lone process is left alone: its
+        # parent is a shell, and a shell may go while the job goes on).
+        launched = "LOCAL_RANK" in os.environ and (
+            "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_SIZE" in os.environ)
+        self.launcher = os.getppid() if launched and os.getppid() != 1 else None
+        self._unreachable_since: Optional[float] = None
+        self._retry_at = 0.0
         self.rank = topology.rank
         self.world = topology.layout.world_size
         self.interval = interval
@@ -140,10 +161,40 @@ class Liveness:
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
+            if self.check_orphaned():
+                return  # the store went with the launcher (torchrun's agent hosts it)
+            now = time.monotonic()
+            if self._unreachable_since is not None:
+                if now - self._unreachable_since > self.store_timeout:
+                    self._ask_stop(RENDEZVOUS_GONE, f"the rendezvous store {self.address} has "
+                                   f"been unreachable for {self.store_timeout:g} s "
+                                   "(--distributed-timeout-minutes)")
+                    return
+                if now < self._retry_at:
+                    continue
             try:
                 self._beat()
-            except Exception:  # the store is gone: nothing left to tell anyone
-                return
+                self._unreachable_since = None
+            except Exception:  # the store is gone (or the link to it): stop if it stays so;
+                # retry less and less often meanwhile (each failure logs a c10d warning)
+                self._unreachable_since = self._unreachable_since or now
+                self._retry_at = now + min(30.0, 2 * (now - self._unreachable_since)
+                                           + self.interval)
+
+    def check_orphaned(self) -> bool:
+        """Ask for a stop if this rank's launcher is gone (the rank was re-parented)."""
+        if self.launcher is None or os.getppid() == self.launcher:
+            return False
+        self._ask_stop(LAUNCHER_GONE, f"the launcher that started this rank (pid "
+                       f"{self.launcher}) is gone")
+        return True
+
+    def _ask_stop(self, reason: int, why: str) -> None:
+        if self.stop_request is None or self.stop_request.received is not None:
+            return
+        log.warning("rank %d: %s: stopping after the current iteration%s", self.rank, why,
+                    ", with a checkpoint" if self.saves else "")
+        self.stop_request.request(reason)
 
     def close(self) -> None:
         """Stop the heartbeat before the store's host may exit (end of a run)."""
@@ -261,8 +312,8 @@ def checkpoint_advice(save: Optional[str]) -> str:
 
 
 def _signal_name(number: int) -> Optional[str]:
-    if number == EXIT_DURATION:
-        return "exit-duration-in-mins"
+    if number in _REASONS:
+        return _REASONS[number]
     return signal.Signals(number).name if number else None
 
 

@@ -138,7 +138,9 @@ class Run:
             self.topology.cross.count_control(door.bytes)
         from .lifecycle import Liveness, StopAgreement
 
-        self.liveness = Liveness(self.topology)
+        self.liveness = Liveness(self.topology, stop=self.stop_request,
+                                 store_timeout=60.0 * p.distributed_timeout_minutes,
+                                 saves=bool(cfg.checkpoint.save))
         self.stop = StopAgreement(self.topology, self.stop_request, s.diloco_control_lag)
         setup_logging(self.topology.is_logging_rank())
         for note in cfg.notes:

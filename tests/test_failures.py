@@ -126,6 +126,73 @@ def test_sigterm_to_one_worker_checkpoints_everyone_exits_zero_and_resumes_exact
     assert losses(tmp_path / "first.jsonl") + losses(tmp_path / "second.jsonl") == losses(whole)
 
 
+@pytest.mark.timeout(300)
+def test_ranks_whose_launcher_is_killed_stop_with_a_checkpoint(tmp_path):
+    """torchrun starts its ranks in sessions of their own, so a SIGKILL of the launcher (an
+    agent killed by OOM, a node's supervisor gone) left them training, orphaned, with nobody
+    to collect them. Each rank now notices within a heartbeat that it was re-parented, and
+    the job stops after the same iteration on every rank, with a checkpoint."""
+    ckpt = tmp_path / "ckpt"
+    launcher = start(2, [*STREAMING, "--train-iters", "100000", "--save", str(ckpt),
+                         "--summary-json", str(tmp_path / "summary.json")],
+                     tmp_path / "run.log", SLOW, FAULTS)
+    ranks = []
+    try:
+        wait_for_line(tmp_path / "run.log", r"iteration +3/100000", launcher)
+        ranks = [_rank_of(launcher, r) for r in (0, 1)]
+        launcher.kill()  # SIGKILL: the ranks are not told
+        launcher.wait(timeout=30)
+        _, alive = psutil.wait_procs(ranks, timeout=120)
+        assert not alive, (tmp_path / "run.log").read_text()[-3000:]
+    finally:
+        for p in ranks:
+            if p.is_running():
+                p.kill()
+    log = (tmp_path / "run.log").read_text()
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    k = summary["iteration"]
+    assert summary["stopped_by"] == "launcher-gone" and 3 <= k < 100000, log[-3000:]
+    assert summary["checkpoint_iteration"] == k == _tracker(ckpt)
+    assert "is gone: stopping after the current iteration, with a checkpoint" in log
+
+
+def test_liveness_asks_to_stop_when_the_launcher_or_the_store_is_gone(monkeypatch):
+    """The heartbeat thread's two orphan checks, in one process: the store (hosted here)
+    goes away and stays away past the timeout; the rank is re-parented (its launcher died)."""
+    import gc
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from megatron_streaming import lifecycle
+
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    topology = SimpleNamespace(rank=0, layout=SimpleNamespace(world_size=1), worker=0,
+                               cross=None)
+    stop = lifecycle.StopRequest(signals=())
+    liveness = lifecycle.Liveness(topology, interval=0.1, stop=stop, store_timeout=0.5)
+    try:
+        time.sleep(0.8)
+        assert stop.received is None  # beating fine, past the timeout
+        del store
+        gc.collect()
+        deadline = time.monotonic() + 20
+        while stop.received is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert lifecycle._signal_name(stop.received) == "rendezvous-unreachable"
+    finally:
+        liveness.close()
+    stop = lifecycle.StopRequest(signals=())
+    liveness.stop_request, liveness.launcher = stop, os.getppid()
+    assert not liveness.check_orphaned() and stop.received is None
+    liveness.launcher = os.getppid() + 1  # as if started by a process that is gone
+    assert liveness.check_orphaned()
+    assert lifecycle._signal_name(stop.received) == "launcher-gone"
+
+
 def _mount_tmpfs(path, size: str) -> None:
     path.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
