@@ -21,12 +21,22 @@ paths are not compared: each cluster has its own filesystem.
 
 A second launch claiming a worker index that another already holds is refused by name. Bytes
 through the door are counted (``Door.bytes``).
+
+The join secret (``MEGATRON_STREAMING_AUTH_TOKEN`` in each launch's environment; kept out of
+flags, logs and checkpoints): each worker's record carries an HMAC-SHA256 of its claim (worker
+index and launch identity) under the secret, and every rank checks every worker's against its
+own secret, so a launch without it, or with another, is refused by every worker before any
+process group exists. It keeps stray or misconfigured launches out of a job; it is not
+encryption: the store and the exchanges travel in the clear, so an attacker on the link can
+read them and speak the store's protocol directly. Run the inter-cluster path over a private
+link or a VPN (README, "The network model").
 """
 
 from __future__ import annotations
 
 import datetime
 import hashlib
+import hmac
 import json
 import logging
 import os
@@ -34,13 +44,14 @@ import socket
 import time
 import uuid
 from dataclasses import fields
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from .arguments import ConfigError, flag_name
 
 log = logging.getLogger("megatron_streaming")
 
 PREFIX = "megatron_streaming/door/"
+SECRET_ENV = "MEGATRON_STREAMING_AUTH_TOKEN"
 RANKS = "ranks per worker (nodes x --nproc-per-node)"
 _MODEL_SKIP = {"recompute_granularity", "recompute_method", "recompute_num_layers",
                "recompute_modules", "hidden_dropout", "attention_dropout"}
@@ -193,14 +204,34 @@ def differences(records: List[dict]) -> List[str]:
     return out
 
 
+def _proof(secret: str, key: str, launch: str) -> str:
+    """The claim's HMAC under the join secret ("" without one)."""
+    if not secret:
+        return ""
+    return hmac.new(secret.encode(), f"{key}:{launch}".encode(), hashlib.sha256).hexdigest()
+
+
+def secret_problems(records: List[dict], secret: str) -> List[str]:
+    """One clause per worker whose claim was not made with this launch's join secret."""
+    out = []
+    for w, rec in enumerate(records):
+        if not hmac.compare_digest(rec.get("proof", ""), _proof(secret, f"worker{w}",
+                                                                rec["launch"])):
+            host = rec["launch"].rsplit(":", 1)[0]
+            out.append(f"worker {w} ({host}) joined with another join secret than this "
+                       f"launch's ({SECRET_ENV}; {'set' if secret else 'unset'} here): refused")
+    return out
+
+
 class Door:
     """One pass through the door on one rank (``agree``); ``bytes`` counts what it sent and
-    read."""
+    read. ``secret``: the job's join secret (default: ``MEGATRON_STREAMING_AUTH_TOKEN``)."""
 
     def __init__(self, store, worker: int, workers: int, rank_in_worker: int,
-                 timeout: datetime.timedelta):
+                 timeout: datetime.timedelta, secret: Optional[str] = None):
         self.store, self.worker, self.workers = store, worker, workers
         self.rank_in_worker, self.timeout = rank_in_worker, timeout
+        self.secret = secret if secret is not None else os.environ.get(SECRET_ENV, "")
         self.bytes = 0
 
     def _get(self, key: str) -> bytes:
@@ -218,7 +249,7 @@ class Door:
         records, problems = [], []
         for w in range(self.workers):
             records.append(self._wait_for(w))
-            problems = differences(records)
+            problems = secret_problems(records, self.secret) or differences(records)
             if problems:
                 break
         # Whoever hosts the store must not take it away before every rank has read.
@@ -237,8 +268,9 @@ class Door:
 
     def _claim(self, mine: Dict[str, str]) -> None:
         ident = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-        record = json.dumps({"launch": ident, "fingerprint": mine}).encode()
         key = f"worker{self.worker}"
+        record = json.dumps({"launch": ident, "proof": _proof(self.secret, key, ident),
+                             "fingerprint": mine}).encode()
         self.bytes += len(key) + 2 * len(record)
         held = self.store.compare_set(PREFIX + key, "", record)
         if held != record:

@@ -61,9 +61,10 @@ def test_parameter_formula_matches_the_built_model(megatron_world, flags):
     assert parameter_count(cfg.model, _Vocab(500)) == built
 
 
-def _pass(store, worker, rank_in_worker, fp, out, timeout_s=20):
+def _pass(store, worker, rank_in_worker, fp, out, timeout_s=20, secret=""):
     try:
-        Door(store, worker, 2, rank_in_worker, datetime.timedelta(seconds=timeout_s)).agree(fp)
+        Door(store, worker, 2, rank_in_worker, datetime.timedelta(seconds=timeout_s),
+             secret).agree(fp)
         out[(worker, rank_in_worker)] = None
     except ConfigError as e:
         out[(worker, rank_in_worker)] = str(e)
@@ -106,9 +107,36 @@ def test_door_on_a_store_agrees_refuses_a_difference_and_a_taken_index(monkeypat
         Door(_store(), 0, 2, 0, datetime.timedelta(seconds=1)).agree(fp)
 
 
+def test_only_launches_with_the_join_secret_get_in(monkeypatch):
+    """Each worker's claim carries an HMAC under the secret; every rank checks all of them.
+    The same secret: in. Another secret, or none against one: every rank refuses, naming the
+    worker; the secret itself is published nowhere."""
+    monkeypatch.setenv("RANK", "1")  # none of the threads hosts the store: no lingering
+    fp = _fingerprint()
+    for secrets, refused in ((("s3cret", "s3cret"), False), (("s3cret", "guess"), True),
+                             (("s3cret", ""), True), (("", ""), False)):
+        store, out = _store(), {}
+        threads = [threading.Thread(target=_pass, args=(store, w, 0, fp, out),
+                                    kwargs={"secret": secrets[w]}) for w in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        if not refused:
+            assert out == {(0, 0): None, (1, 0): None}, (secrets, out)
+            continue
+        assert "worker 1 (" in out[(0, 0)] and "worker 0 (" in out[(1, 0)], out
+        for message in out.values():
+            assert "joined with another join secret than this launch's " \
+                   "(MEGATRON_STREAMING_AUTH_TOKEN" in message and "refused" in message
+        records = [store.get(f"megatron_streaming/door/worker{w}").decode() for w in range(2)]
+        assert not any(secret and secret in r for secret in secrets for r in records)
+
+
 @pytest.mark.timeout(300)
 def test_mismatched_launches_stop_every_worker_naming_the_flags(tmp_path):
-    """One launch per worker (one rank each), three mismatched jobs at once."""
+    """One launch per worker (one rank each), four mismatched jobs at once (the fourth: the
+    same flags, another join secret)."""
     from local_tokenizers import gpt2_bpe
 
     tok = []
@@ -123,7 +151,10 @@ def test_mismatched_launches_stop_every_worker_naming_the_flags(tmp_path):
                  "--diloco-inner-steps 4 vs 8; --diloco-quantize fp4 vs int8"),
         "width": ([], ["--hidden-size", "128"], "--hidden-size 64 vs 128; parameters "),
         "tokenizer": (tok[0], tok[1], "--vocab-file (sha256 of its contents) "),
+        # The same flags, another join secret in worker 1's environment.
+        "secret": ([], [], "joined with another join secret than this launch's"),
     }
+    secrets = {("secret", 0): "s3cret", ("secret", 1): "guess"}
     common = [*TINY, "--num-layers", "2", "--train-iters", "4", "--diloco-workers", "2",
               "--diloco-inner-steps", "4", "--master-addr", "127.0.0.1"]
     procs = {}
@@ -131,8 +162,11 @@ def test_mismatched_launches_stop_every_worker_naming_the_flags(tmp_path):
         port = str(free_port())
         for w, flags in enumerate((flags0, flags1)):
             log = tmp_path / f"{case}{w}.log"
+            secret = {"MEGATRON_STREAMING_AUTH_TOKEN": secrets[case, w]} \
+                if (case, w) in secrets else None
             procs[case, w] = (start(1, [*common, "--master-port", port,
-                                        "--diloco-worker-index", str(w), *flags], log), log)
+                                        "--diloco-worker-index", str(w), *flags], log,
+                                    secret), log)
     try:
         codes = {key: p.wait(timeout=240) for key, (p, _) in procs.items()}
     finally:
@@ -145,7 +179,9 @@ def test_mismatched_launches_stop_every_worker_naming_the_flags(tmp_path):
         errors = [line for line in out.splitlines() if line.startswith("pretrain_gpt.py: error")]
         assert len(errors) == 1, out[-3000:]
         assert errors[0].startswith("pretrain_gpt.py: error: workers launched with different "
-                                    "settings (every worker stops here): worker 0 and worker 1 "
-                                    "differ: "), errors[0]
+                                    "settings (every worker stops here): " + (
+                                        f"worker {1 - w} (" if case == "secret" else
+                                        "worker 0 and worker 1 differ: ")), errors[0]
         assert cases[case][2] in errors[0], errors[0]
+        assert "s3cret" not in out and "guess" not in out
         print(errors[0])
