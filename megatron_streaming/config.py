@@ -138,6 +138,10 @@ class ParallelConfig:
     master_port: Optional[int] = arg(
         None, "Rendezvous port that goes with --master-addr; default: the launcher's "
         "MASTER_PORT.")
+    rendezvous_external: bool = arg(
+        False, "The rendezvous store at --master-addr/--master-port is served by `python -m "
+        "megatron_streaming.rendezvous` (launch/rendezvous.sh) on a host of its own, not by "
+        "global rank 0: the job's meeting point does not die with worker 0.")
 
 
 @dataclass

@@ -56,32 +56,54 @@ def is_initialized() -> bool:
     return dist.is_initialized()
 
 
-def rendezvous_store(timeout_minutes: float):
+STORE_HOST = "MEGATRON_STREAMING_STORE_HOST"  # set here: rank0, agent or external
+
+
+def rendezvous_store(timeout_minutes: float, external: bool = False):
     """The job's TCPStore, before any process group: global rank 0 hosts it at
-    MASTER_ADDR:MASTER_PORT, every other rank connects. The workers meet here first (the
+    MASTER_ADDR:MASTER_PORT, every other rank connects; with ``external``
+    (``--rendezvous-external``) nobody in the job hosts it: ``python -m
+    megatron_streaming.rendezvous`` serves it elsewhere. The workers meet here first (the
     door, ``megatron_streaming.door``); ``init_distributed`` then builds the default group on
     it. A lone process (no launcher) picks a free port, retrying if it was taken meanwhile."""
     import torch.distributed as dist
 
+    from .errors import JobFailure
+
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    lone = "MASTER_PORT" not in os.environ  # a lone process, started without a launcher
+    lone = "MASTER_PORT" not in os.environ and not external  # started without a launcher
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("LOCAL_RANK", "0")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     # Under torchrun the agent already hosts the store on MASTER_PORT (as torch's own env://
     # rendezvous does, join it then rather than fail to bind).
-    hosts = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    hosts = rank == 0 and not agent and not external
+    os.environ[STORE_HOST] = "external" if external else "agent" if agent else "rank0"
+    if external and "MASTER_PORT" not in os.environ:
+        raise JobFailure("--rendezvous-external needs --master-addr/--master-port (where "
+                         "`python -m megatron_streaming.rendezvous` serves the store)")
     for attempt in range(5 if lone else 1):
         if lone:
             os.environ["MASTER_PORT"] = str(_free_port())
+        address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
         try:
             return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                                  world, is_master=hosts, wait_for_workers=False,
                                  timeout=datetime.timedelta(minutes=timeout_minutes))
         except dist.DistNetworkError as err:
-            if not lone or "EADDRINUSE" not in str(err) or attempt == 4:
+            if lone and "EADDRINUSE" in str(err) and attempt < 4:
+                continue
+            if hosts:
                 raise
+            where = ("`python -m megatron_streaming.rendezvous --port "
+                     f"{os.environ['MASTER_PORT']}` (launch/rendezvous.sh) serves it" if external
+                     else "worker 0's first rank hosts it; is worker 0 running?")
+            raise JobFailure(f"rendezvous store {address} unreachable within "
+                             f"{timeout_minutes:g} min (--distributed-timeout-minutes): "
+                             f"{where} ({type(err).__name__}: {str(err).splitlines()[0]})") \
+                from None
 
 
 def world_backend(in_worker: str, cross_worker: str) -> str:

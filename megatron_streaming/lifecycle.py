@@ -173,6 +173,8 @@ class Liveness:
                 if now < self._retry_at:
                     continue
             try:
+                if self._unreachable_since is not None:  # it may be back (restarted)
+                    self.store = self._connect()
                 self._beat()
                 self._unreachable_since = None
             except Exception:  # the store is gone (or the link to it): stop if it stays so;
@@ -232,8 +234,12 @@ class Liveness:
         return [self.store.add(self._key("beat", r), 0) for r in range(self.world)]
 
     def hosts_store(self) -> bool:
-        """Global rank 0 hosts the store unless an agent (torchrun) does."""
-        return self.rank == 0 and not os.environ.get("TORCHELASTIC_USE_AGENT_STORE")
+        """Global rank 0 hosts the store unless an agent (torchrun) or a standalone
+        rendezvous (``--rendezvous-external``) does."""
+        from .distributed import STORE_HOST
+
+        return self.rank == 0 and os.environ.get(STORE_HOST, "rank0") == "rank0" and \
+            not os.environ.get("TORCHELASTIC_USE_AGENT_STORE")
 
     def linger(self, lost: List[int], seconds: float = 8.0) -> None:
         """On the store's host: wait (bounded) until every rank that is not lost has left a

@@ -118,7 +118,8 @@ class Run:
         if not distributed.is_initialized():  # else embedded: the world exists already
             from .door import Door, fingerprint
 
-            store = distributed.rendezvous_store(p.distributed_timeout_minutes)
+            store = distributed.rendezvous_store(p.distributed_timeout_minutes,
+                                                 p.rendezvous_external)
             rank = int(os.environ["RANK"])
             coords = layout.coords(rank)
             door = Door(store, coords["worker"], layout.workers, coords["local"],

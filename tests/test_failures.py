@@ -193,6 +193,54 @@ def test_liveness_asks_to_stop_when_the_launcher_or_the_store_is_gone(monkeypatc
     assert lifecycle._signal_name(stop.received) == "launcher-gone"
 
 
+@pytest.mark.timeout(300)
+def test_a_standalone_rendezvous_can_be_lost_and_restarted_without_stopping_training(
+        tmp_path):
+    """Two workers (one launch each) meet at a rendezvous served by its own process
+    (--rendezvous-external). Killed mid-run and restarted on the same port, it does not stop
+    training: both workers finish. A launch whose rendezvous is not there fails with one line
+    naming it and how to start it."""
+    import sys
+
+    def serve(port, name):
+        return subprocess.Popen([sys.executable, "-m", "megatron_streaming.rendezvous",
+                                 "--host", "127.0.0.1", "--port", str(port)],
+                                stdout=open(tmp_path / name, "w"), stderr=subprocess.STDOUT)
+
+    port = free_port()
+    common = [*STREAMING, "--train-iters", "40", "--master-addr", "127.0.0.1",
+              "--master-port", str(port), "--rendezvous-external"]
+    store = serve(port, "store1.log")
+    workers = []
+    try:
+        wait_for_line(tmp_path / "store1.log", "listening", store, timeout=60)
+        for w in range(2):
+            workers.append(start(1, [*common, "--diloco-worker-index", str(w), "--summary-json",
+                                     str(tmp_path / f"w{w}.json")], tmp_path / f"w{w}.log",
+                                 SLOW, FAULTS))
+        wait_for_line(tmp_path / "w0.log", r"iteration +5/40", workers[0])
+        store.kill()
+        store.wait(timeout=30)
+        time.sleep(2)
+        store = serve(port, "store2.log")
+        for w, p in enumerate(workers):
+            assert p.wait(timeout=180) == 0, (tmp_path / f"w{w}.log").read_text()[-3000:]
+    finally:
+        for p in [store, *workers]:
+            if p.poll() is None:
+                p.kill()
+    assert json.loads((tmp_path / "w0.json").read_text())["iteration"] == 40
+
+    lonely = run(1, [*STREAMING, "--train-iters", "40", "--master-addr", "127.0.0.1",
+                     "--master-port", str(free_port()), "--rendezvous-external",
+                     "--diloco-worker-index", "0", "--distributed-timeout-minutes", "0.05"],
+                 check=False, timeout=120)
+    errors = [line for line in lonely.stderr.splitlines() if "error:" in line]
+    assert lonely.returncode == 3 and len(errors) == 1, lonely.stderr[-3000:]
+    assert "unreachable within 0.05 min (--distributed-timeout-minutes): `python -m " \
+           "megatron_streaming.rendezvous --port" in errors[0], errors[0]
+
+
 def _mount_tmpfs(path, size: str) -> None:
     path.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
