@@ -198,9 +198,10 @@ def quality(opts) -> None:
     procs = {}
     for name, (nproc, args) in runs.items():
         log = open(out / f"{name}.log", "w")
+        outputs = ["--log-jsonl", str(out / f"{name}.jsonl"),
+                   "--summary-json", str(out / f"{name}.summary.json")]
         procs[name] = subprocess.Popen(
-            torchrun(nproc, "pretrain_gpt.py", [*args, "--log-jsonl", str(out / f"{name}.jsonl"),
-                                                "--summary-json", str(out / f"{name}.summary.json")]),
+            torchrun(nproc, "pretrain_gpt.py", [*args, *outputs]),
             cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
             env=dict(os.environ, OMP_NUM_THREADS="4"))
     print(f"quality: {steps} steps of {B} x 512 tokens each, eval every {interval}", flush=True)

@@ -141,12 +141,12 @@ class Liveness:
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
         self._thread.start()
 
-    def _connect(self):
+    def _connect(self, seconds: float = 10.0):
         import datetime
 
         host, port = self.address.rsplit(":", 1)
         return dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
-                             timeout=datetime.timedelta(seconds=10))
+                             timeout=datetime.timedelta(seconds=seconds))
 
     def _key(self, kind: str, rank: int) -> str:
         return f"{self.prefix}/{kind}/{rank}"
@@ -174,7 +174,7 @@ class Liveness:
                     continue
             try:
                 if self._unreachable_since is not None:  # it may be back (restarted)
-                    self.store = self._connect()
+                    self.store = self._connect(min(10.0, max(1.0, self.store_timeout / 10)))
                 self._beat()
                 self._unreachable_since = None
             except Exception:  # the store is gone (or the link to it): stop if it stays so;

@@ -283,3 +283,14 @@ def test_topology_creates_real_groups_on_8_gloo_ranks(tmp_path, monkeypatch):
     if "OMP_NUM_THREADS" not in os.environ:  # 8 processes share 2 cores
         monkeypatch.setenv("OMP_NUM_THREADS", "1")
     mp.spawn(_check_topology_on_rank, args=(8, str(tmp_path / "store")), nprocs=8, join=True)
+
+
+def test_the_world_group_takes_the_cross_worker_backend_when_one_is_named():
+    """NCCL inside each worker and gloo across: the world group spans the workers, so it is
+    gloo too (a world NCCL communicator would join clusters, or two ranks of one test GPU)."""
+    from megatron_streaming.distributed import backend_for, world_backend
+
+    assert world_backend("nccl", "gloo") == "gloo"
+    assert world_backend("gloo", "nccl") == "nccl"
+    assert world_backend("nccl", "auto") == "nccl"
+    assert world_backend("auto", "auto") == backend_for("auto")

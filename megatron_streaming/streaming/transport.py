@@ -12,8 +12,9 @@ The exchange runs asynchronously: on a background thread for gloo (collectives o
 cross-worker group are issued only from that thread, one at a time, in submission order, so
 all workers pair their collectives up identically), and additionally on a side CUDA stream
 where it touches the GPU (NCCL, or the codec on a GPU job with gloo across workers: then only
-the packed codes cross to host memory), so the inner steps in between really overlap it. ``Pending.wait`` fails with a
-message naming the step, the fragment and the peer group when the peers do not answer in time.
+the packed codes cross to host memory), so the inner steps in between really overlap it.
+``Pending.wait`` fails with a message naming the step, the fragment and the peer group when
+the peers do not answer in time.
 
 Tests and slow-link emulation subclass it (``tests/``).
 """
