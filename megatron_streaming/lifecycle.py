@@ -238,8 +238,8 @@ class Liveness:
         rendezvous (``--rendezvous-external``) does."""
         from .distributed import STORE_HOST
 
-        return self.rank == 0 and os.environ.get(STORE_HOST, "rank0") == "rank0" and \
-            not os.environ.get("TORCHELASTIC_USE_AGENT_STORE")
+        agent = "agent" if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") else "rank0"
+        return self.rank == 0 and os.environ.get(STORE_HOST, agent) == "rank0"
 
     def linger(self, lost: List[int], seconds: float = 8.0) -> None:
         """On the store's host: wait (bounded) until every rank that is not lost has left a

@@ -22,16 +22,13 @@ import sys
 import threading
 
 
-def serve(host: str, port: int, ready=None, stop: threading.Event = None) -> None:
-    """Serve a TCPStore on ``host:port`` until ``stop`` is set (or SIGTERM / SIGINT)."""
+def serve(host: str, port: int, stop: threading.Event) -> None:
+    """Serve a TCPStore on ``host:port`` until ``stop`` is set (SIGTERM / SIGINT)."""
     import torch.distributed as dist
 
-    stop = stop or threading.Event()
     store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=30))
     print(f"rendezvous store listening on {host}:{store.port}", flush=True)
-    if ready is not None:
-        ready(store.port)
     stop.wait()
     del store
 
@@ -47,7 +44,7 @@ def main(argv=None) -> int:
     for s in (signal.SIGTERM, signal.SIGINT):
         signal.signal(s, lambda *_: stop.set())
     try:
-        serve(opts.host, opts.port, stop=stop)
+        serve(opts.host, opts.port, stop)
     except Exception as e:  # e.g. the port is taken
         print(f"{ap.prog}: error: cannot serve on {opts.host}:{opts.port}: {e}", file=sys.stderr)
         return 1
