@@ -16,8 +16,9 @@ benchmark's ``code`` corpus (benchmarks/quality.py builds it; ``--data`` names i
 * ``quality``: data parallel (one rank, global batch B) and the 2 workers (B/2 each, H=30, P=3
   fragments of two layers, tau=1, FP4, outer lr 0.6 with Nesterov 0.9: the DiLoCo
   scaling-law paper's best for M=2) train concurrently for the same number of steps, sized
-  from ``--step-s`` (a quiet step of the timeline) to end before ``--deadline-s``. Held-out
-  loss on the global parameters every sixth of the run.
+  from ``--step-s`` (a quiet step of the timeline) to end before ``--deadline-s``.
+  ``--variants streaming,plain`` adds the same workers under plain averaging (the shipped
+  outer default). Held-out loss on the global parameters every sixth of the run.
 """
 
 import argparse
@@ -44,8 +45,14 @@ TINY = ["--num-layers", "6", "--hidden-size", "64", "--num-attention-heads", "4"
         "--hidden-dropout", "0", "--attention-dropout", "0", "--lr-decay-style", "cosine"]
 GPU = ["--distributed-backend", "nccl", "--diloco-backend", "gloo"]
 STREAMING = ["--diloco-workers", "2", "--diloco-inner-steps", "30", "--diloco-fragments", "3",
-             "--diloco-overlap-steps", "1", "--diloco-quantize", "fp4",
-             "--diloco-outer-lr", "0.6", "--diloco-outer-momentum", "0.9"]
+             "--diloco-overlap-steps", "1", "--diloco-quantize", "fp4"]
+# The outer optimizer of each streaming run: the scaling-law paper's best for M=2 at 35M
+# ("streaming"), and plain averaging, the shipped default ("plain").
+OUTER = {"streaming": ["--diloco-outer-lr", "0.6", "--diloco-outer-momentum", "0.9"],
+         "plain": ["--diloco-outer-lr", "1.0", "--diloco-outer-momentum", "0"]}
+LABELS = {"dp": "data parallel (1 rank, batch 64)",
+          "streaming": "2 workers x 32, outer lr 0.6, Nesterov 0.9",
+          "plain": "2 workers x 32, plain averaging"}
 B = 64  # sequences of 512 tokens per step, whole job
 LR = 1.5e-3
 EVAL_SAMPLES = 256
@@ -188,13 +195,12 @@ def quality(opts) -> None:
               str(steps), "--lr", str(LR), "--min-lr", str(LR / 10), "--lr-warmup-iters",
               str(max(30, steps // 20)), "--eval-interval", str(interval),
               "--log-interval", "10"]
-    runs = {
-        "dp": (1, [*common, "--diloco-workers", "1", "--global-batch-size", str(B),
-                   "--micro-batch-size", str(B), "--eval-iters", str(EVAL_SAMPLES // B)]),
-        "streaming": (2, [*common, *STREAMING, "--global-batch-size", str(B // 2),
+    runs = {"dp": (1, [*common, "--diloco-workers", "1", "--global-batch-size", str(B),
+                       "--micro-batch-size", str(B), "--eval-iters", str(EVAL_SAMPLES // B)])}
+    for name in opts.variants.split(","):
+        runs[name] = (2, [*common, *STREAMING, *OUTER[name], "--global-batch-size", str(B // 2),
                           "--micro-batch-size", str(B // 2),
-                          "--eval-iters", str(EVAL_SAMPLES // (B // 2))]),
-    }
+                          "--eval-iters", str(EVAL_SAMPLES // (B // 2))])
     procs = {}
     for name, (nproc, args) in runs.items():
         log = open(out / f"{name}.log", "w")
@@ -236,11 +242,15 @@ def quality(opts) -> None:
 
 def table(record: dict) -> str:
     dp = dict(record["dp"]["held_out"])
-    st = dict(record["streaming"]["held_out"])
-    rows = ["step | tokens | data parallel | streaming (2 workers) | gap"]
-    for step in sorted(set(dp) & set(st)):
-        rows.append(f"{step} | {step * record['tokens_per_step'] / 1e6:.1f}M | {dp[step]:.4f} | "
-                    f"{st[step]:.4f} | {100 * (st[step] / dp[step] - 1):+.2f} %")
+    names = [n for n in OUTER if n in record]
+    curves = {n: dict(record[n]["held_out"]) for n in names}
+    rows = [" | ".join(["step", "tokens", "data parallel",
+                        *(f"{LABELS[n]} | gap" for n in names)])]
+    for step in sorted(set(dp).intersection(*curves.values())):
+        cells = [f"{curves[n][step]:.4f} | {100 * (curves[n][step] / dp[step] - 1):+.2f} %"
+                 for n in names]
+        rows.append(" | ".join([str(step), f"{step * record['tokens_per_step'] / 1e6:.1f}M",
+                                f"{dp[step]:.4f}", *cells]))
     return "\n".join(rows)
 
 
@@ -255,15 +265,15 @@ def report(opts) -> None:
     record = json.loads((out / "quality.json").read_text())
     tokens = record["tokens_per_step"] / 1e6
     fig, ax = plt.subplots(figsize=(6.4, 4))
-    for name, label in (("dp", "data parallel (1 rank, batch 64)"),
-                        ("streaming", "Streaming DiLoCo, 2 workers (batch 32 each)")):
+    for i, name in enumerate(n for n in LABELS if n in record):
+        label = LABELS[name]
         for kind, style in (("held_out", "-o"), ("train", ":")):
             points = record[name][kind]
             if kind == "train":
                 points = points[::3]
             ax.plot([s * tokens for s, _ in points], [v for _, v in points], style,
                     label=f"{label}, {'held-out' if kind == 'held_out' else 'train'}",
-                    markersize=3, color="C0" if name == "dp" else "C1")
+                    markersize=3, color=f"C{i}")
     ax.set_xlabel("tokens (millions)")
     ax.set_ylabel("loss")
     ax.set_title("34M GPT on one H200: equal tokens", fontsize=10)
@@ -289,6 +299,9 @@ def main():
                     help="quality: a quiet step of the timeline (sizes the run)")
     ap.add_argument("--slowdown", type=float, default=2.3,
                     help="quality: a step of each concurrent run, in quiet timeline steps")
+    ap.add_argument("--variants", default="streaming",
+                    help="quality: the streaming runs beside data parallel, comma-separated: "
+                    + ", ".join(OUTER))
     ap.add_argument("--tiny", action="store_true", help="a small model (CPU rehearsal)")
     argv = sys.argv[1:]
     rest = argv[argv.index("--") + 1:] if "--" in argv else []  # a rank's training flags

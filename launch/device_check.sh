@@ -7,6 +7,8 @@
 # Engine and apex import), the codec on CUDA against a device copy, the two-worker timeline
 # (overlap, step times, bytes), then the 34M quality run with the `-m cuda` tests beside it.
 # Work in $WORK (default /tmp/device_check); at most 8 files land in $OUT (default runs/device).
+# VARIANTS=streaming,plain: the quality run's streaming runs (benchmarks/gpu.py --variants), with
+# SLOWDOWN (default 3.2) the cost of a step of the concurrent runs in quiet timeline steps.
 # REHEARSE=1: the same sequence on a CPU machine (tiny model, codec on the CPU), to try it out.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -79,7 +81,8 @@ if has quality; then
     --junitxml="$OUT/cuda_tests.xml" > "$OUT/cuda_tests.log" 2>&1 &
   tests=$!
   python3 benchmarks/gpu.py quality $tiny --out "$W/quality" --data .devdata/code \
-    --deadline-s "$deadline" --startup-s 70 --step-s "$step_s" --slowdown 3.2 \
+    --deadline-s "$deadline" --startup-s 70 --step-s "$step_s" --slowdown ${SLOWDOWN:-3.2} \
+    --variants ${VARIANTS:-streaming} \
     > "$W/quality.out" 2>&1
   wait $tests
   echo "== cuda tests"; grep -E "^(FAILED|ERROR)|passed|failed|^E  " "$OUT/cuda_tests.log" | head -40
