@@ -36,11 +36,15 @@ import torch.distributed as dist
 
 from .crossworker import byte_count
 from .errors import JobFailure
+from .serial import BoundedCalls
 from .topology import device_of
 
 log = logging.getLogger("megatron_streaming")
 
 HEARTBEAT_SECONDS = 1.0
+# The longest any one call to the rendezvous store may take before the store counts as
+# unreachable (a call over a link that went down blocks instead of failing).
+STORE_CALL_SECONDS = 10.0
 # Stop reasons that are not signals, above every signal number, so the MAX reduction of the
 # stop flag carries them like one: --exit-duration-in-mins ran out; the rank's launcher is
 # gone; the rendezvous store is unreachable.
@@ -133,11 +137,12 @@ class Liveness:
         self.address = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         self.prefix = f"{self.PREFIX}/{restart}"
+        self._calls = BoundedCalls("rendezvous-store")
         self.store = self._connect()
         # The store lives with global rank 0: another worker's beats cross the link.
         self._cross = topology.cross if topology.worker != 0 else None
         self._stop = threading.Event()
-        self._beat()
+        self._calls(self._beat, STORE_CALL_SECONDS)
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
         self._thread.start()
 
@@ -174,8 +179,9 @@ class Liveness:
                     continue
             try:
                 if self._unreachable_since is not None:  # it may be back (restarted)
-                    self.store = self._connect(min(10.0, max(1.0, self.store_timeout / 10)))
-                self._beat()
+                    self.store = self._calls(lambda: self._connect(
+                        min(10.0, max(1.0, self.store_timeout / 10))), STORE_CALL_SECONDS)
+                self._calls(self._beat, STORE_CALL_SECONDS)
                 self._unreachable_since = None
             except Exception:  # the store is gone (or the link to it): stop if it stays so;
                 # retry less and less often meanwhile (each failure logs a c10d warning)
@@ -206,7 +212,8 @@ class Liveness:
     def mark_exiting(self, reason: str) -> None:
         """Tell the others this rank leaves on purpose (after an error it reported)."""
         try:
-            self.store.set(self._key("exiting", self.rank), reason[:200])
+            self._calls(lambda: self.store.set(self._key("exiting", self.rank), reason[:200]),
+                        2.0)
         except Exception:
             pass
 
@@ -214,16 +221,13 @@ class Liveness:
         """Which ranks are dead (heartbeat frozen over a few periods, no exit note),
         which left after reporting an error, and each live rank's iteration.
 
-        Raises ``ConnectionError`` when the store itself cannot be reached."""
+        Raises ``ConnectionError`` when the store itself cannot be reached (also when it does
+        not answer within ``STORE_CALL_SECONDS``: a link that went down)."""
         try:
-            before = self._read_beats()
+            before = self._calls(self._read_beats, STORE_CALL_SECONDS)
             time.sleep(2.5 * self.interval)
-            after = self._read_beats()
-            exiting = [r for r in range(self.world)
-                       if self.store.check([self._key("exiting", r)])]
-            iterations = {r: int(self.store.get(self._key("iteration", r)))
-                          for r in range(self.world)
-                          if self.store.check([self._key("iteration", r)])}
+            after = self._calls(self._read_beats, STORE_CALL_SECONDS)
+            exiting, iterations = self._calls(self._read_notes, STORE_CALL_SECONDS)
         except Exception as e:
             raise ConnectionError(f"rendezvous store {self.address} unreachable: {e}") from None
         frozen = [r for r in range(self.world) if before[r] == after[r] and r != self.rank]
@@ -232,6 +236,12 @@ class Liveness:
 
     def _read_beats(self) -> List[int]:
         return [self.store.add(self._key("beat", r), 0) for r in range(self.world)]
+
+    def _read_notes(self):
+        exiting = [r for r in range(self.world) if self.store.check([self._key("exiting", r)])]
+        iterations = {r: int(self.store.get(self._key("iteration", r)))
+                      for r in range(self.world) if self.store.check([self._key("iteration", r)])}
+        return exiting, iterations
 
     def hosts_store(self) -> bool:
         """Global rank 0 hosts the store unless an agent (torchrun) or a standalone
@@ -289,8 +299,12 @@ def failure_message(error: BaseException, layout, rank: int, iteration: int,
     # gloo appends advice to its errors ("This is typically caused by ..."): keep the fact.
     first_line = text.splitlines()[0].split(". This is typically")[0]
     if survey_error:
-        who = (f"cannot tell which rank was lost: {survey_error} (its host, "
-               f"{describe_rank(layout, 0)}, has exited or died; see its error)")
+        from .distributed import STORE_HOST
+
+        host = ("the standalone rendezvous" if os.environ.get(STORE_HOST) == "external"
+                else describe_rank(layout, 0))
+        who = (f"cannot tell which rank was lost: {survey_error} (its host, {host}, has "
+               "exited or died, or the link to it is down; see its error)")
     elif survey["lost"]:
         who = "lost " + ", ".join(describe_rank(layout, r) for r in survey["lost"])
     else:

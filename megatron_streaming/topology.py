@@ -6,8 +6,11 @@ nodes. Inside a worker the order is Megatron's default (tensor-parallel rank fas
 data-parallel, pipeline stage slowest), so a worker looks exactly like a Megatron job.
 
 Every Megatron/DeepSpeed group lives inside one worker. The only groups that span workers are
-the cross-worker groups ``{w*R + c : w < M}``, one per in-worker coordinate ``c``: the
-streaming sync's transport is the only user of those.
+the cross-worker groups ``{w*R + c : w < M}``, two per in-worker coordinate ``c`` (data and
+control, both reached through ``crossworker.CrossWorker``). With gloo across workers they are
+not subgroups of the world: the ranks at coordinate ``c`` make them on the rendezvous store
+under their membership epoch's prefix (``add_cross_worker_groups``), so the workers of a later
+epoch can make new ones without a lost worker.
 
 ``RankLayout`` is pure arithmetic (testable without processes); ``Topology`` creates the
 torch.distributed groups from it, in the same order on every rank as ``new_group`` requires.
@@ -147,8 +150,13 @@ class Topology:
 
         topo = cls(layout=layout, rank=rank)
         topo.cross_worker_backend = cross_worker_backend or dist.get_backend()
+        # gloo across workers: the cross-worker groups are made on the rendezvous store by
+        # their members alone (membership epoch 0), not as subgroups of the world
+        standalone = topo.cross_worker_backend == "gloo"
         for name, rank_lists in layout.all_groups().items():
             cross = name.startswith("cross_worker")
+            if cross and standalone:
+                continue
             for ranks in rank_lists:
                 group = dist.new_group(
                     ranks, timeout=cross_worker_timeout if cross else timeout,
@@ -156,10 +164,35 @@ class Topology:
                 if rank in ranks:
                     topo.groups[name] = group
                     topo.group_ranks[name] = ranks
+        if standalone:
+            from patches.torch_process_group import default_store
+
+            topo.add_cross_worker_groups(default_store(), 0, list(range(layout.workers)),
+                                         cross_worker_timeout or timeout)
         from .crossworker import CrossWorker
 
         topo.cross = CrossWorker(topo)
         return topo
+
+    def add_cross_worker_groups(self, store, epoch: int, members: List[int], timeout) -> None:
+        """This rank's two cross-worker groups (data and control) over the workers
+        ``members`` (sorted indices), made on ``store`` under the epoch's own prefix by the
+        members' ranks at this in-worker coordinate alone (``patches.torch_process_group``)."""
+        import datetime
+
+        import torch.distributed as dist
+
+        from patches.torch_process_group import standalone_gloo_group
+
+        c = self.coords
+        R = self.layout.ranks_per_worker
+        ranks = [w * R + c["local"] for w in members]
+        for name in ("cross_worker", "cross_worker_control"):
+            prefix = f"megatron_streaming/epoch{epoch}/{name}/{c['local']}/"
+            self.groups[name] = standalone_gloo_group(
+                dist.PrefixStore(prefix, store), members.index(c["worker"]), len(members),
+                timeout or datetime.timedelta(minutes=10), ranks, prefix)
+            self.group_ranks[name] = ranks
 
     # ---- coordinates -------------------------------------------------------------------
     @property
@@ -335,9 +368,10 @@ class WorkerMPU:
 def device_of(group):
     """Where a tensor for a collective on ``group`` must live: CUDA for NCCL, else CPU."""
     import torch
-    import torch.distributed as dist
 
-    if dist.get_backend(group) == "nccl":
+    from patches.torch_process_group import backend_of
+
+    if backend_of(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

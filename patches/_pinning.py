@@ -20,13 +20,15 @@ def installed_version(package: str) -> Optional[str]:
         return None
 
 
-def require_version(package: str, expected: str, patch_name: str) -> None:
-    """Raise UpstreamVersionError unless ``package`` is installed at exactly ``expected``
-    (a local build label such as torch's ``+cpu`` aside: the source is the same)."""
+def require_version(package: str, expected, patch_name: str) -> None:
+    """Raise UpstreamVersionError unless ``package`` is installed at exactly ``expected`` (a
+    version, or a tuple of the versions verified; a local build label such as torch's ``+cpu``
+    aside: the source is the same)."""
+    verified = (expected,) if isinstance(expected, str) else tuple(expected)
     found = installed_version(package)
-    if found is None or found.split("+", 1)[0] != expected:
+    if found is None or found.split("+", 1)[0] not in verified:
         raise UpstreamVersionError(
-            f"patch {patch_name!r} was written for {package}=={expected} but found "
+            f"patch {patch_name!r} was written for {package}=={' or '.join(verified)} but found "
             f"{package}=={found}; re-verify the call sites it covers against {package} {found} "
             f"and update the pin in patches/{patch_name}.py"
         )

@@ -88,10 +88,11 @@ FAULTS = "tests/pretrain_with_faults.py"
 
 
 def start(nproc: int, args, log_path, extra_env: Optional[dict] = None,
-          script: str = "pretrain_gpt.py") -> subprocess.Popen:
-    """Launch in the background, stdout and stderr into ``log_path``."""
+          script: str = "pretrain_gpt.py", wrap=lambda cmd: cmd) -> subprocess.Popen:
+    """Launch in the background, stdout and stderr into ``log_path``; ``wrap`` may prefix
+    the command (e.g. to run it in a network namespace)."""
     log = open(log_path, "w")
-    return subprocess.Popen(command(nproc, args, script), cwd=REPO, env=env(extra_env),
+    return subprocess.Popen(wrap(command(nproc, args, script)), cwd=REPO, env=env(extra_env),
                             stdout=log, stderr=subprocess.STDOUT, text=True)
 
 

@@ -10,6 +10,7 @@ Launch it as ``pretrain_gpt.py`` is launched (torchrun, the deepspeed launcher, 
 """
 
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -39,7 +40,10 @@ class Faults:
         # Stalled after step STEP: the next step's update never comes (the run has counted
         # STEP iterations, its heartbeat says so).
         if self.stall and self.stall[0] == self.worker and step > self.stall[1]:
-            while True:  # a peer that never answers again
+            # A peer that never answers again, until its launcher stops it (not 30 s later
+            # with a SIGKILL: the run's own handler only records a SIGTERM between steps).
+            signal.signal(signal.SIGTERM, lambda *_: os._exit(128 + signal.SIGTERM))
+            while True:
                 time.sleep(3600)
 
     def after_step(self) -> None:

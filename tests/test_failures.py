@@ -15,6 +15,7 @@ import time
 import psutil
 import pytest
 
+import netns
 from harness import FAULTS, TINY, free_port, read_jsonl, run, start, wait_for_line
 
 STREAMING = [*TINY, "--num-layers", "2", "--eval-iters", "0", "--diloco-workers", "2",
@@ -156,6 +157,43 @@ def test_ranks_whose_launcher_is_killed_stop_with_a_checkpoint(tmp_path):
     assert "is gone: stopping after the current iteration, with a checkpoint" in log
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not netns.available(), reason="needs root and ip netns")
+def test_a_link_cut_between_two_clusters_stops_both_sides_within_the_timeout(tmp_path):
+    """Each worker in its own network namespace, joined by a veth pair; the link goes down
+    mid-run (packets dropped, no connection reset, as when a WAN path fails). Worker 0, which
+    hosts the store, names worker 1 as lost; worker 1, cut off from the store too, says so;
+    both exit 3 soon after --diloco-timeout rather than waiting for TCP to give up
+    (~15 min). Healing when the link comes back needs elastic membership (not yet)."""
+    with netns.two_namespaces() as link:
+        port = free_port()
+        common = [*STREAMING, "--train-iters", "100000", "--diloco-timeout", "5",
+                  "--distributed-timeout-minutes", "0.5", "--master-addr", link.addresses[0],
+                  "--master-port", str(port)]
+        logs = [tmp_path / "worker0.log", tmp_path / "worker1.log"]
+        workers = [start(1, [*common, "--diloco-worker-index", str(w)], logs[w],
+                         {**SLOW, "GLOO_SOCKET_IFNAME": link.devices[w]}, FAULTS,
+                         wrap=lambda cmd, w=w: link.run_in(w, cmd))
+                   for w in range(2)]
+        try:
+            wait_for_line(logs[0], r"iteration +8/", workers[0], timeout=180)
+            link.cut()
+            cut = time.monotonic()
+            codes = [w.wait(timeout=120) for w in workers]
+            print(f"both workers gone {time.monotonic() - cut:.1f} s after the cut")
+        finally:
+            for w in workers:
+                if w.poll() is None:
+                    w.kill()
+    out0, out1 = (log.read_text() for log in logs)
+    assert codes == [3, 3], (out0[-2000:], out1[-2000:])
+    assert "pretrain_gpt.py: error: lost rank 1 (worker 1). rank 0 (worker 0) stopped at " \
+        "iteration" in out0, out0[-2000:]
+    assert (f"pretrain_gpt.py: error: cannot tell which rank was lost: rendezvous store "
+            f"{link.addresses[0]}:{port} unreachable: no answer within") in out1, out1[-2000:]
+    assert "or the link to it is down" in out1
+
+
 def test_liveness_asks_to_stop_when_the_launcher_or_the_store_is_gone(monkeypatch):
     """The heartbeat thread's two orphan checks, in one process: the store (hosted here)
     goes away and stays away past the timeout; the rank is re-parented (its launcher died)."""
@@ -191,6 +229,54 @@ def test_liveness_asks_to_stop_when_the_launcher_or_the_store_is_gone(monkeypatc
     liveness.launcher = os.getppid() + 1  # as if started by a process that is gone
     assert liveness.check_orphaned()
     assert lifecycle._signal_name(stop.received) == "launcher-gone"
+
+
+def test_a_store_that_stops_answering_counts_as_unreachable(monkeypatch):
+    """Over a link that went down a store call blocks (until TCP gives up, ~15 min) instead
+    of failing: the heartbeat and the failure survey give up after STORE_CALL_SECONDS, the
+    orphan check stops the rank, and the calls queued meanwhile are dropped, not run late."""
+    import threading
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from megatron_streaming import lifecycle
+
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.setattr(lifecycle, "STORE_CALL_SECONDS", 0.3)
+    topology = SimpleNamespace(rank=0, layout=SimpleNamespace(world_size=1), worker=0,
+                               cross=None)
+    stop = lifecycle.StopRequest(signals=())
+    liveness = lifecycle.Liveness(topology, interval=0.1, stop=stop, store_timeout=1.0)
+    link_back, calls = threading.Event(), []
+
+    class Partitioned:  # every call hangs until the link is back
+        def __getattr__(self, name):
+            def call(*args):
+                calls.append(name)
+                link_back.wait(30)
+                return getattr(store, name)(*args)
+            return call
+
+    liveness.store = Partitioned()
+    liveness._connect = lambda seconds=10.0: liveness.store  # reconnecting hangs as well
+    try:
+        began = time.monotonic()
+        with pytest.raises(ConnectionError, match="no answer within 0.3 s"):
+            liveness.survey()
+        assert time.monotonic() - began < 5
+        deadline = time.monotonic() + 20
+        while stop.received is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert lifecycle._signal_name(stop.received) == "rendezvous-unreachable"
+        assert len(calls) == 1  # one call hangs; the rest gave up before they started
+        liveness.mark_exiting("bye")  # bounded too
+    finally:
+        link_back.set()
+        liveness.close()
 
 
 @pytest.mark.timeout(300)

@@ -214,10 +214,11 @@ def test_adapters_refuse_another_version_before_touching_anything(monkeypatch):
     """The adapters to private upstream state refuse another release, naming the adapter."""
     from types import SimpleNamespace
 
-    from patches import _pinning, deepspeed_zero, megatron_parallel_state
+    from patches import _pinning, deepspeed_zero, megatron_parallel_state, torch_process_group
 
     monkeypatch.setattr(_pinning, "installed_version",
-                        {"megatron-core": "0.17.0", "deepspeed": "0.20.0"}.get)
+                        {"megatron-core": "0.17.0", "deepspeed": "0.20.0",
+                         "torch": "2.12.0+cpu"}.get)
     monkeypatch.setattr(deepspeed_zero, "_checked", False)
     optimizer = SimpleNamespace(single_partition_of_fp32_groups=[])
     with pytest.raises(_pinning.UpstreamVersionError,
@@ -226,6 +227,9 @@ def test_adapters_refuse_another_version_before_touching_anything(monkeypatch):
     with pytest.raises(_pinning.UpstreamVersionError,
                        match=r"'megatron_parallel_state' .*megatron-core==0\.16\.1"):
         megatron_parallel_state.install_groups({}, {})
+    with pytest.raises(_pinning.UpstreamVersionError,
+                       match=r"'torch_process_group' .*torch==2\.13\.0 or 2\.11\.0 .*2\.12\.0"):
+        torch_process_group.standalone_gloo_group(None, 0, 1, None)
 
 
 def test_unknown_skip_name_is_rejected():

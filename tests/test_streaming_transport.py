@@ -378,9 +378,9 @@ def test_exchanges_run_in_order_on_a_daemon_thread_that_close_drains():
     import threading
     import time
 
-    from megatron_streaming.streaming.transport import _SerialThread
+    from megatron_streaming.serial import SerialThread
 
-    done, worker = [], _SerialThread("cross-worker")
+    done, worker = [], SerialThread("cross-worker")
     names = []
     for i in range(5):
         worker.submit(lambda i=i: (time.sleep(0.01), done.append(i),

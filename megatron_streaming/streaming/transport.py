@@ -22,7 +22,6 @@ Tests and slow-link emulation subclass it (``tests/``).
 from __future__ import annotations
 
 import concurrent.futures
-import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -32,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import JobFailure
+from ..serial import SerialThread
 from .codec import Codec, Encoded, ErrorFeedback, is_finite
 
 
@@ -87,34 +87,6 @@ class Pending:
         return cls(future, step, tag, [], 0.0)
 
 
-class _SerialThread:
-    """Runs submitted calls one at a time, in order, on one daemon thread. A daemon because a
-    collective with a peer that never answers may block it until its timeout: that must not
-    keep a failed process from exiting (``ThreadPoolExecutor``'s threads are joined at
-    interpreter exit)."""
-
-    def __init__(self, name: str):
-        self._queue: "queue.Queue" = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def submit(self, fn, *args) -> None:
-        self._queue.put((fn, args))
-
-    def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            fn, args = item
-            fn(*args)  # reports its own errors through its futures
-
-    def shutdown(self) -> None:
-        if self._thread.is_alive():
-            self._queue.put(None)
-            self._thread.join()
-
-
 class Transport:
     """Quantized, asynchronous all-reduce-mean over one cross-worker group."""
 
@@ -137,7 +109,7 @@ class Transport:
         self.bytes_received = 0
         self.collectives = 0  # issued on the cross-worker group: 2 per exchange
         self._lock = threading.Lock()
-        self._executor = _SerialThread("cross-worker")
+        self._executor = SerialThread("cross-worker")
         self._stream = torch.cuda.Stream() if use_cuda_stream else None
 
     def padded_numel(self, numel: int) -> int:

@@ -1,0 +1,119 @@
+"""Membership epochs (``megatron_streaming.membership``) on a real TCPStore, and epoch groups
+made by their members alone (``Topology.add_cross_worker_groups``) going on after a member
+dies. No training: the processes only meet and reduce."""
+
+import datetime
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+import torch.distributed as dist
+
+from megatron_streaming.membership import BelowQuorum, Membership, Record, quorum_problem
+
+
+def _store():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return dist.TCPStore("127.0.0.1", port, 1, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=10)), port
+
+
+def test_majority_and_min_workers_rule():
+    assert quorum_problem([0, 2], 3, 2) is None
+    assert "not a majority" in quorum_problem([1], 3, 1)
+    assert "not a majority" in quorum_problem([0, 1], 4, 1)  # a half of an even split
+    assert quorum_problem([0, 1, 2], 4, 3) is None
+    assert "fewer than --diloco-min-workers 4" in quorum_problem([0, 1, 2], 4, 4)
+
+
+def test_first_proposal_wins_and_every_proposer_reads_it():
+    store, _ = _store()
+    m = Membership(store, configured=3, min_workers=2)
+    epoch0 = m.latest()
+    assert epoch0 == Record(0, (0, 1, 2))
+    # Two survivors propose at once with different views: one record, the same for both.
+    results = []
+    views = ([0, 2], [2, 0, 1])
+    threads = [threading.Thread(target=lambda v=v: results.append(
+        Membership(store, 3, 2).propose(epoch0, v, 40, "lost worker 1"))) for v in views]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results[0] == results[1] and results[0].epoch == 1
+    assert results[0].members in ((0, 2), (0, 1, 2))
+    assert m.latest() == results[0]
+    # A later proposal after epoch 1 writes epoch 2.
+    back = m.propose(m.latest(), [0, 1, 2], 90, "worker 1 rejoined")
+    assert back == Record(2, (0, 1, 2), 90, "worker 1 rejoined") == m.latest()
+    assert m.bytes > 0
+
+
+def test_a_minority_writes_nothing_and_stops():
+    store, _ = _store()
+    m = Membership(store, configured=3, min_workers=1)
+    with pytest.raises(BelowQuorum, match="1 of 3 workers alive is not a majority"):
+        m.propose(m.latest(), [2], 10, "lost workers 0, 1")
+    assert m.latest().epoch == 0
+    with pytest.raises(BelowQuorum, match="fewer than --diloco-min-workers 3"):
+        Membership(store, 3, 3).propose(m.latest(), [0, 1], 10, "lost worker 2")
+
+
+_MEMBER = textwrap.dedent("""
+    import datetime, os, sys, torch, torch.distributed as dist
+    sys.path.insert(0, os.environ["REPO"])
+    from megatron_streaming.membership import Membership
+    from megatron_streaming.topology import RankLayout, Topology
+    worker, port = int(sys.argv[1]), int(sys.argv[2])
+    store = dist.TCPStore("127.0.0.1", port, 1, is_master=False, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=20))
+    t = Topology(RankLayout(3, workers=3), worker)
+    timeout = datetime.timedelta(seconds=10)
+    t.add_cross_worker_groups(store, 0, [0, 1, 2], timeout)
+    x = torch.tensor([float(worker + 1)])
+    dist.all_reduce(x, group=t.groups["cross_worker"])
+    print("epoch0", x.item(), flush=True)
+    if worker == 1:
+        os._exit(0)  # lost: its sockets close
+    try:
+        dist.all_reduce(x, group=t.groups["cross_worker_control"])
+        print("no error", flush=True)
+    except Exception as e:
+        print("failed", type(e).__name__, flush=True)
+    from patches.torch_process_group import drop
+    for name in ("cross_worker", "cross_worker_control"):
+        drop(t.groups[name])
+    m = Membership(store, 3, 2)
+    record = m.propose(m.record(0), [0, 2], 5, "lost worker 1")  # the epoch it was in
+    t.add_cross_worker_groups(store, record.epoch, list(record.members), timeout)
+    y = torch.tensor([float(worker + 1)])
+    dist.all_reduce(y, group=t.groups["cross_worker"])
+    print("epoch", record.epoch, list(record.members), y.item(),
+          t.group_ranks["cross_worker"], flush=True)
+    t.groups.clear()  # a gloo group left to the interpreter's teardown may abort the exit
+""")
+
+
+def test_survivors_make_the_next_epochs_groups_without_the_lost_worker(tmp_path):
+    """Three one-rank workers meet on the store alone (no world group); worker 1 dies; the
+    others' next collective fails, they record epoch 1 = {0, 2} and reduce over it."""
+    store, port = _store()
+    script = tmp_path / "member.py"
+    script.write_text(_MEMBER)
+    env = dict(os.environ, REPO=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    procs = [subprocess.Popen([sys.executable, str(script), str(w), str(port)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for w in range(3)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    for w, out in enumerate(outs):
+        assert "epoch0 6.0" in out, out
+    assert "epoch 1 [0, 2] 4.0 [0, 2]" in outs[0], outs[0]
+    assert "epoch 1 [0, 2] 4.0 [0, 2]" in outs[2], outs[2]
+    assert "failed" in outs[0] and "failed" in outs[2]
+    assert [p.returncode for p in procs] == [0, 0, 0], outs
