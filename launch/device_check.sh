@@ -19,8 +19,6 @@ left() { echo $(( limit - ($(date +%s) - t0) )); }
 device=cuda tiny=""
 [[ ${REHEARSE:-0} == 1 ]] && device=cpu tiny=--tiny
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
-# torch's checkpoint-metadata patch is pinned to torch 2.13.0; this machine's torch differs.
-export MEGATRON_STREAMING_SKIP_PATCHES=torch_dcp_safe_metadata
 if [[ ${REHEARSE:-0} != 1 ]] && compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1

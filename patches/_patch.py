@@ -1,7 +1,7 @@
 """What every patch module declares, and the helpers they share."""
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Tuple, Union
 
 # Attribute set on every wrapper a patch installs, holding the patch name: lets a patch tell
 # its own wrapper from the upstream original so that installing twice never wraps twice.
@@ -16,8 +16,8 @@ class Patch:
     """Patch name, as listed by ``patches.apply()`` and accepted by its ``skip``."""
     package: str
     """Distribution name of the patched package (``importlib.metadata`` spelling)."""
-    version: str
-    """The exact upstream version the patch was written and verified against."""
+    version: Union[str, Tuple[str, ...]]
+    """The exact upstream version (or versions) the patch was written and verified against."""
     is_needed: Callable[[], bool]
     """True when this process would hit the upstream problem (e.g. no CUDA)."""
     install: Callable[[], None]

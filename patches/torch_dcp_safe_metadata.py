@@ -1,4 +1,4 @@
-"""Checkpoint metadata is read without running code from the file (torch 2.13.0).
+"""Checkpoint metadata is read without running code from the file (torch 2.13.0 and 2.11.0).
 
 Why: ``torch.distributed.checkpoint.FileSystemReader.read_metadata`` reads the ``.metadata``
 file of a checkpoint with a bare ``pickle.load``, so a replaced ``.metadata`` could run any
@@ -67,7 +67,7 @@ def install() -> None:
 PATCH = Patch(
     name=NAME,
     package="torch",
-    version="2.13.0",
+    version=("2.13.0", "2.11.0"),
     is_needed=lambda: True,
     install=install,
 )

@@ -232,6 +232,46 @@ def test_adapters_refuse_another_version_before_touching_anything(monkeypatch):
         torch_process_group.standalone_gloo_group(None, 0, 1, None)
 
 
+_DCP_ROUND_TRIP = """
+import pickle, sys, tempfile, torch, torch.distributed.checkpoint as dcp
+from patches import _pinning, torch_dcp_safe_metadata as safe
+_pinning.require_version(safe.PATCH.package, safe.PATCH.version, safe.NAME)
+safe.install()
+class RunsCode:
+    def __reduce__(self):
+        return (exec, ("import sys; sys.stdout.write('RAN')",))
+with tempfile.TemporaryDirectory() as d:
+    state = {"w": torch.arange(6.0).view(2, 3), "b": torch.ones(2, dtype=torch.bfloat16),
+             "step": 7, "nested": {"m": torch.zeros(4, dtype=torch.int64)}}
+    dcp.save(state, checkpoint_id=d, no_dist=True)
+    metadata = dcp.FileSystemReader(d).read_metadata()  # through the safe unpickler
+    back = {"w": torch.empty(2, 3), "b": torch.empty(2, dtype=torch.bfloat16), "step": 0,
+            "nested": {"m": torch.empty(4, dtype=torch.int64)}}
+    dcp.load(back, checkpoint_id=d, no_dist=True)
+    assert torch.equal(back["w"], state["w"]) and back["step"] == 7, back
+    with open(d + "/.metadata", "wb") as f:
+        pickle.dump(RunsCode(), f)
+    try:
+        dcp.FileSystemReader(d).read_metadata()
+    except pickle.UnpicklingError as e:
+        print("refused:", e)
+print("keys", sorted(metadata.state_dict_metadata))
+"""
+
+
+def test_safe_metadata_reads_what_this_torch_writes_and_refuses_code():
+    """torch_dcp_safe_metadata against the installed torch: a checkpoint written by
+    torch.distributed.checkpoint (tensors of three dtypes, a nested dict, a plain int) reads
+    back through the safe unpickler, and a .metadata that would run code is refused (the
+    check that verifies the patch's pin on another torch, e.g. the device machine's)."""
+    proc = subprocess.run([sys.executable, "-c", _DCP_ROUND_TRIP], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "RAN" not in proc.stdout
+    assert "refused: checkpoint metadata refers to builtins.exec" in proc.stdout, proc.stdout
+    assert "keys ['b', 'nested.m', 'step', 'w']" in proc.stdout, proc.stdout
+
+
 def test_unknown_skip_name_is_rejected():
     import patches
 
