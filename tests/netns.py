@@ -21,8 +21,11 @@ def available() -> bool:
     name = f"msprobe{os.getpid()}"
     if _ip("netns", "add", name, check=False).returncode != 0:
         return False
-    _ip("netns", "del", name, check=False)
-    return True
+    try:  # and veth pairs (a kernel without them refuses here)
+        return _ip("-n", name, "link", "add", "pa", "type", "veth", "peer", "name", "pb",
+                   check=False).returncode == 0
+    finally:
+        _ip("netns", "del", name, check=False)
 
 
 @dataclass
