@@ -81,10 +81,12 @@ class Membership:
 
     def latest(self) -> Record:
         """The newest record (epochs are written in order, each once)."""
-        epoch = 0
-        while self.record(epoch + 1) is not None:
-            epoch += 1
-        return self.record(epoch)
+        newest = self.record(0)
+        while True:
+            following = self.record(newest.epoch + 1)
+            if following is None:
+                return newest
+            newest = following
 
     def propose(self, after: Record, alive: List[int], step: int, reason: str) -> Record:
         """The record that follows ``after``: ``alive`` (this proposer's view) if it is the

@@ -194,10 +194,8 @@ def test_a_link_cut_between_two_clusters_stops_both_sides_within_the_timeout(tmp
     assert "or the link to it is down" in out1
 
 
-def test_liveness_asks_to_stop_when_the_launcher_or_the_store_is_gone(monkeypatch):
-    """The heartbeat thread's two orphan checks, in one process: the store (hosted here)
-    goes away and stays away past the timeout; the rank is re-parented (its launcher died)."""
-    import gc
+def _liveness_on_own_store(monkeypatch, store_timeout: float):
+    """A one-rank Liveness (heartbeat every 0.1 s) on a store this process hosts."""
     from types import SimpleNamespace
 
     import torch.distributed as dist
@@ -211,7 +209,18 @@ def test_liveness_asks_to_stop_when_the_launcher_or_the_store_is_gone(monkeypatc
     topology = SimpleNamespace(rank=0, layout=SimpleNamespace(world_size=1), worker=0,
                                cross=None)
     stop = lifecycle.StopRequest(signals=())
-    liveness = lifecycle.Liveness(topology, interval=0.1, stop=stop, store_timeout=0.5)
+    return store, stop, lifecycle.Liveness(topology, interval=0.1, stop=stop,
+                                           store_timeout=store_timeout)
+
+
+def test_liveness_asks_to_stop_when_the_launcher_or_the_store_is_gone(monkeypatch):
+    """The heartbeat thread's two orphan checks, in one process: the store (hosted here)
+    goes away and stays away past the timeout; the rank is re-parented (its launcher died)."""
+    import gc
+
+    from megatron_streaming import lifecycle
+
+    store, stop, liveness = _liveness_on_own_store(monkeypatch, store_timeout=0.5)
     try:
         time.sleep(0.8)
         assert stop.received is None  # beating fine, past the timeout
@@ -236,21 +245,11 @@ def test_a_store_that_stops_answering_counts_as_unreachable(monkeypatch):
     of failing: the heartbeat and the failure survey give up after STORE_CALL_SECONDS, the
     orphan check stops the rank, and the calls queued meanwhile are dropped, not run late."""
     import threading
-    from types import SimpleNamespace
-
-    import torch.distributed as dist
 
     from megatron_streaming import lifecycle
 
-    port = free_port()
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(port))
     monkeypatch.setattr(lifecycle, "STORE_CALL_SECONDS", 0.3)
-    topology = SimpleNamespace(rank=0, layout=SimpleNamespace(world_size=1), worker=0,
-                               cross=None)
-    stop = lifecycle.StopRequest(signals=())
-    liveness = lifecycle.Liveness(topology, interval=0.1, stop=stop, store_timeout=1.0)
+    store, stop, liveness = _liveness_on_own_store(monkeypatch, store_timeout=1.0)
     link_back, calls = threading.Event(), []
 
     class Partitioned:  # every call hangs until the link is back
