@@ -75,6 +75,20 @@ class CrossWorker:
         self.count_control(2 * on_wire.numel() * on_wire.element_size() * (self.workers - 1))
         return work, on_wire
 
+    def gather_control(self, obj) -> list:
+        """Every worker's ``obj`` (a picklable object), in worker order, over the control
+        group (collective over every worker's rank at this coordinate)."""
+        if self.control_group is None:
+            return [obj]
+        import pickle
+
+        out = [None] * self.workers
+        dist.all_gather_object(out, obj, group=self.control_group)
+        sizes = [len(pickle.dumps(o)) for o in out]
+        mine = len(pickle.dumps(obj))
+        self.count_control(mine * (self.workers - 1) + sum(sizes) - mine)
+        return out
+
     def barrier(self) -> None:
         if self.control_group is not None:
             dist.barrier(group=self.control_group)

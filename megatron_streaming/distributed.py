@@ -106,38 +106,48 @@ def rendezvous_store(timeout_minutes: float, external: bool = False):
                 from None
 
 
-def world_backend(in_worker: str, cross_worker: str) -> str:
-    """The default (world) group's backend. The world spans the workers, so it takes the
-    cross-worker backend when one is named: with NCCL inside each worker and gloo across, a
-    world-wide NCCL group would put ranks of different clusters (or, on one test GPU, two
-    ranks of one device, which NCCL refuses) into one communicator. Only object collectives
-    and barriers run on it (data cache agreement, checkpoint facts)."""
-    return backend_for(in_worker) if cross_worker == "auto" else cross_worker
+def worker_store(store, worker: int):
+    """The part of the job's store where worker ``worker``'s own world meets."""
+    import torch.distributed as dist
+
+    return dist.PrefixStore(f"megatron_streaming/worker{worker}/", store)
 
 
 def init_distributed(backend: str, timeout_minutes: float, store=None,
-                     world: Optional[str] = None) -> tuple:
-    """Initialise the default process group once (on ``store``, else on a new
-    ``rendezvous_store``), with backend ``world`` (default: the in-worker ``backend``);
-    returns (rank, world_size)."""
+                     ranks_per_worker: Optional[int] = None) -> tuple:
+    """Initialise the default process group once, on ``store`` (else on a new
+    ``rendezvous_store``), with the in-worker ``backend``; returns this rank's (global rank,
+    job size), from the launcher's numbering.
+
+    With ``ranks_per_worker`` R the default group is this rank's worker, not the job: global
+    rank ``g`` is rank ``g % R`` of worker ``g // R``'s world, made on its own part of the
+    store. Each worker is then a plain Megatron/DeepSpeed job (its checkpoint, its barriers,
+    its object collectives) and losing another worker breaks nothing of it; the groups that
+    cross workers are made on the store by their members alone (``Topology``)."""
     import torch.distributed as dist
 
-    if not dist.is_initialized():
+    if dist.is_initialized():  # embedded: the caller's world is the job
+        rank, size = dist.get_rank(), dist.get_world_size()
+    else:
         store = store if store is not None else rendezvous_store(timeout_minutes)
+        rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        world_rank, world_size = rank, size
+        if ranks_per_worker:
+            world_rank, world_size = rank % ranks_per_worker, ranks_per_worker
+            store = worker_store(store, rank // ranks_per_worker)
         if backend_for(backend) == "nccl":
             # More local ranks than GPUs (two one-rank workers on one test GPU) share them;
             # NCCL refuses two ranks of one device only within one group.
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0"))
                                   % torch.cuda.device_count())
-        backend = backend_for(world or backend)
-        dist.init_process_group(backend=backend, store=store, rank=int(os.environ["RANK"]),
-                                world_size=int(os.environ["WORLD_SIZE"]),
+        dist.init_process_group(backend=backend_for(backend), store=store, rank=world_rank,
+                                world_size=world_size,
                                 timeout=datetime.timedelta(minutes=timeout_minutes))
     # DeepSpeed wraps the existing default group instead of creating its own.
     import deepspeed
 
     deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
-    return dist.get_rank(), dist.get_world_size()
+    return rank, size
 
 
 def _free_port() -> int:

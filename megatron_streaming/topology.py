@@ -138,28 +138,49 @@ class Topology:
     cross_worker_backend: Optional[str] = None
     cross: object = None  # the CrossWorker: every collective across workers goes through it
 
+    # Added to a global rank of this worker to get its rank in the default (world) group:
+    # 0 when the world is the whole job (an embedded run, the tests' worlds), -w*R when it is
+    # this worker (``distributed.init_distributed`` with ``ranks_per_worker``).
+    world_offset: int = 0
+    per_worker_world: bool = False
+
     @classmethod
     def create(cls, layout: RankLayout, rank: int, timeout=None,
                cross_worker_backend: Optional[str] = None,
-               cross_worker_timeout=None, backend: Optional[str] = None) -> "Topology":
+               cross_worker_timeout=None, backend: Optional[str] = None,
+               store=None) -> "Topology":
         """Create every group. The cross-worker groups may use their own backend (gloo over
         a slow link while NCCL runs inside the worker) and their own timeout; the in-worker
-        groups use ``backend`` (default: the world group's, which may be the cross-worker
-        one, ``distributed.world_backend``)."""
+        groups use ``backend`` (default: the world group's).
+
+        The world (default group) is either this rank's worker (each worker its own world,
+        as a launch makes it) or the whole job. The in-worker groups are subgroups of the
+        world; the cross-worker groups are made on ``store`` (default: the world's) by their
+        members alone, except with NCCL across workers in a world that spans the job (then
+        ``new_group``)."""
         import torch.distributed as dist
 
         topo = cls(layout=layout, rank=rank)
         topo.cross_worker_backend = cross_worker_backend or dist.get_backend()
-        # gloo across workers: the cross-worker groups are made on the rendezvous store by
-        # their members alone (membership epoch 0), not as subgroups of the world
-        standalone = topo.cross_worker_backend == "gloo"
+        per_worker = dist.get_world_size() != layout.world_size
+        if per_worker and dist.get_world_size() != layout.ranks_per_worker:
+            raise ValueError(f"the default group has {dist.get_world_size()} ranks: neither "
+                             f"the job ({layout.world_size}) nor one worker "
+                             f"({layout.ranks_per_worker})")
+        if per_worker:
+            topo.per_worker_world = True
+            topo.world_offset = -topo.worker * layout.ranks_per_worker
+        standalone = per_worker or topo.cross_worker_backend == "gloo"
         for name, rank_lists in layout.all_groups().items():
             cross = name.startswith("cross_worker")
             if cross and standalone:
                 continue
             for ranks in rank_lists:
+                if per_worker and layout.coords(ranks[0])["worker"] != topo.worker:
+                    continue  # another worker's group, made in that worker's world
                 group = dist.new_group(
-                    ranks, timeout=cross_worker_timeout if cross else timeout,
+                    [r + topo.world_offset for r in ranks],
+                    timeout=cross_worker_timeout if cross else timeout,
                     backend=cross_worker_backend if cross else backend)
                 if rank in ranks:
                     topo.groups[name] = group
@@ -167,7 +188,8 @@ class Topology:
         if standalone:
             from patches.torch_process_group import default_store
 
-            topo.add_cross_worker_groups(default_store(), 0, list(range(layout.workers)),
+            topo.add_cross_worker_groups(store or default_store(), 0,
+                                         list(range(layout.workers)),
                                          cross_worker_timeout or timeout)
         from .crossworker import CrossWorker
 
@@ -182,16 +204,21 @@ class Topology:
 
         import torch.distributed as dist
 
-        from patches.torch_process_group import standalone_gloo_group
+        from patches.torch_process_group import standalone_group
 
         c = self.coords
         R = self.layout.ranks_per_worker
         ranks = [w * R + c["local"] for w in members]
         for name in ("cross_worker", "cross_worker_control"):
             prefix = f"megatron_streaming/epoch{epoch}/{name}/{c['local']}/"
-            self.groups[name] = standalone_gloo_group(
-                dist.PrefixStore(prefix, store), members.index(c["worker"]), len(members),
-                timeout or datetime.timedelta(minutes=10), ranks, prefix)
+            self.groups[name] = standalone_group(
+                self.cross_worker_backend or "gloo", dist.PrefixStore(prefix, store),
+                members.index(c["worker"]), len(members),
+                timeout or datetime.timedelta(minutes=10),
+                # the members' ranks in the world, for torch's registry: only this rank's
+                # where each worker is its own world
+                {self.rank + self.world_offset: members.index(c["worker"])}
+                if self.per_worker_world else {r: i for i, r in enumerate(ranks)}, prefix)
             self.group_ranks[name] = ranks
 
     # ---- coordinates -------------------------------------------------------------------
@@ -286,7 +313,13 @@ class Topology:
         says which)."""
         from patches.megatron_parallel_state import install_groups
 
-        install_groups(self.groups, self.group_ranks)
+        install_groups(self.groups, self.world_ranks())
+
+    def world_ranks(self) -> Dict[str, List[int]]:
+        """The in-worker groups' ranks as the default (world) group numbers them."""
+        return {name: [r + self.world_offset for r in ranks]
+                for name, ranks in self.group_ranks.items()
+                if not name.startswith("cross_worker")}
 
 
 class WorkerMPU:
@@ -315,7 +348,7 @@ class WorkerMPU:
         return self._rank_in("dp")
 
     def get_data_parallel_group_ranks(self) -> List[int]:
-        return list(self._t.group_ranks["dp"])
+        return self._t.world_ranks()["dp"]
 
     def get_model_parallel_group(self):
         return self._t.groups["mp"]

@@ -125,15 +125,16 @@ class Run:
             door = Door(store, coords["worker"], layout.workers, coords["local"],
                         datetime.timedelta(minutes=p.distributed_timeout_minutes))
             door.agree(fingerprint(cfg, layout, self.tokenizer))
+        # Each worker is its own world (distributed.init_distributed).
         rank, _ = distributed.init_distributed(
             p.distributed_backend, p.distributed_timeout_minutes, store,
-            world=distributed.world_backend(p.distributed_backend, s.diloco_backend))
+            ranks_per_worker=layout.ranks_per_worker)
         distributed.cpu_threads()
         self.topology = Topology.create(
             layout, rank, timeout=datetime.timedelta(minutes=p.distributed_timeout_minutes),
             cross_worker_backend=None if s.diloco_backend == "auto" else s.diloco_backend,
             cross_worker_timeout=datetime.timedelta(seconds=s.diloco_timeout),
-            backend=distributed.backend_for(p.distributed_backend))
+            backend=distributed.backend_for(p.distributed_backend), store=store)
         self.topology.install_into_megatron()
         if door is not None and self.topology.worker != 0:  # worker 0 hosts the store
             self.topology.cross.count_control(door.bytes)
@@ -177,8 +178,10 @@ class Run:
 
         self.engine = WorkerEngine(self.cfg, self.topology, self.model)
         self.sync = builder.build_sync(self.cfg, self.topology, self.engine)
-        self.checkpointer = Checkpointer(self.topology.rank, self.topology.ranks_reporting,
-                                         _gather_objects, self.topology.layout.world_size)
+        topo = self.topology
+        self.checkpointer = Checkpointer(
+            topo.rank, topo.ranks_reporting, lambda obj: _gather_objects(obj, topo),
+            topo.layout.ranks_per_worker, topo.worker, topo.cross.gather_control)
         self.job_state = JobState(self.cfg, self.topology, self.model, self.engine, self.sync,
                                   self.tokenizer.vocab_size)
 
@@ -432,12 +435,13 @@ class Run:
         }
 
 
-def _gather_objects(obj) -> list:
-    """Every rank's ``obj``, in rank order (the checkpoint's per-rank facts)."""
+def _gather_objects(obj, topology) -> list:
+    """Every rank of the worker's ``obj``, in rank order (the checkpoint's per-rank facts)."""
     import torch.distributed as dist
 
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    group = topology.groups["worker"]
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
     return out
 
 

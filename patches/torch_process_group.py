@@ -1,4 +1,4 @@
-"""Adapter: a gloo process group made on a store, outside the default (world) group (torch
+"""Adapter: a gloo (or NCCL) process group made on a store, outside the default (world) group (torch
 2.13.0, also verified on 2.11.0; not a patch, nothing upstream is changed).
 
 ``torch.distributed.new_group`` only makes subgroups of the world: every rank of the world
@@ -29,30 +29,42 @@ def _check() -> None:  # cheap (groups are made a few times per run): no caching
     require_version(PACKAGE, VERSIONS, NAME)
 
 
-def standalone_gloo_group(store, rank: int, size: int, timeout: datetime.timedelta,
-                          global_ranks=None, name: str = ""):
-    """A gloo group of ``size`` ranks meeting on ``store`` (give each group its own prefix:
-    ``torch.distributed.PrefixStore``); every member calls this with its own ``rank``.
-    ``global_ranks``: the world's rank of each member (for the registry, where a world
-    exists; default ``0..size-1``); ``name``: unique per group."""
+def standalone_group(backend: str, store, rank: int, size: int,
+                     timeout: datetime.timedelta, world_ranks=None, name: str = ""):
+    """A ``backend`` ("gloo" or "nccl") group of ``size`` ranks meeting on ``store`` (give
+    each group its own prefix: ``torch.distributed.PrefixStore``); every member calls this
+    with its own ``rank``. ``world_ranks``: {rank in the world: rank in this group} for the
+    members in this process's world (for the registry, where a world exists; default
+    ``0..size-1``); ``name``: unique per group. NCCL: made as torch makes its own NCCL
+    groups, on the current device; verified on gloo only (one GPU cannot hold two NCCL ranks
+    of one group)."""
     _check()
     import torch
     import torch.distributed as dist
     from torch._C._distributed_c10d import ProcessGroup
 
     group = ProcessGroup(store, rank, size)
-    backend = dist.ProcessGroupGloo(store, rank, size, timeout)
-    kind = ProcessGroup.BackendType.GLOO
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        impl = dist.ProcessGroupNCCL(store, rank, size, options)
+        kind, device = ProcessGroup.BackendType.NCCL, torch.device("cuda")
+    elif backend == "gloo":
+        impl = dist.ProcessGroupGloo(store, rank, size, timeout)
+        kind, device = ProcessGroup.BackendType.GLOO, torch.device("cpu")
+    else:
+        raise ValueError(f"a standalone group has backend gloo or nccl, not {backend!r}")
     group._set_default_backend(kind)
-    group._register_backend(torch.device("cpu"), kind, backend)
+    group._register_backend(device, kind, impl)
     if dist.is_initialized():
         from torch.distributed import distributed_c10d as c10d
 
         w = c10d._world
-        w.pg_map[group] = ("gloo", store)
+        w.pg_map[group] = (backend, store)
         w.pg_names[group] = name
-        w.pg_group_ranks[group] = {g: i for i, g in enumerate(global_ranks or range(size))}
-        w.pg_backend_config[group] = "cpu:gloo"
+        w.pg_group_ranks[group] = dict(world_ranks) if world_ranks is not None else \
+            {i: i for i in range(size)}
+        w.pg_backend_config[group] = f"{device.type}:{backend}"
         w.pg_to_tag[group] = f"user:{name}"
     return group
 
@@ -73,7 +85,7 @@ def drop(group) -> None:
 
 
 def backend_of(group) -> str:
-    """``dist.get_backend(group)``, also for a group made by ``standalone_gloo_group``."""
+    """``dist.get_backend(group)``, also for a group made by ``standalone_group``."""
     import torch.distributed as dist
 
     try:

@@ -2,6 +2,7 @@
 
 import json
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -57,16 +58,19 @@ class LinearState:
         return {"rank": 0, "worker": 0}
 
     def describe(self, infos):
-        return {"ranks": infos}
+        return {"ranks": infos, "workers": {"0": {}}}
 
-    def load(self, directory, meta, plan):
+    def load(self, directory, meta, plan, part):
         from megatron.core.dist_checkpointing import load
         from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
         request = {"w": ShardedTensor.from_rank_offsets(
             "w", torch.empty_like(self.model.weight), replica_id=0)}
         with torch.no_grad():
-            self.model.weight.copy_(load(request, directory)["w"])
+            self.model.weight.copy_(load(request, os.path.join(directory, part))["w"])
+
+
+WORKER_0 = SimpleNamespace(part_worker=0)  # the resume plan: worker 0 reads its own part
 
 
 def _checkpointer():
@@ -101,7 +105,7 @@ def test_crash_before_commit_keeps_previous_checkpoint(tmp_path, monkeypatch, me
     directory, meta = checkpoint.find_checkpoint(root)
     assert meta["iteration"] == 1
     state3 = LinearState(2)
-    assert ckpt.load(root, state3, None) == {"iteration": 1}
+    assert ckpt.load(root, state3, WORKER_0) == {"iteration": 1}
     assert torch.equal(state3.model.weight, saved)
 
     # The next save of iteration 2 clears the stale partial directory and commits.
@@ -157,8 +161,8 @@ def test_tampered_or_truncated_files_are_refused_naming_the_file(tmp_path, megat
     ckpt = _checkpointer()
     root = str(tmp_path / "ckpt")
     ckpt.save(root, 1, LinearState(0), {"iteration": 1})
-    directory = os.path.join(root, "iter_0000001")
-    meta_path = os.path.join(directory, "checkpoint.json")
+    meta_path = os.path.join(root, "iter_0000001", "checkpoint.json")
+    directory = os.path.join(root, "iter_0000001", "worker0")  # worker 0's part
     original = open(meta_path).read()
 
     class RunsCode:
@@ -170,23 +174,24 @@ def test_tampered_or_truncated_files_are_refused_naming_the_file(tmp_path, megat
     with open(os.path.join(directory, ".metadata"), "wb") as f:
         f.write(evil)
     with pytest.raises(checkpoint.CheckpointError, match=r"\.metadata is truncated or altered"):
-        ckpt.load(root, LinearState(1), None)
+        ckpt.load(root, LinearState(1), WORKER_0)
     # ... and, with checkpoint.json rewritten to match it, by the restricted unpickler.
     meta = json.loads(original)
-    meta["files"][".metadata"] = {"size": len(evil), "sha256": store.sha256(
+    meta["files"]["worker0/.metadata"] = {"size": len(evil), "sha256": store.sha256(
         os.path.join(directory, ".metadata"))}
     with open(meta_path, "w") as f:
         json.dump(meta, f)
     with pytest.raises(checkpoint.CheckpointError,
                        match=r"\.metadata is not checkpoint metadata .*posix.system"):
-        ckpt.load(root, LinearState(1), None)
+        ckpt.load(root, LinearState(1), WORKER_0)
     assert not os.path.exists(tmp_path / "pwned")
 
     # 2. A truncated tensor file: refused before any collective (check_loadable's check).
     ckpt.save(root, 2, LinearState(0), {"iteration": 2})
     directory = os.path.join(root, "iter_0000002")
-    tensors = next(n for n in os.listdir(directory) if n.endswith(".distcp"))
-    path = os.path.join(directory, tensors)
+    part = os.path.join(directory, "worker0")
+    tensors = next(n for n in os.listdir(part) if n.endswith(".distcp"))
+    path = os.path.join(part, tensors)
     with open(path, "r+b") as f:
         f.truncate(os.path.getsize(path) // 2)
     with pytest.raises(checkpoint.CheckpointError, match=f"{path} is truncated or altered"):

@@ -290,20 +290,20 @@ def _code_carrying_pickle(path: Path) -> None:
 
     data = pickle.dumps(_RunsCode())
     path.write_bytes(data)
-    meta_path = path.parent / "checkpoint.json"
+    meta_path = path.parent.parent / "checkpoint.json"  # the part is worker0/
     meta = json.loads(meta_path.read_text())
-    meta["files"][path.name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    meta["files"][f"{path.parent.name}/{path.name}"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     meta_path.write_text(json.dumps(meta))
 
 
 CORRUPTIONS = {
-    "truncated_tensor_file": ("iter_0000002/__0_0.distcp", _truncate,
+    "truncated_tensor_file": ("iter_0000002/worker0/__0_0.distcp", _truncate,
                               ["__0_0.distcp is truncated or altered"]),
-    "garbage_tensor_file": ("iter_0000002/__0_0.distcp", _garbage_same_size,
+    "garbage_tensor_file": ("iter_0000002/worker0/__0_0.distcp", _garbage_same_size,
                             ["__0_0.distcp was altered after it was written"]),
     "missing_metadata": ("iter_0000002/checkpoint.json", Path.unlink,
                          ["is incomplete or corrupt", "checkpoint.json"]),
-    "code_carrying_metadata": ("iter_0000002/.metadata", _code_carrying_pickle,
+    "code_carrying_metadata": ("iter_0000002/worker0/.metadata", _code_carrying_pickle,
                                [".metadata is not checkpoint metadata", "posix.system"]),
 }
 

@@ -229,7 +229,7 @@ def test_adapters_refuse_another_version_before_touching_anything(monkeypatch):
         megatron_parallel_state.install_groups({}, {})
     with pytest.raises(_pinning.UpstreamVersionError,
                        match=r"'torch_process_group' .*torch==2\.13\.0 or 2\.11\.0 .*2\.12\.0"):
-        torch_process_group.standalone_gloo_group(None, 0, 1, None)
+        torch_process_group.standalone_group("gloo", None, 0, 1, None)
 
 
 _DCP_ROUND_TRIP = """

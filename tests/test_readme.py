@@ -60,4 +60,4 @@ def test_quickstart_trains_two_workers_and_reports(tmp_path):
                     "merge_wait_s", "quant_rel_error", "drift", "skipped"))):
         assert tag in scalars
     assert [e.step for e in events.Scalars("train/loss")] == list(range(10, 101, 10))
-    assert (tmp_path / "checkpoints" / "iter_0000100" / "metadata.json").is_file()
+    assert (tmp_path / "checkpoints" / "iter_0000100" / "worker0" / "metadata.json").is_file()

@@ -18,7 +18,7 @@ from ..errors import JobFailure
 from .resume import FORMAT_VERSION, CheckpointError
 from .store import (TRACKER, check_files, check_safe, check_writable, checkpoint_files,
                     commit, file_table, find_checkpoint, has_checkpoint, iteration_dir,
-                    read_meta, share)
+                    read_meta, share, worker_part)
 
 __all__ = ["CheckpointError", "CheckpointWriteError", "Checkpointer", "FORMAT_VERSION",
            "TRACKER", "check_loadable", "check_writable", "find_checkpoint", "has_checkpoint",
@@ -52,18 +52,25 @@ def _dist_save(sharded_state_dict: dict, directory: str) -> None:
 
 
 class Checkpointer:
-    """Saves and loads this rank's part of a job-wide checkpoint.
+    """Saves and loads this rank's part of a job-wide checkpoint: each worker writes its own
+    part (``store``), in its own world; global rank 0 commits the whole.
 
     ``state`` objects (``job.JobState``) give ``sharded_state_dict()``, ``rank_info()`` and
     ``describe()``; ``failed_ranks(flag)`` is a collective over every rank of every worker that
-    returns the ranks whose flag is set (``Topology.ranks_reporting``)."""
+    returns the ranks whose flag is set (``Topology.ranks_reporting``); ``gather(obj)`` every
+    rank of this worker's object, in rank order; ``gather_workers(obj)`` every worker's, in
+    worker order (a collective of every rank; each worker's first rank's object counts)."""
 
     def __init__(self, rank: int, failed_ranks: Callable[[bool], List[int]],
-                 gather: Callable[[object], list], world: int = 1):
-        self.rank = rank
+                 gather: Callable[[object], list], world: int = 1, worker: int = 0,
+                 gather_workers: Callable[[object], list] = lambda obj: [obj]):
+        self.rank = rank  # global
+        self.world = world  # ranks per worker
+        self.local = rank % world  # rank within the worker
+        self.worker = worker
         self.failed_ranks = failed_ranks
-        self.gather = gather  # collective: every rank's object, in rank order
-        self.world = world
+        self.gather = gather
+        self.gather_workers = gather_workers
 
     def save(self, root: str, iteration: int, state, run_state: dict) -> str:
         """Write the checkpoint, then commit on rank 0. A write that fails on any rank (disk
@@ -71,6 +78,8 @@ class Checkpointer:
         ``CheckpointWriteError``; the previous checkpoint stays the latest."""
         final = iteration_dir(root, iteration)
         partial = final + ".partial"
+        part = f"worker{self.worker}"
+        mine = os.path.join(partial, part)
 
         def prepare():
             os.makedirs(root, exist_ok=True)
@@ -84,25 +93,31 @@ class Checkpointer:
         sharded = state.sharded_state_dict()
         t1 = time.perf_counter()
         infos = self.gather({**state.rank_info(), "keys": sorted(sharded)})
+
+        def make_part():  # a worker without the shared filesystem makes its own partial
+            os.makedirs(mine, exist_ok=True)
+            _check_space(mine, sum(i.get("bytes", 0) for i in infos))
+
         # A disk that cannot take it fails every rank here, together: inside the writer's
         # collectives a failure on one rank only would leave the others waiting.
-        self._agree(root, iteration, partial, (lambda: _check_space(
-            partial, sum(i.get("bytes", 0) for i in infos))) if self.rank == 0 else None)
+        self._agree(root, iteration, partial, make_part if self.local == 0 else None)
         t2 = time.perf_counter()
-        self._agree(root, iteration, partial, lambda: _dist_save(sharded, partial))
+        self._agree(root, iteration, partial, lambda: _dist_save(sharded, mine))
         t3 = time.perf_counter()
-        # Every rank hashes its share of the files, in parallel.
-        world = len(infos)
-        tables = self.gather(file_table(partial, share(checkpoint_files(partial), self.rank,
-                                                       world)))
+        # Every rank hashes its share of its worker's files, in parallel.
+        tables = self.gather(file_table(mine, share(checkpoint_files(mine), self.local,
+                                                    len(infos))))
+        files = {f"{part}/{k}": v for t in tables for k, v in sorted(t.items())}
+        parts = self.gather_workers((infos, files) if self.local == 0 else None)
         t4 = time.perf_counter()
         self.timings = {"collect": t1 - t0, "describe": t2 - t1, "write": t3 - t2,
                         "hash": t4 - t3}
         meta = None
         if self.rank == 0:
             meta = {"format_version": FORMAT_VERSION, "iteration": iteration,
-                    "run": run_state, **state.describe(infos),
-                    "files": {k: v for t in tables for k, v in sorted(t.items())}}
+                    "run": run_state,
+                    **state.describe([i for p in parts for i in p[0]]),
+                    "files": {k: v for p in parts for k, v in sorted(p[1].items())}}
         self._agree(root, iteration, partial, (lambda: commit(
             root, partial, final, meta)) if self.rank == 0 else None)
         return final
@@ -125,16 +140,18 @@ class Checkpointer:
             shutil.rmtree(partial, ignore_errors=True)  # give back the space it took
         raise CheckpointWriteError(_write_error_message(root, iteration, failed, error))
 
-    def verify(self, root: str, world: int) -> None:
-        """Every file's SHA-256, each rank checking its share in parallel, and the pickled
-        files' safety (rank 0); every rank learns the verdict (collective)."""
+    def verify(self, root: str, part: str) -> None:
+        """Every file of the checkpoint's part ``part`` (``store.worker_part``), its SHA-256
+        checked, each rank of the worker checking its share in parallel, and the pickled
+        files' safety (the worker's first rank); every rank learns the verdict (collective)."""
         error = None
         directory, meta = find_checkpoint(root)
         try:
-            check_files(root, directory, meta,
-                        hashes=set(share(sorted(meta["files"]), self.rank, world)))
-            if self.rank == 0:
-                check_safe(root, directory)
+            files = sorted(f for f in meta["files"] if not part or f.startswith(part + "/"))
+            check_files(root, directory, meta, hashes=set(share(files, self.local,
+                                                                self.world)), part=part)
+            if self.local == 0:
+                check_safe(root, directory, (part,))
         except CheckpointError as e:
             error = e
         failed = self.failed_ranks(error is not None)
@@ -150,16 +167,18 @@ class Checkpointer:
         import time
 
         directory, meta = find_checkpoint(root)
+        part = worker_part(meta, plan.part_worker)
         started = time.perf_counter()
-        self.verify(root, self.world)
+        self.verify(root, part)
         self.timings = {"verify": time.perf_counter() - started}
         try:
-            self.timings.update(state.load(directory, meta, plan) or {})
+            self.timings.update(state.load(directory, meta, plan, part) or {})
         except CheckpointError:
             raise
         except _ERRORS as e:
             if _is_read_error(e):
-                raise CheckpointError(f"--load {root}: cannot read {directory}: "
+                raise CheckpointError(f"--load {root}: cannot read "
+                                      f"{os.path.join(directory, part)}: "
                                       f"{_first_line(e)}") from None
             raise
         return meta["run"]

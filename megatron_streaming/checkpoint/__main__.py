@@ -24,8 +24,9 @@ def describe(directory: str, meta: dict) -> str:
     run = meta["run"]
     lines = [f"checkpoint {directory}",
              f"  format: megatron-core dist_checkpointing (torch_dist), version "
-             f"{meta['format_version']}" + (f"; imported from {meta['source']}"
-                                           if meta.get("source") else ""),
+             f"{meta['format_version']}"
+             + ("; a part per worker" if meta["format_version"] >= 3 else "")
+             + (f"; imported from {meta['source']}" if meta.get("source") else ""),
              f"  iteration {run['iteration']}, tokens {run.get('tokens', 0):,}, consumed samples "
              f"{run.get('consumed_samples', 0):,}",
              f"  written by {lay['workers']} worker(s) x (TP {lay['tp']}, PP {lay['pp']}, SP "

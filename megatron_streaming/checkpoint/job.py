@@ -123,11 +123,11 @@ class JobState:
         out = {}
         self._bytes = 0  # what this rank writes
 
-        def add(key_prefix, tensors, global_state=False):
+        def add(key_prefix, tensors):
             for slot in self.slots:
                 if slot.index not in tensors:
                     continue
-                write = writer[slot.index] and (self.worker == 0 or not global_state)
+                write = writer[slot.index]  # global state too: each worker's part has it
                 key = f"{key_prefix}.{slot.gname}"
                 self._prefixes.add(key_prefix)
                 if write:
@@ -153,9 +153,8 @@ class JobState:
             # read by new workers and the offline tools); so is its latest share.
             eager = s.own is not None
             outer_key = f"{w}.outer" if eager and self.worker != 0 else "outer"
-            add(f"{outer_key}.theta_g", self._params(self._sync_vectors(s.theta_g)), not eager)
-            add(f"{outer_key}.momentum", self._params(self._sync_vectors(s.momentum)),
-                not eager)
+            add(f"{outer_key}.theta_g", self._params(self._sync_vectors(s.theta_g)))
+            add(f"{outer_key}.momentum", self._params(self._sync_vectors(s.momentum)))
             if eager:
                 add(f"{w}.outer.own", self._params(self._sync_vectors(s.own)))
             if any(f is not None for f in s.feedback):
@@ -169,8 +168,7 @@ class JobState:
 
                 plan = fragment_plan(self.cfg)
                 add("outer.pending", {i: t for i, t in tensors.items()
-                                      if plan.fragment_of(self.slots[i].gname) in fragments},
-                    True)
+                                      if plan.fragment_of(self.slots[i].gname) in fragments})
         rng = self._rng_tensors()
         self._rng_names = sorted(k.split(".", 2)[2] for k in rng)
         out.update(rng)
@@ -243,10 +241,12 @@ class JobState:
         import dataclasses
 
         cfg = self.cfg
-        shapes, keys, prefixes, workers, pending = {}, set(), set(), {}, {}
+        shapes, keys, prefixes, workers, pending, by_part = {}, set(), set(), {}, {}, {}
         for info in infos:
             shapes.update(info.pop("shapes"))
-            keys.update(info.pop("keys"))
+            mine = info.pop("keys")
+            keys.update(mine)
+            by_part.setdefault(f"worker{info['worker']}", set()).update(mine)
             prefixes.update(info.pop("prefixes"))
             w = info["worker"]
             if w not in workers:
@@ -279,7 +279,8 @@ class JobState:
             "workers": {str(w): v for w, v in sorted(workers.items())},
             "pending": [pending[f] for f in sorted(pending)],
             "merged_early": infos[0].get("merged_early", []),
-            "kinds": {"prefixes": sorted(prefixes), "keys": sorted(keys)},
+            "kinds": {"prefixes": sorted(prefixes), "keys": sorted(keys),
+                      "keys_by_part": {p: sorted(k) for p, k in sorted(by_part.items())}},
             "params": dict(sorted(shapes.items())),
             "ranks": infos,
         }
@@ -289,15 +290,19 @@ class JobState:
         return {s.gname: list(s.global_shape(self.tp)) for s in self.slots}
 
     # ---- loading -------------------------------------------------------------------------
-    def load(self, directory: str, meta: dict, plan: "resume.ResumePlan") -> dict:
-        """Restore this rank from ``directory``; returns the seconds spent reading and
-        restoring."""
+    def load(self, directory: str, meta: dict, plan: "resume.ResumePlan",
+             part: str = "") -> dict:
+        """Restore this rank from the checkpoint ``directory``'s part ``part``
+        (``store.worker_part``); returns the seconds spent reading and restoring."""
+        import os
         import time
 
         from megatron.core.dist_checkpointing import load as dist_load
 
+        from .store import part_keys
+
         started = time.perf_counter()
-        stored_keys = set(meta["kinds"]["keys"])
+        stored_keys = part_keys(meta, part)
         request, fetched = {}, {}
         shapes = meta["params"]
 
@@ -338,7 +343,8 @@ class JobState:
                 request[key] = ShardedTensor.from_rank_offsets(
                     key, torch.empty_like(st.data), replica_id=1)
         # Loads need not cover every tensor (that is checked when saving).
-        loaded = dist_load(request, directory, validate_access_integrity=False)
+        loaded = dist_load(request, os.path.join(directory, part),
+                           validate_access_integrity=False)
         read = time.perf_counter()
 
         def value(kind_key: str, slot) -> Optional[torch.Tensor]:

@@ -13,8 +13,8 @@ from typing import Dict, Optional
 import torch
 
 from .resume import FORMAT_VERSION, CheckpointError
-from .store import (atomic_write, check_files, check_safe, commit, file_table, iteration_dir,
-                    resolve)
+from .store import (all_parts, atomic_write, check_files, check_safe, commit, file_table,
+                    iteration_dir, resolve, worker_part)
 
 
 def open_checkpoint(path: str, verify: bool = True):
@@ -23,7 +23,7 @@ def open_checkpoint(path: str, verify: bool = True):
     directory, meta = resolve(path)
     if verify:
         check_files(path, directory, meta, hashes=True)
-        check_safe(path, directory)
+        check_safe(path, directory, all_parts(meta))
     return directory, meta
 
 
@@ -51,6 +51,7 @@ def parameters(path: str, params: str = "global", worker: Optional[int] = None):
     the sync, its only worker's weights); ``"local"``: worker ``worker``'s own weights."""
     directory, meta = open_checkpoint(path)
     prefixes = set(meta["kinds"]["prefixes"])
+    w = None  # global: any worker's part holds theta_g (the lowest's is read)
     if params == "global":
         if "outer.theta_g" in prefixes:
             prefix = "outer.theta_g"
@@ -67,7 +68,8 @@ def parameters(path: str, params: str = "global", worker: Optional[int] = None):
     else:
         raise CheckpointError(f"--params {params!r}: expected global or local")
     names = list(meta["params"])
-    loaded = read_tensors(directory, [f"{prefix}.{n}" for n in names])
+    loaded = read_tensors(os.path.join(directory, worker_part(meta, w)),
+                          [f"{prefix}.{n}" for n in names])
     out = {}
     for n in names:
         t = loaded[f"{prefix}.{n}"].float()
@@ -95,7 +97,8 @@ def write(root: str, model_cfg, params: Dict[str, torch.Tensor], vocab_size: int
     directory = iteration_dir(root, 0)
     partial = directory + ".partial"
     shutil.rmtree(partial, ignore_errors=True)
-    os.makedirs(partial)
+    part = os.path.join(partial, "worker0")
+    os.makedirs(part)
     stored = {}
     for name, t in params.items():
         t = t.detach().float().contiguous()
@@ -103,12 +106,12 @@ def write(root: str, model_cfg, params: Dict[str, torch.Tensor], vocab_size: int
             t = t.view(2, -1, *t.shape[1:])
         stored[name] = t
     dcp.save({f"worker0.model.{n}": t for n, t in stored.items()},
-             storage_writer=dcp.FileSystemWriter(partial), no_dist=True)
+             storage_writer=dcp.FileSystemWriter(part), no_dist=True)
     # megatron-core's own two files, as its torch_dist save writes them.
-    atomic_write(os.path.join(partial, "metadata.json"),
+    atomic_write(os.path.join(part, "metadata.json"),
                  '{"sharded_backend": "torch_dist", "sharded_backend_version": 1, '
                  '"common_backend": "torch", "common_backend_version": 1}')
-    torch.save({}, os.path.join(partial, "common.pt"))
+    torch.save({}, os.path.join(part, "common.pt"))
     cfg = Config(model=model_cfg)
     numel = sum(t.numel() for t in stored.values())
     meta = {
@@ -126,10 +129,11 @@ def write(root: str, model_cfg, params: Dict[str, torch.Tensor], vocab_size: int
                           "loss_scaler": {}}},
         "pending": [], "merged_early": [],
         "kinds": {"prefixes": ["worker0.model"],
-                  "keys": sorted(f"worker0.model.{n}" for n in stored)},
+                  "keys": sorted(f"worker0.model.{n}" for n in stored),
+                  "keys_by_part": {"worker0": sorted(f"worker0.model.{n}" for n in stored)}},
         "params": {n: list(t.shape) for n, t in sorted(stored.items())},
         "ranks": [{"rank": 0, "worker": 0}],
     }
-    meta["files"] = file_table(partial)
+    meta["files"] = {f"worker0/{k}": v for k, v in file_table(part).items()}
     commit(root, partial, directory, meta)
     return directory

@@ -22,7 +22,8 @@ from typing import Dict, List, Optional, Tuple
 
 from ..errors import UsageError
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3  # 3: a part per worker (checkpoint/store.py); 2: one for the job
+READABLE_VERSIONS = (2, 3)
 
 
 class CheckpointError(UsageError):
@@ -125,6 +126,14 @@ class ResumePlan:
     restore_rng: bool
     loss_scaler: dict = field(default_factory=dict)
     notes: List[str] = field(default_factory=list)
+
+    @property
+    def part_worker(self) -> Optional[int]:
+        """Whose part of the checkpoint this worker reads (``store.worker_part``): the worker
+        whose weights or inner optimizer it takes; None (a new worker starting from theta_g
+        with a fresh optimizer): the lowest worker that saved, as every part holds theta_g."""
+        return self.weights_worker if self.weights_worker is not None else \
+            self.optimizer_worker
 
 
 def plan(meta: dict, cfg, layout, rank: int, new_worker_optimizer: str) -> ResumePlan:

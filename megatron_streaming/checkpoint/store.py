@@ -2,18 +2,24 @@
 
 Layout under ``--save DIR``::
 
-    DIR/iter_0000020/                    megatron-core dist_checkpointing, torch_dist format:
-        __<rank>_<n>.distcp              tensors, written by the ranks in parallel
-        .metadata                        torch.distributed.checkpoint's index of them
-        common.pt, metadata.json         megatron-core's own small files
+    DIR/iter_0000020/
+        worker0/                         worker 0's part: megatron-core dist_checkpointing,
+            __<rank>_<n>.distcp          torch_dist format, written by its ranks in parallel
+            .metadata                    torch.distributed.checkpoint's index of them
+            common.pt, metadata.json     megatron-core's own small files
+        worker1/ ...                     one per worker, each written by that worker alone
         checkpoint.json                  ours: iteration, layout, workers, sync, every file's
                                          size and SHA-256
     DIR/latest_checkpointed_iteration.txt
 
-Every rank writes into ``iter_N.partial``; once all have, global rank 0 writes
-``checkpoint.json`` and renames the directory to ``iter_N`` (atomic), then replaces the tracker
-file (atomic too). A crash at any point leaves the previous checkpoint or the new complete one
-as the latest, never a half-written one.
+Each worker is its own world (``distributed.init_distributed``) and saves its own part: its
+weights, inner optimizer and RNG, and a whole copy of the global state (theta_g, the outer
+momentum, the exchange in flight), so that any one worker's part can start a new or replaced
+worker. Every worker writes into ``iter_N.partial/worker<w>``; once all have, global rank 0
+writes ``checkpoint.json`` and renames the directory to ``iter_N`` (atomic), then replaces
+the tracker file (atomic too). A crash at any point leaves the previous checkpoint or the new
+complete one as the latest, never a half-written one. (Format 2, still read: one
+dist_checkpointing directory for the whole job, ``iter_N`` itself.)
 
 Loading never runs code from a file: the sizes and SHA-256 of every file are checked against
 ``checkpoint.json`` first, megatron-core's ``common.pt`` is read with ``weights_only``, and
@@ -27,7 +33,7 @@ import json
 import os
 from typing import Optional
 
-from .resume import FORMAT_VERSION, CheckpointError
+from .resume import FORMAT_VERSION, READABLE_VERSIONS, CheckpointError
 
 TRACKER = "latest_checkpointed_iteration.txt"
 META = "checkpoint.json"
@@ -80,10 +86,28 @@ def read_meta(root: str, directory: str) -> dict:
     except (OSError, ValueError) as e:
         raise CheckpointError(f"--load {root}: checkpoint {directory} is incomplete or "
                               f"corrupt ({meta_path}: {e})") from None
-    if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
+    if not isinstance(meta, dict) or meta.get("format_version") not in READABLE_VERSIONS:
         raise CheckpointError(f"--load {root}: {meta_path} is not a checkpoint of format "
-                              f"{FORMAT_VERSION}")
+                              + " or ".join(map(str, READABLE_VERSIONS)))
     return meta
+
+
+def worker_part(meta: dict, worker: Optional[int] = None) -> str:
+    """The relative directory of ``worker``'s part of a checkpoint (default: the lowest
+    worker that saved one; "" for format 2, one directory for the whole job)."""
+    if meta.get("format_version", FORMAT_VERSION) < 3:
+        return ""
+    saved = sorted(int(w) for w in meta["workers"])
+    w = saved[0] if worker is None else worker
+    if w not in saved:
+        raise CheckpointError(f"the checkpoint holds no part of worker {w} (saved: {saved})")
+    return f"worker{w}"
+
+
+def part_keys(meta: dict, part: str) -> set:
+    """The tensor keys stored in ``part`` (``worker_part``)."""
+    by_part = meta["kinds"].get("keys_by_part")
+    return set(by_part[part]) if by_part is not None else set(meta["kinds"]["keys"])
 
 
 def find_checkpoint(root: str):
@@ -113,12 +137,16 @@ def find_checkpoint(root: str):
     return directory, meta
 
 
-def check_files(root: str, directory: str, meta: dict, hashes) -> None:
+def check_files(root: str, directory: str, meta: dict, hashes, part=None) -> None:
     """Every file listed is there with its size (and, for those in ``hashes``, or all when
-    it is True, its SHA-256); no other file is."""
+    it is True, its SHA-256); no other file is. ``part``: only that worker's part
+    (``worker_part``)."""
     listed = meta.get("files", {})
     present = {os.path.relpath(os.path.join(d, n), directory)
                for d, _, files in os.walk(directory) for n in files} - {META}
+    if part:
+        listed = {k: v for k, v in listed.items() if k.startswith(part + "/")}
+        present = {k for k in present if k.startswith(part + "/")}
     for rel in sorted(present - set(listed)):
         raise CheckpointError(f"--load {root}: {os.path.join(directory, rel)} is not part of "
                               "the checkpoint (not listed in checkpoint.json)")
@@ -135,9 +163,22 @@ def check_files(root: str, directory: str, meta: dict, hashes) -> None:
                                   "(SHA-256 differs from checkpoint.json)")
 
 
-def check_safe(root: str, directory: str) -> None:
-    """The two pickled files of the format hold only data: torch's ``.metadata`` (through the
-    restricted unpickler) and megatron-core's ``common.pt`` (``weights_only``)."""
+def check_safe(root: str, directory: str, parts=("",)) -> None:
+    """The two pickled files of the format hold only data, in each of ``parts``: torch's
+    ``.metadata`` (through the restricted unpickler) and megatron-core's ``common.pt``
+    (``weights_only``)."""
+    for part in parts:
+        _check_safe(root, os.path.join(directory, part))
+
+
+def all_parts(meta: dict) -> list:
+    """Every worker's part of a checkpoint (``worker_part``)."""
+    if meta.get("format_version", FORMAT_VERSION) < 3:
+        return [""]
+    return [worker_part(meta, int(w)) for w in sorted(meta["workers"], key=int)]
+
+
+def _check_safe(root: str, directory: str) -> None:
     import pickle
 
     import torch
