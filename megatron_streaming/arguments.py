@@ -338,6 +338,13 @@ def _validate_streaming(cfg: Config) -> None:
     _require(0.0 <= s.diloco_alpha <= 1.0,
              f"--diloco-alpha must be in [0, 1], got {s.diloco_alpha}")
     _require(s.diloco_timeout > 0, f"--diloco-timeout must be > 0, got {s.diloco_timeout}")
+    if s.diloco_min_workers is not None:
+        _require(1 <= s.diloco_min_workers <= s.diloco_workers,
+                 f"--diloco-min-workers must be in [1, --diloco-workers ({s.diloco_workers})], "
+                 f"got {s.diloco_min_workers}")
+        _require(not (s.diloco_eager and s.diloco_min_workers < s.diloco_workers),
+                 "--diloco-min-workers below --diloco-workers does not go with --diloco-eager "
+                 "(each worker's own global copy cannot be taken from another)")
     _require(s.diloco_control_lag >= 1,
              f"--diloco-control-lag must be >= 1, got {s.diloco_control_lag}")
     import torch

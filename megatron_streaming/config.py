@@ -252,6 +252,11 @@ class StreamingConfig:
                               choices=["auto", "gloo", "nccl"])
     diloco_timeout: float = arg(
         600.0, "Seconds to wait for a cross-worker exchange before failing.")
+    diloco_min_workers: Optional[int] = arg(
+        None, "Elastic workers: keep training while at least this many workers are alive (and "
+        "they are a strict majority of --diloco-workers); a lost worker is dropped and the "
+        "outer mean goes over the others. Default: --diloco-workers (a lost worker stops the "
+        "job).")
     diloco_control_lag: int = arg(
         1, "Steps between posting the per-step cross-worker stop flag and reading it: hides "
         "link latency up to this many steps; a SIGTERM stops the job this many steps later.")

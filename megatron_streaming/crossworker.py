@@ -25,19 +25,25 @@ import torch.distributed as dist
 
 class CrossWorker:
     def __init__(self, topology):
-        from .topology import device_of
-
-        self.workers = topology.layout.workers
         self.rank = topology.rank
-        self.data_group = topology.groups.get("cross_worker")
-        self.data_ranks: List[int] = topology.group_ranks.get("cross_worker", [topology.rank])
-        self.control_group = topology.groups.get("cross_worker_control")
         self.backend = topology.cross_worker_backend
-        self.control_device = device_of(self.control_group) if self.control_group is not None \
-            else torch.device("cpu")
         self.transport = None
         self._control_bytes = 0
         self._lock = threading.Lock()  # the heartbeat thread counts too
+        self.regroup(topology)
+
+    def regroup(self, topology) -> None:
+        """Take the topology's cross-worker groups (those of a new membership epoch)."""
+        from .topology import device_of
+
+        self.workers = len(topology.members)
+        self.data_group = topology.groups.get("cross_worker")
+        self.data_ranks: List[int] = topology.group_ranks.get("cross_worker", [topology.rank])
+        self.control_group = topology.groups.get("cross_worker_control")
+        self.control_device = device_of(self.control_group) if self.control_group is not None \
+            else torch.device("cpu")
+        self.data_device = device_of(self.data_group) if self.data_group is not None \
+            else torch.device("cpu")
 
     # ---- data ------------------------------------------------------------------------------
     def make_transport(self, codec, timeout: float, codec_device=None):

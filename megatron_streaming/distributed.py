@@ -106,15 +106,18 @@ def rendezvous_store(timeout_minutes: float, external: bool = False):
                 from None
 
 
-def worker_store(store, worker: int):
-    """The part of the job's store where worker ``worker``'s own world meets."""
+def worker_store(store, worker: int, incarnation: int = 0):
+    """The part of the job's store where worker ``worker``'s own world meets (a restarted
+    worker's, rejoining after membership epoch ``incarnation``, meets apart from the keys
+    its predecessor left)."""
     import torch.distributed as dist
 
-    return dist.PrefixStore(f"megatron_streaming/worker{worker}/", store)
+    again = f"epoch{incarnation}/" if incarnation else ""
+    return dist.PrefixStore(f"megatron_streaming/worker{worker}/{again}", store)
 
 
 def init_distributed(backend: str, timeout_minutes: float, store=None,
-                     ranks_per_worker: Optional[int] = None) -> tuple:
+                     ranks_per_worker: Optional[int] = None, incarnation: int = 0) -> tuple:
     """Initialise the default process group once, on ``store`` (else on a new
     ``rendezvous_store``), with the in-worker ``backend``; returns this rank's (global rank,
     job size), from the launcher's numbering.
@@ -134,7 +137,7 @@ def init_distributed(backend: str, timeout_minutes: float, store=None,
         world_rank, world_size = rank, size
         if ranks_per_worker:
             world_rank, world_size = rank % ranks_per_worker, ranks_per_worker
-            store = worker_store(store, rank // ranks_per_worker)
+            store = worker_store(store, rank // ranks_per_worker, incarnation)
         if backend_for(backend) == "nccl":
             # More local ranks than GPUs (two one-rank workers on one test GPU) share them;
             # NCCL refuses two ranks of one device only within one group.

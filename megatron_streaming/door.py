@@ -266,9 +266,29 @@ class Door:
                               "here): " + " | ".join(problems))
         log.debug("door: %d workers agree (%d bytes)", self.workers, self.bytes)
 
-    def _claim(self, mine: Dict[str, str]) -> None:
+    def rejoin(self, mine: Dict[str, str], epoch: int, members) -> None:
+        """A restarted worker's pass into a running job (membership epoch ``epoch`` without
+        it): its claim is the epoch's own, so two launches cannot both rejoin as one worker;
+        its fingerprint and join secret are checked against the live ``members``' records."""
+        if self.rank_in_worker == 0:
+            self._claim(mine, f"worker{self.worker}.rejoin{epoch}")
+        records = {w: json.loads(self._get(f"worker{w}")) for w in members}
+        records[self.worker] = json.loads(self._get(f"worker{self.worker}.rejoin{epoch}"))
+        ordered = [records[w] for w in sorted(records)]
+        problems = [p for w, rec in records.items()
+                    if not hmac.compare_digest(rec.get("proof", ""), _proof(
+                        self.secret, f"worker{w}" if w != self.worker else
+                        f"worker{w}.rejoin{epoch}", rec["launch"]))
+                    for p in [f"worker {w} ({rec['launch'].rsplit(':', 1)[0]}) joined with "
+                              f"another join secret than this launch's ({SECRET_ENV})"]]
+        problems = problems or differences(ordered)
+        if problems:
+            raise ConfigError("a worker rejoining the running job differs from it (it "
+                              "stops here): " + " | ".join(problems))
+
+    def _claim(self, mine: Dict[str, str], key: Optional[str] = None) -> None:
         ident = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-        key = f"worker{self.worker}"
+        key = key or f"worker{self.worker}"
         record = json.dumps({"launch": ident, "proof": _proof(self.secret, key, ident),
                              "fingerprint": mine}).encode()
         self.bytes += len(key) + 2 * len(record)

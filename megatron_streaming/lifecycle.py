@@ -60,6 +60,10 @@ class StopRequest:
 
     def __init__(self, signals=(signal.SIGTERM,)):
         self.received: Optional[int] = None  # the signal's number
+        # Elastic runs: a restarted worker asks to rejoin (seen by the job's leading rank in
+        # the rendezvous store); carried by the stop flag so every live worker admits it
+        # after the same step.
+        self.join_pending = False
         if threading.current_thread() is threading.main_thread():
             for s in signals:
                 signal.signal(s, self._handle)
@@ -84,18 +88,39 @@ class StopAgreement:
         self.cross = topology.cross
         self.device = device_of(self.worker_group)
         self._pending = collections.deque()  # (work, tensor) of the last ``lag`` steps
+        self.carries_join = False  # elastic runs: the flag also says "a worker asks to join"
+        self.join_agreed = False  # the flag just read asks every live worker to admit one
+        # Elastic runs (``elastic.Elastic``): a failed reduction is handed here instead of
+        # raised, and counts as no stop request.
+        self.on_lost = None
+
+    def regroup(self) -> None:
+        """Start afresh on a new membership's control group (every member does it after the
+        same step); the reductions posted on the old one are dropped."""
+        self.workers = self.cross.workers
+        self._pending.clear()
 
     def should_stop(self) -> Optional[str]:
         """The name of the signal that stops every rank after this iteration, or None.
 
         Collective over the worker and (asynchronously) across workers; call once per step
         on every rank."""
-        flag = torch.tensor([self.request.received or 0], dtype=torch.int32,
-                            device=self.device)
+        values = [self.request.received or 0]
+        if self.carries_join:
+            values.append(int(self.request.join_pending))
+        flag = torch.tensor(values, dtype=torch.int32, device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.worker_group)
+        self.join_agreed = False
         if self.workers == 1:
-            return _signal_name(int(flag.item()))
-        work, posted = self.cross.all_reduce_control(flag, dist.ReduceOp.MAX, async_op=True)
+            return _signal_name(int(flag[0].item()))
+        try:
+            work, posted = self.cross.all_reduce_control(flag, dist.ReduceOp.MAX,
+                                                         async_op=True)
+        except Exception as e:
+            if self.on_lost is None or not is_communication_error(e):
+                raise
+            self.on_lost(e)
+            return None
         self._pending.append((work, posted))
         if len(self._pending) <= self.lag:
             return None
@@ -103,8 +128,15 @@ class StopAgreement:
 
     def _finish_oldest(self) -> Optional[str]:
         work, posted = self._pending.popleft()
-        work.wait()
-        return _signal_name(int(posted.item()))
+        try:
+            work.wait()
+        except Exception as e:
+            if self.on_lost is None or not is_communication_error(e):
+                raise
+            self.on_lost(e)
+            return None
+        self.join_agreed = self.carries_join and bool(posted[1].item())
+        return _signal_name(int(posted[0].item()))
 
     def close(self) -> None:
         """Completes the reductions still in flight (every rank issued the same ones)."""
@@ -138,6 +170,7 @@ class Liveness:
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         self.prefix = f"{self.PREFIX}/{restart}"
         self._calls = BoundedCalls("rendezvous-store")
+        self.watch = None  # called with the store at every beat (``elastic``)
         self.store = self._connect()
         # The store lives with global rank 0: another worker's beats cross the link.
         self._cross = topology.cross if topology.worker != 0 else None
@@ -161,6 +194,8 @@ class Liveness:
             str(self.iteration)
         self.store.add(beat, 1)
         self.store.set(it, value)
+        if self.watch is not None:  # elastic runs: the leader looks for workers asking in
+            self.watch(self.store)
         if self._cross is not None:
             self._cross.count_control(byte_count(beat, it, value) + 16)  # + the counter
 
@@ -217,30 +252,33 @@ class Liveness:
         except Exception:
             pass
 
-    def survey(self) -> Dict[str, List[int]]:
+    def survey(self, store=None) -> Dict[str, List[int]]:
         """Which ranks are dead (heartbeat frozen over a few periods, no exit note),
-        which left after reporting an error, and each live rank's iteration.
+        which left after reporting an error, and each live rank's iteration. ``store``: a
+        client of the rendezvous store to read through (default: the heartbeat's).
 
         Raises ``ConnectionError`` when the store itself cannot be reached (also when it does
         not answer within ``STORE_CALL_SECONDS``: a link that went down)."""
+        store = store or self.store
         try:
-            before = self._calls(self._read_beats, STORE_CALL_SECONDS)
+            before = self._calls(lambda: self._read_beats(store), STORE_CALL_SECONDS)
             time.sleep(2.5 * self.interval)
-            after = self._calls(self._read_beats, STORE_CALL_SECONDS)
-            exiting, iterations = self._calls(self._read_notes, STORE_CALL_SECONDS)
+            after = self._calls(lambda: self._read_beats(store), STORE_CALL_SECONDS)
+            exiting, iterations = self._calls(lambda: self._read_notes(store),
+                                              STORE_CALL_SECONDS)
         except Exception as e:
             raise ConnectionError(f"rendezvous store {self.address} unreachable: {e}") from None
         frozen = [r for r in range(self.world) if before[r] == after[r] and r != self.rank]
         return {"lost": [r for r in frozen if r not in exiting], "exiting": exiting,
                 "iterations": iterations}
 
-    def _read_beats(self) -> List[int]:
-        return [self.store.add(self._key("beat", r), 0) for r in range(self.world)]
+    def _read_beats(self, store) -> List[int]:
+        return [store.add(self._key("beat", r), 0) for r in range(self.world)]
 
-    def _read_notes(self):
-        exiting = [r for r in range(self.world) if self.store.check([self._key("exiting", r)])]
-        iterations = {r: int(self.store.get(self._key("iteration", r)))
-                      for r in range(self.world) if self.store.check([self._key("iteration", r)])}
+    def _read_notes(self, store):
+        exiting = [r for r in range(self.world) if store.check([self._key("exiting", r)])]
+        iterations = {r: int(store.get(self._key("iteration", r)))
+                      for r in range(self.world) if store.check([self._key("iteration", r)])}
         return exiting, iterations
 
     def hosts_store(self) -> bool:

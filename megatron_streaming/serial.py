@@ -30,10 +30,11 @@ class SerialThread:
             fn, args = item
             fn(*args)  # reports its own errors through its futures
 
-    def shutdown(self) -> None:
+    def shutdown(self, wait: bool = True) -> None:
         if self._thread.is_alive():
             self._queue.put(None)
-            self._thread.join()
+            if wait:
+                self._thread.join()
 
 
 class BoundedCalls:

@@ -143,12 +143,14 @@ class Topology:
     # this worker (``distributed.init_distributed`` with ``ranks_per_worker``).
     world_offset: int = 0
     per_worker_world: bool = False
+    store: object = None  # the rendezvous store (membership records, cross-worker groups)
+    members: tuple = ()  # the workers of the current membership epoch (``elastic``)
 
     @classmethod
     def create(cls, layout: RankLayout, rank: int, timeout=None,
                cross_worker_backend: Optional[str] = None,
                cross_worker_timeout=None, backend: Optional[str] = None,
-               store=None) -> "Topology":
+               store=None, cross_members: Optional[List[int]] = None) -> "Topology":
         """Create every group. The cross-worker groups may use their own backend (gloo over
         a slow link while NCCL runs inside the worker) and their own timeout; the in-worker
         groups use ``backend`` (default: the world group's).
@@ -160,7 +162,8 @@ class Topology:
         ``new_group``)."""
         import torch.distributed as dist
 
-        topo = cls(layout=layout, rank=rank)
+        members = list(range(layout.workers)) if cross_members is None else cross_members
+        topo = cls(layout=layout, rank=rank, members=tuple(members))
         topo.cross_worker_backend = cross_worker_backend or dist.get_backend()
         per_worker = dist.get_world_size() != layout.world_size
         if per_worker and dist.get_world_size() != layout.ranks_per_worker:
@@ -185,11 +188,11 @@ class Topology:
                 if rank in ranks:
                     topo.groups[name] = group
                     topo.group_ranks[name] = ranks
-        if standalone:
-            from patches.torch_process_group import default_store
+        from patches.torch_process_group import default_store
 
-            topo.add_cross_worker_groups(store or default_store(), 0,
-                                         list(range(layout.workers)),
+        topo.store = store or default_store()
+        if standalone and members:  # none yet: a restarted worker, until it is admitted
+            topo.add_cross_worker_groups(topo.store, 0, members,
                                          cross_worker_timeout or timeout)
         from .crossworker import CrossWorker
 
@@ -255,8 +258,14 @@ class Topology:
         return self.layout.data_shard(self.rank)
 
     def is_logging_rank(self) -> bool:
-        """Rank that prints and writes TensorBoard: worker 0's last stage, TP/SP/DP rank 0."""
-        return self.coords["worker"] == 0 and self.is_worker_reporter()
+        """Rank that prints and writes TensorBoard: the lowest live worker's (worker 0's)
+        last stage, TP/SP/DP rank 0."""
+        return self.worker == min(self.members or (0,)) and self.is_worker_reporter()
+
+    def leads_job(self) -> bool:
+        """The first rank of the lowest live worker: commits checkpoints for the job."""
+        return self.coords["local"] == 0 and bool(self.members) and \
+            self.worker == min(self.members)
 
     def is_worker_reporter(self) -> bool:
         """One rank per worker that holds the worker's loss (last stage, TP/SP/DP rank 0)."""

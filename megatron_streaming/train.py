@@ -32,6 +32,7 @@ class Run:
         # appended to the engine's after the sync's: drills and tests inject faults this way.
         self.extensions = list(extensions)
         self.start_time = time.perf_counter()
+        self.rejoin = None  # the membership record of a running job this worker rejoins
 
     def setup(self) -> "Run":
         """Everything a rank needs, built in dependency order."""
@@ -43,6 +44,11 @@ class Run:
         self._build_model()
         self._build_engine_and_sync()
         self.sync.attach(self.engine.inner_optimizer, self.engine.step_hooks)
+        from .elastic import Elastic
+
+        self.elastic = Elastic(self)
+        if self.rejoin is not None:  # from a live worker, not from --load
+            self.resume = None
         for make in self.extensions:
             self.engine.step_hooks.append(make(self))
         self.iteration = 0
@@ -50,6 +56,8 @@ class Run:
         self.last_saved = None  # iteration of the latest checkpoint this run wrote
         self.step_seconds = []
         run_state = None
+        if self.rejoin is not None:
+            self.iteration = self.elastic.join(self.rejoin.epoch)
         if self.resume:
             started = time.perf_counter()
             run_state = self.checkpointer.load(self.resume, self.job_state, self.resume_plan)
@@ -124,17 +132,24 @@ class Run:
             coords = layout.coords(rank)
             door = Door(store, coords["worker"], layout.workers, coords["local"],
                         datetime.timedelta(minutes=p.distributed_timeout_minutes))
-            door.agree(fingerprint(cfg, layout, self.tokenizer))
+            self.rejoin = self._running_job(store, coords["worker"])
+            if self.rejoin is None:
+                door.agree(fingerprint(cfg, layout, self.tokenizer))
+            else:
+                door.rejoin(fingerprint(cfg, layout, self.tokenizer), self.rejoin.epoch,
+                            self.rejoin.members)
         # Each worker is its own world (distributed.init_distributed).
         rank, _ = distributed.init_distributed(
             p.distributed_backend, p.distributed_timeout_minutes, store,
-            ranks_per_worker=layout.ranks_per_worker)
+            ranks_per_worker=layout.ranks_per_worker,
+            incarnation=self.rejoin.epoch if self.rejoin else 0)
         distributed.cpu_threads()
         self.topology = Topology.create(
             layout, rank, timeout=datetime.timedelta(minutes=p.distributed_timeout_minutes),
             cross_worker_backend=None if s.diloco_backend == "auto" else s.diloco_backend,
             cross_worker_timeout=datetime.timedelta(seconds=s.diloco_timeout),
-            backend=distributed.backend_for(p.distributed_backend), store=store)
+            backend=distributed.backend_for(p.distributed_backend), store=store,
+            cross_members=[] if self.rejoin else None)  # a newcomer's come when admitted
         self.topology.install_into_megatron()
         if door is not None and self.topology.worker != 0:  # worker 0 hosts the store
             self.topology.cross.count_control(door.bytes)
@@ -152,6 +167,28 @@ class Run:
                 log.warning("%s", line)
         log.info("layout: %s; patches: %s", self.topology.describe(),
                  ", ".join(self.patches) or "none")
+
+    def _running_job(self, store, worker: int):
+        """The membership record of a running elastic job that this worker is outside of (a
+        restarted worker rejoins it), else None. A launch whose index is still taken waits
+        until the others have noticed its predecessor is gone."""
+        import time
+
+        from .door import PREFIX
+        from .membership import Membership
+
+        s, p = self.cfg.streaming, self.cfg.parallel
+        if s.diloco_min_workers is None or s.diloco_min_workers >= s.diloco_workers:
+            return None
+        membership = Membership(store, s.diloco_workers, s.diloco_min_workers)
+        deadline = time.monotonic() + 60.0 * p.distributed_timeout_minutes
+        while True:
+            latest = membership.latest()
+            if worker not in latest.members:
+                return latest
+            if not store.check([f"{PREFIX}worker{worker}"]) or time.monotonic() > deadline:
+                return None  # a first launch (or a duplicate one: the door refuses it)
+            time.sleep(1.0)
 
     def _build_model(self) -> None:
         from . import distributed, weights
@@ -181,7 +218,8 @@ class Run:
         topo = self.topology
         self.checkpointer = Checkpointer(
             topo.rank, topo.ranks_reporting, lambda obj: _gather_objects(obj, topo),
-            topo.layout.ranks_per_worker, topo.worker, topo.cross.gather_control)
+            topo.layout.ranks_per_worker, topo.worker, topo.cross.gather_control,
+            topo.leads_job)
         self.job_state = JobState(self.cfg, self.topology, self.model, self.engine, self.sync,
                                   self.tokenizer.vocab_size)
 
@@ -249,6 +287,9 @@ class Run:
                 if merged:
                     log.info("merged %d fragment exchange(s) still in flight after the last "
                              "step", merged)
+            self.elastic.end_of_step(self.iteration)  # a lost worker: the others go on
+            if self.elastic.catching_up:  # up to the step the other survivors reached: no
+                continue  # save, no stop flag (they are past this step's)
             if self.iteration % cfg.logging.log_interval == 0 or self.iteration == t.train_iters:
                 self._log_step(result, throughput, progress_line)
             if t.eval_interval and self.iteration % t.eval_interval == 0:
@@ -265,6 +306,7 @@ class Run:
             if self.stopped_by:
                 log.info("stopping after iteration %d: %s", self.iteration, self.stopped_by)
                 break
+            self.elastic.after_stop_flag(self.iteration)  # a restarted worker comes in
         return loss
 
     def _log_step(self, result, throughput, progress_line) -> None:

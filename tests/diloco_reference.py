@@ -12,6 +12,10 @@ Writes OUT/reference.pt: per worker the local parameters, and the global paramet
 send it steps with the previous round's mean, less its own share of it (applied a round ago),
 plus its fresh outer gradient over M (arXiv 2502.12996). Writes each worker's global copy too.
 
+``REFERENCE_DROP=W:S:D``: elastic workers, worker W leaving after step S and the others going
+on after noticing it at step D (see ``main``); ``REFERENCE_READD=W:T``: it rejoins after
+step T.
+
 A resume under other flags (``REFERENCE_RESUME_AT=R``, ``REFERENCE_RESUME_ARGS``: a JSON list of
 the second run's flags, ``REFERENCE_RESUME_WORLD_SIZE``) continues after step R as the
 checkpoint rules say: another sync schedule merges the exchange in flight at once and keeps
@@ -120,6 +124,8 @@ class Reference:
         self.theta_g = {n: torch.nn.Parameter(p.detach().clone())
                         for n, p in self.models[0].named_parameters()}
         self.pending = {}
+        self.active = list(range(M))  # the workers still in the job (REFERENCE_DROP)
+        self.failing = False  # sends fail (a worker was lost and nobody noticed yet)
         self.configure(cfg, world, 0)
         if self.schedule.eager:  # each worker its own global copy, outer optimizer, last share
             self.thetas = [{n: torch.nn.Parameter(t.detach().clone())
@@ -177,6 +183,20 @@ class Reference:
         del self.models[M:], self.opts[M:]
         self.configure(cfg, world, start)
 
+    def readd(self, w, step):
+        """Worker ``w`` rejoins after ``step``: what is in flight merges first; it starts from
+        theta_g with a fresh inner optimizer and the data of the steps after ``step``."""
+        for p in sorted(self.pending):
+            self.merge(p)
+        model = self.models[w]
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(self.theta_g[n])
+        self.opts[w] = inner_optimizer(self.cfg, model)
+        self.iterators[w] = worker_iterators(self.cfg, self.tokenizer, self.M, self.DP,
+                                             step)[w]
+        self.active = sorted([*self.active, w])
+
     def merge(self, p):
         mean = self.pending.pop(p)
         for n, d in mean.items():
@@ -185,12 +205,12 @@ class Reference:
         alpha = self.cfg.streaming.diloco_alpha
         with torch.no_grad():
             for n in mean:
-                for m in self.models:
-                    dict(m.named_parameters())[n].mul_(alpha).add_(self.theta_g[n],
+                for w in self.active:
+                    dict(self.models[w].named_parameters())[n].mul_(alpha).add_(self.theta_g[n],
                                                                   alpha=1 - alpha)
 
     def step(self, step, last):
-        for w in range(self.M):
+        for w in self.active:
             inner_step(self.cfg, self.models[w], self.opts[w], self.iterators[w], step - 1,
                        self.micro_batches)
         local = [dict(m.named_parameters()) for m in self.models]
@@ -198,12 +218,14 @@ class Reference:
             self.eager_step(step, last, local)
             return
         for p in self.schedule.sends_after(step):
+            if self.failing:  # the exchange fails: its merge is skipped
+                continue
             self.pending[p] = {}
             for n in self.names:
                 if self.fragment[n] == p:
                     total = sum(self.theta_g[n].detach() - local[w][n].detach()
-                                for w in range(self.M))
-                    self.pending[p][n] = total / self.M
+                                for w in self.active)
+                    self.pending[p][n] = total / len(self.active)
         merging = list(self.schedule.merges_after(step))
         if last:  # the end: what is still in flight merges now
             merging += sorted(set(self.pending) - set(merging))
@@ -255,8 +277,21 @@ def main():
             ref.step(step, False)
         ref.resume(last_cfg, int(os.environ.pop("REFERENCE_RESUME_WORLD_SIZE")), resume_at)
         step = resume_at + 1
+    # Elastic workers: worker W leaves after step S, the others notice after step D (>= S):
+    # sends after S fail (their merges are skipped), exchanges not merged by D are dropped,
+    # and the mean is over the others from then on.
+    drop = [int(x) for x in os.environ.pop("REFERENCE_DROP", "").split(":") if x]
+    readd = [int(x) for x in os.environ.pop("REFERENCE_READD", "").split(":") if x]
     for step in range(step, last_cfg.training.train_iters + 1):
+        if drop:
+            ref.failing = drop[1] < step <= drop[2]
+            if step == drop[1] + 1:
+                ref.active.remove(drop[0])
         ref.step(step, step == last_cfg.training.train_iters)
+        if drop and step == drop[2]:
+            ref.pending.clear()
+        if readd and step == readd[1]:
+            ref.readd(readd[0], step)
     torch.save({"local": [{n: p.detach().clone() for n, p in m.named_parameters()}
                           for m in ref.models],
                 "global": {n: t.detach().clone() for n, t in ref.theta_g.items()},

@@ -5,6 +5,10 @@ variables, through the library's step-hook extensions (nothing in the library re
   it runs slower than the others (the schedule must keep every worker in step anyway).
 * ``MEGATRON_STREAMING_STALL_WORKER=W:STEP``: worker W stops answering after step STEP (it
   sleeps instead of training), so its peers must end in the sync timeout, not hang.
+* ``MEGATRON_STREAMING_LEAVE_WORKER=W:STEP``: worker W's ranks leave after step STEP, having
+  finished the cross-worker collectives they started (exit status 0, so that a launcher
+  shared with other workers lets those go on): a loss at a known point, for the exactness
+  test of elastic workers.
 
 Launch it as ``pretrain_gpt.py`` is launched (torchrun, the deepspeed launcher, python).
 """
@@ -19,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 SLOW = "MEGATRON_STREAMING_SLOW_WORKER"
 STALL = "MEGATRON_STREAMING_STALL_WORKER"
+LEAVE = "MEGATRON_STREAMING_LEAVE_WORKER"
 
 
 def _parse(name):
@@ -33,10 +38,15 @@ class Faults:
     """A step hook: after each optimizer step of this rank's worker, the faults asked for."""
 
     def __init__(self, run):
+        self.run = run
         self.worker = run.topology.worker
-        self.slow, self.stall = _parse(SLOW), _parse(STALL)
+        self.slow, self.stall, self.leave = _parse(SLOW), _parse(STALL), _parse(LEAVE)
 
     def before_step(self, step: int) -> None:
+        if self.leave and self.leave[0] == self.worker and step > self.leave[1]:
+            self.run.stop.close()  # its stop flags and exchanges reach the others
+            self.run.sync.close()
+            os._exit(0)
         # Stalled after step STEP: the next step's update never comes (the run has counted
         # STEP iterations, its heartbeat says so).
         if self.stall and self.stall[0] == self.worker and step > self.stall[1]:

@@ -53,8 +53,9 @@ def main():
         topo = run.topology
         if topo.tp_rank == 0 and topo.dp_rank == 0 and topo.coords["sp"] == 0:
             tag = f"worker{topo.worker}_stage{topo.pp_rank}"
+            epochs = [(r.epoch, list(r.members), r.step) for r in run.elastic.history]
             torch.save({"local": local, "global": global_, "events": run.sync.events or [],
-                        "cross_worker_bytes": sync_bytes},
+                        "cross_worker_bytes": sync_bytes, "epochs": epochs},
                        os.path.join(out_dir, f"{tag}.pt"))
     topo.barrier()
 

@@ -14,6 +14,7 @@ import time
 
 import psutil
 import pytest
+import torch
 
 import netns
 from harness import FAULTS, TINY, free_port, read_jsonl, run, start, wait_for_line
@@ -279,13 +280,17 @@ def test_a_store_that_stops_answering_counts_as_unreachable(monkeypatch):
 
 
 @pytest.mark.timeout(300)
-def test_a_standalone_rendezvous_can_be_lost_and_restarted_without_stopping_training(
+def test_a_standalone_rendezvous_and_worker_0_can_be_lost_without_stopping_training(
         tmp_path):
-    """Two workers (one launch each) meet at a rendezvous served by its own process
-    (--rendezvous-external). Killed mid-run and restarted on the same port, it does not stop
-    training: both workers finish. A launch whose rendezvous is not there fails with one line
-    naming it and how to start it."""
+    """Three workers (one launch each, --diloco-min-workers 2) meet at a rendezvous served by
+    its own process (--rendezvous-external). Killed mid-run and restarted on the same port, it
+    does not stop training. Then every process of worker 0 (the first launched) is killed:
+    workers 1 and 2 go on over a new membership epoch and finish, with the same global
+    parameters in their parts of the final checkpoint. A launch whose rendezvous is not there
+    fails with one line naming it and how to start it."""
     import sys
+
+    from megatron_streaming.checkpoint.offline import read_tensors
 
     def serve(port, name):
         return subprocess.Popen([sys.executable, "-m", "megatron_streaming.rendezvous",
@@ -293,13 +298,15 @@ def test_a_standalone_rendezvous_can_be_lost_and_restarted_without_stopping_trai
                                 stdout=open(tmp_path / name, "w"), stderr=subprocess.STDOUT)
 
     port = free_port()
-    common = [*STREAMING, "--train-iters", "40", "--master-addr", "127.0.0.1",
-              "--master-port", str(port), "--rendezvous-external"]
+    ckpt = tmp_path / "ckpt"
+    common = [*STREAMING, "--diloco-workers", "3", "--diloco-min-workers", "2",
+              "--train-iters", "40", "--master-addr", "127.0.0.1", "--master-port", str(port),
+              "--rendezvous-external", "--diloco-timeout", "60", "--save", str(ckpt)]
     store = serve(port, "store1.log")
     workers = []
     try:
         wait_for_line(tmp_path / "store1.log", "listening", store, timeout=60)
-        for w in range(2):
+        for w in range(3):
             workers.append(start(1, [*common, "--diloco-worker-index", str(w), "--summary-json",
                                      str(tmp_path / f"w{w}.json")], tmp_path / f"w{w}.log",
                                  SLOW, FAULTS))
@@ -308,13 +315,29 @@ def test_a_standalone_rendezvous_can_be_lost_and_restarted_without_stopping_trai
         store.wait(timeout=30)
         time.sleep(2)
         store = serve(port, "store2.log")
-        for w, p in enumerate(workers):
-            assert p.wait(timeout=180) == 0, (tmp_path / f"w{w}.log").read_text()[-3000:]
+        wait_for_line(tmp_path / "w0.log", r"iteration +15/40", workers[0])
+        for p in [*psutil.Process(workers[0].pid).children(recursive=True), workers[0]]:
+            p.kill()  # the launcher and its rank: every process of worker 0
+        killed = time.monotonic()
+        for w in (1, 2):
+            assert workers[w].wait(timeout=240) == 0, \
+                (tmp_path / f"w{w}.log").read_text()[-3000:]
+        print(f"workers 1 and 2 finished {time.monotonic() - killed:.1f} s after the kill")
     finally:
         for p in [store, *workers]:
             if p.poll() is None:
                 p.kill()
-    assert json.loads((tmp_path / "w0.json").read_text())["iteration"] == 40
+    log1 = (tmp_path / "w1.log").read_text()
+    assert "membership epoch 1: workers [1, 2] (lost worker(s) [0]" in log1, log1[-3000:]
+    # Worker 1 reports for the job now.
+    assert json.loads((tmp_path / "w1.json").read_text())["iteration"] == 40
+    assert _tracker(ckpt) == 40
+    final = ckpt / "iter_0000040"
+    assert sorted(p.name for p in final.iterdir() if p.is_dir()) == ["worker1", "worker2"]
+    meta = json.loads((final / "checkpoint.json").read_text())
+    keys = [k for k in meta["kinds"]["keys_by_part"]["worker1"] if k.startswith("outer.theta_g")]
+    one, two = (read_tensors(str(final / f"worker{w}"), keys) for w in (1, 2))
+    assert keys and all(torch.equal(one[k], two[k]) for k in keys)
 
     lonely = run(1, [*STREAMING, "--train-iters", "40", "--master-addr", "127.0.0.1",
                      "--master-port", str(free_port()), "--rendezvous-external",
@@ -361,10 +384,11 @@ def test_full_or_read_only_save_fails_naming_the_path_and_keeps_the_last_checkpo
     full = run(2, [*flags, "--save", str(ckpt)], check=False, timeout=240)
     assert full.returncode != 0
     err = full.stderr
-    # Checked before writing (rank 0 compares what every rank will write with the free space),
-    # so every rank stops together instead of some waiting inside the writer's collectives.
+    # Checked before writing (each worker's first rank compares what its ranks will write
+    # with the free space), so every rank stops together instead of some waiting inside the
+    # writer's collectives.
     assert (f"pretrain_gpt.py: error: --save {ckpt}: writing the checkpoint of iteration 4 "
-            "failed on rank(s) [0]: [Errno 28] No space left on device for the checkpoint"
+            "failed on rank(s) [0, 1]: [Errno 28] No space left on device for the checkpoint"
             ) in err, err[-3000:]
     assert f"the latest checkpoint is still {ckpt}/iter_0000002" in err
     assert _tracker(ckpt) == 2 and sorted(os.listdir(ckpt)) == [

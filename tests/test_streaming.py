@@ -42,12 +42,14 @@ def dumps(out, worker):
         merged["global"].update(part["global"])
         merged["events"].extend(part["events"])
         merged["cross_worker_bytes"] = part["cross_worker_bytes"]
+        merged["epochs"] = part.get("epochs", [])
     return merged
 
 
-def reference(args, out, world):
+def reference(args, out, world, extra_env=None):
     # On the CPU always, also on a GPU machine (the CUDA tests compare the GPU run with it).
-    e = env({"REFERENCE_WORLD_SIZE": str(world), "CUDA_VISIBLE_DEVICES": ""})
+    e = env({"REFERENCE_WORLD_SIZE": str(world), "CUDA_VISIBLE_DEVICES": "",
+             **(extra_env or {})})
     proc = subprocess.run([sys.executable, "tests/diloco_reference.py", str(out), *args],
                           cwd=REPO, env=e, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-6000:]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from typing import Callable, List
+from typing import Callable, List, Optional
 
 from ..errors import JobFailure
 from .resume import FORMAT_VERSION, CheckpointError
@@ -63,7 +63,8 @@ class Checkpointer:
 
     def __init__(self, rank: int, failed_ranks: Callable[[bool], List[int]],
                  gather: Callable[[object], list], world: int = 1, worker: int = 0,
-                 gather_workers: Callable[[object], list] = lambda obj: [obj]):
+                 gather_workers: Callable[[object], list] = lambda obj: [obj],
+                 leads: Optional[Callable[[], bool]] = None):
         self.rank = rank  # global
         self.world = world  # ranks per worker
         self.local = rank % world  # rank within the worker
@@ -71,6 +72,9 @@ class Checkpointer:
         self.failed_ranks = failed_ranks
         self.gather = gather
         self.gather_workers = gather_workers
+        # Whether this rank commits for the job: global rank 0, or the first rank of the
+        # lowest live worker once workers were lost (``elastic``).
+        self.leads = leads or (lambda: rank == 0)
 
     def save(self, root: str, iteration: int, state, run_state: dict) -> str:
         """Write the checkpoint, then commit on rank 0. A write that fails on any rank (disk
@@ -89,7 +93,8 @@ class Checkpointer:
         import time
 
         t0 = time.perf_counter()
-        self._agree(root, iteration, partial, prepare if self.rank == 0 else None)
+        leads = self.leads()
+        self._agree(root, iteration, partial, prepare if leads else None)
         sharded = state.sharded_state_dict()
         t1 = time.perf_counter()
         infos = self.gather({**state.rank_info(), "keys": sorted(sharded)})
@@ -108,18 +113,19 @@ class Checkpointer:
         tables = self.gather(file_table(mine, share(checkpoint_files(mine), self.local,
                                                     len(infos))))
         files = {f"{part}/{k}": v for t in tables for k, v in sorted(t.items())}
-        parts = self.gather_workers((infos, files) if self.local == 0 else None)
+        parts = [p for p in self.gather_workers((infos, files) if self.local == 0 else None)
+                 if p is not None]
         t4 = time.perf_counter()
         self.timings = {"collect": t1 - t0, "describe": t2 - t1, "write": t3 - t2,
                         "hash": t4 - t3}
         meta = None
-        if self.rank == 0:
+        if leads:
             meta = {"format_version": FORMAT_VERSION, "iteration": iteration,
                     "run": run_state,
                     **state.describe([i for p in parts for i in p[0]]),
                     "files": {k: v for p in parts for k, v in sorted(p[1].items())}}
         self._agree(root, iteration, partial, (lambda: commit(
-            root, partial, final, meta)) if self.rank == 0 else None)
+            root, partial, final, meta)) if leads else None)
         return final
 
     def _agree(self, root: str, iteration: int, partial: str, action) -> None:
@@ -136,7 +142,7 @@ class Checkpointer:
         failed = self.failed_ranks(error is not None)
         if not failed:
             return
-        if self.rank == 0:
+        if self.leads():
             shutil.rmtree(partial, ignore_errors=True)  # give back the space it took
         raise CheckpointWriteError(_write_error_message(root, iteration, failed, error))
 

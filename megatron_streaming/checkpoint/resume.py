@@ -146,17 +146,22 @@ def plan(meta: dict, cfg, layout, rank: int, new_worker_optimizer: str) -> Resum
     old_workers = old_layout["workers"]
     ranks = {r["rank"]: r for r in meta["ranks"]}
     notes = []
-    new_worker = worker >= old_workers
+    # New: beyond the checkpoint's workers, or one it has no part of (lost before the save).
+    new_worker = worker >= old_workers or str(worker) not in meta["workers"]
+    lowest = min(int(w) for w in meta["workers"])
     if new_worker and "outer.theta_g" not in meta["kinds"]["prefixes"]:
-        weights_worker = 0  # a run without the sync: worker 0's weights are the model
+        weights_worker = lowest  # a run without the sync: worker 0's weights are the model
     else:
         weights_worker = None if new_worker else worker
     if new_worker:
-        optimizer_worker = 0 if new_worker_optimizer == "copy" else None
-        notes.append(f"worker {worker} is new (the checkpoint has {old_workers} worker(s)): "
+        optimizer_worker = lowest if new_worker_optimizer == "copy" else None
+        had = f"{old_workers} worker(s)" if worker >= old_workers else \
+            f"no part of it: workers {sorted(int(w) for w in meta['workers'])} saved"
+        notes.append(f"worker {worker} is new (the checkpoint has {had}): "
                      "it starts from the global parameters with "
-                     + ("worker 0's inner optimizer state" if optimizer_worker == 0
-                        else "a fresh inner optimizer") + " (--diloco-new-worker-optimizer)")
+                     + (f"worker {optimizer_worker}'s inner optimizer state"
+                        if optimizer_worker is not None else "a fresh inner optimizer")
+                     + " (--diloco-new-worker-optimizer)")
     else:
         optimizer_worker = worker
     source = meta["workers"][str(optimizer_worker)] if optimizer_worker is not None else None

@@ -128,6 +128,10 @@ class StreamingSync:
         # Recorded only when a caller sets it to a list (tests, drills): a long run would
         # otherwise grow it for nothing.
         self.events: Optional[List[tuple]] = None
+        # Elastic runs (``elastic.Elastic``): a failed exchange is handed here instead of
+        # raised, and skipped; ``paused`` while a survivor trains up to the agreed step.
+        self.on_lost: Optional[Callable[[BaseException], None]] = None
+        self.paused = False
 
     def _event(self, kind: str, g: ShardGroup) -> None:
         if self.events is not None:
@@ -181,6 +185,8 @@ class StreamingSync:
 
     def _process(self, g: ShardGroup) -> None:
         self._done_this_step.add(g.index)
+        if self.paused:
+            return
         if self.own is not None:
             if g.fragment in self.schedule.sends_after(self.step):
                 self._send(g)
@@ -275,8 +281,16 @@ class StreamingSync:
         gradient was not finite (the outer step is skipped everywhere)."""
         pending = self.pending.pop(g.index)
         started = time.perf_counter()
-        result = pending.wait()
         stats = self.stats[g.fragment]
+        try:
+            result = pending.wait()
+        except Exception as e:
+            if self.on_lost is None or not _communication_error(e):
+                raise
+            self.on_lost(e)  # a lost worker: skipped here, dropped everywhere (elastic)
+            stats.skipped += 1
+            self._event("lost", g)
+            return None
         stats.wait += time.perf_counter() - started
         stats.latency = time.perf_counter() - pending.started
         stats.bytes_sent += result.bytes_sent
@@ -342,11 +356,43 @@ class StreamingSync:
         return self.schedule.in_flight_after(self.step) if self.finished_step == self.step \
             else []
 
+    # ---- membership changes (``elastic``) -------------------------------------------------
+    def abandon(self) -> None:
+        """Drop every exchange not merged yet (their groups were aborted): theta_g keeps its
+        value for them, on every survivor alike."""
+        self.pending.clear()
+        self._outbox.clear()
+        self._merge_later.clear()
+        self.merged_early.clear()
+
+    def regroup(self, cross) -> None:
+        """Average over a new membership's groups from now on (``cross``: the CrossWorker,
+        already regrouped); the error-feedback residuals carry over (repadded: the chunking
+        follows the number of workers)."""
+        old = self.transport
+        self.transport = cross.make_transport(old.codec, old.timeout, old.codec_device)
+        for i, f in enumerate(self.feedback):
+            if f is not None:
+                n = self.groups[i].numel
+                fresh = ErrorFeedback(f.codec, self.transport.padded_numel(n),
+                                      f.residual.device)
+                fresh.residual[:n] = f.residual[:n]
+                self.feedback[i] = fresh
+        self.transport.bytes_sent, self.transport.bytes_received = \
+            old.bytes_sent, old.bytes_received
+        old.abandon()
+
     def close(self) -> None:
         """Let exchanges in flight finish (their peers are running them too), then stop.
         Their results are not merged (after ``finish`` there are none; a run stopped early
         keeps them in its checkpoint instead)."""
         self.transport.close()
+
+
+def _communication_error(e: BaseException) -> bool:
+    from ..lifecycle import is_communication_error
+
+    return is_communication_error(e)
 
 
 class NoSync:

@@ -139,6 +139,11 @@ class Transport:
         """Wait for the exchanges submitted so far (their peers run them too), then stop."""
         self._executor.shutdown()
 
+    def abandon(self) -> None:
+        """Stop without waiting: its group was aborted (a membership change), so what it
+        still runs fails at once and nobody waits for it."""
+        self._executor.shutdown(wait=False)
+
     # ---- the exchange, on the background thread ----------------------------------------
     def _exchange(self, xs, feedbacks, futures) -> None:
         try:

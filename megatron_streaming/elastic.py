@@ -1,0 +1,274 @@
+"""Elastic workers: with ``--diloco-min-workers K`` below ``--diloco-workers M``, the workers
+that survive a lost one go on training, over new cross-worker groups (DESIGN.md, "Membership
+epochs").
+
+* Noticing: a cross-worker collective that fails (an exchange the sync waits for, the
+  lagged reduction of the stop flag) is noted (``note``) instead of raised. Exchanges that
+  fail are skipped, as a non-finite one is: no outer step, no merge.
+* Agreeing inside the worker: right after each training step every rank of the worker
+  reduces its notes (``end_of_step``, one small in-worker reduction per step), so a worker
+  acts on a loss as one, after the same step.
+* Recovering: the old cross-worker groups are aborted; the heartbeats tell which workers are
+  alive; the next membership record is proposed (``membership.Membership``: the first
+  proposal of an epoch wins, and it needs a strict majority of the configured workers and at
+  least K of them, so of two sides of a partition at most one goes on); the members make the
+  epoch's groups on the rendezvous store; a new transport averages over them. Exchanges not
+  merged by then are dropped on every survivor. The survivors then agree on the step to go
+  on from (the latest any of them reached): one that noticed a step earlier trains up to it
+  without the sync. At that step every survivor takes theta_g and the outer momentum from the
+  lowest member (one uncompressed broadcast per loss), so exchanges that completed on one
+  survivor and failed on another cannot leave their global copies apart. The stop agreement
+  starts afresh on the new control group.
+
+* Rejoining: a restarted worker (the same launch command) finds itself outside the latest
+  membership at the door, asks in the rendezvous store (``JOIN``) and waits. The job's leading
+  rank sees the request at its next heartbeat and raises a bit of the stop flag, so every live
+  worker reads it after the same step; there they merge the exchanges in flight at once (as
+  at the end of training), write the next membership with the newcomer, make the epoch's
+  groups with it and send it theta_g and the outer momentum (from the lowest live worker)
+  and the step. The newcomer sets its weights to theta_g, starts a fresh inner optimizer,
+  and goes on from that step's data and learning rate, in lockstep from then on. It never
+  brings weights of its own into the shared state.
+
+The rendezvous store must outlive the lost worker: with the default store (hosted by global
+rank 0), losing worker 0 ends the job; ``--rendezvous-external`` keeps it elsewhere.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .errors import JobFailure
+from .topology import device_of
+
+log = logging.getLogger("megatron_streaming")
+
+JOIN = "megatron_streaming/join/"  # + worker index: a restarted worker asks to rejoin
+
+
+class Elastic:
+    """This rank's part of the job's membership; built by ``train.Run`` after the sync."""
+
+    def __init__(self, run):
+        s = run.cfg.streaming
+        self.run = run
+        topo = run.topology
+        self.min_workers = s.diloco_min_workers or s.diloco_workers
+        self.enabled = run.sync.enabled and self.min_workers < topo.layout.workers
+        self.timeout = datetime.timedelta(seconds=s.diloco_timeout)
+        self.noted: Optional[BaseException] = None
+        self.resync_at: Optional[int] = None  # the step after which the survivors resync
+        self.history = []  # the membership records this rank moved to, in order
+        if self.enabled:
+            from .membership import Membership
+
+            self.membership = Membership(topo.store, topo.layout.workers, self.min_workers)
+            self.record = self.membership.record(0)
+            run.sync.on_lost = self.note
+            run.stop.on_lost = self.note
+            run.stop.carries_join = True
+            run.liveness.watch = self._watch
+
+    @property
+    def catching_up(self) -> bool:
+        """Training without the sync up to the step the survivors go on from."""
+        return self.resync_at is not None
+
+    def note(self, error: BaseException) -> None:
+        """A cross-worker collective failed on this rank."""
+        if self.noted is None:
+            log.warning("rank %d: %s", self.run.topology.rank, _first_line(error))
+            self.noted = error
+
+    def end_of_step(self, iteration: int) -> None:
+        """After each training step, on every rank: act on a loss noticed by any rank of the
+        worker; at the agreed step, take the global state from the lowest member."""
+        if not self.enabled:
+            return
+        flag = torch.tensor([int(self.noted is not None)], dtype=torch.int32,
+                            device=device_of(self.run.topology.groups["worker"]))
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.run.topology.groups["worker"])
+        if flag.item():
+            self._recover(iteration)
+        if self.resync_at == iteration:
+            self._resync(iteration)
+
+    def after_stop_flag(self, iteration: int) -> None:
+        """After the step's stop flag was read (every live rank alike): admit the workers
+        that asked to rejoin, if the flag says one did."""
+        if self.enabled and self.run.stop.join_agreed:
+            self._admit(iteration)
+
+    def _watch(self, store) -> None:
+        """At each heartbeat (its thread), on the job's leading rank: a worker asking in?"""
+        topo = self.run.topology
+        if not topo.leads_job():
+            return
+        outside = [w for w in range(topo.layout.workers) if w not in topo.members]
+        if any(store.check([f"{JOIN}{w}"]) for w in outside):
+            self.run.stop_request.join_pending = True
+
+    # ---- recovery ------------------------------------------------------------------------
+    def _recover(self, iteration: int) -> None:
+        from patches.torch_process_group import drop
+
+        from .membership import BelowQuorum
+
+        run, topo = self.run, self.run.topology
+        cause = self.noted
+        self.noted = None
+        for name in ("cross_worker", "cross_worker_control"):
+            drop(topo.groups[name])  # a collective still blocked on it returns
+        run.sync.abandon()
+        # A new connection: the standalone rendezvous may have been restarted since.
+        self.membership.store = _connect(topo.store)
+        survey = run.liveness.survey(self.membership.store)
+        gone = {topo.layout.coords(r)["worker"] for r in survey["lost"] + survey["exiting"]}
+        alive = [w for w in self.record.members if w not in gone]
+        reason = f"lost worker(s) {sorted(gone)} after step {iteration}" if gone else \
+            f"a cross-worker collective failed after step {iteration}"
+        try:
+            record = self.membership.propose(self.record, alive, iteration, reason)
+        except BelowQuorum as e:
+            raise JobFailure(f"{e} ({_first_line(cause)})") from cause
+        if topo.worker not in record.members:
+            raise JobFailure(f"the other workers went on without worker {topo.worker} "
+                             f"(membership epoch {record.epoch}: workers "
+                             f"{list(record.members)}, {record.reason}); stopping") from cause
+        self._new_epoch(record)
+        # The step to go on from: the latest any survivor reached.
+        steps = torch.tensor([iteration], dtype=torch.int64)
+        _, steps = topo.cross.all_reduce_control(steps, dist.ReduceOp.MAX)
+        target = int(steps.item())
+        log.warning("membership epoch %d: workers %s (%s); the outer mean is over %d workers "
+                    "from now on; exchanges in flight were dropped%s", record.epoch,
+                    list(record.members), record.reason, len(record.members),
+                    f"; training without the sync up to step {target}" if target > iteration
+                    else "")
+        self.resync_at = target
+        run.sync.paused = target > iteration
+
+    def _resync(self, iteration: int) -> None:
+        """Every member takes theta_g and the outer momentum of the lowest member."""
+        self._share_global_state(0)
+        self.run.sync.paused = False
+        self.resync_at = None
+        log.info("step %d: global parameters and outer momentum taken from worker %d",
+                 iteration, self.record.members[0])
+
+    def _share_global_state(self, src: int) -> None:
+        """theta_g and the outer momentum of the member at index ``src`` of the epoch, to
+        every member (collective over the cross-worker data groups)."""
+        sync, cross = self.run.sync, self.run.topology.cross
+        for tensors in (sync.theta_g, sync.momentum):
+            for t in tensors:
+                on_wire = t.to(cross.data_device)
+                dist.broadcast(on_wire, group_src=src, group=cross.data_group)
+                t.copy_(on_wire)
+                cross.count_control(t.numel() * t.element_size() * (cross.workers - 1))
+
+    def _new_epoch(self, record) -> None:
+        """Make ``record``'s groups (this rank's coordinate) and move everything onto them."""
+        topo, run = self.run.topology, self.run
+        self.record = record
+        self.history.append(record)
+        topo.add_cross_worker_groups(self.membership.store, record.epoch,
+                                     list(record.members), self.timeout)
+        topo.members = record.members
+        if topo.is_logging_rank():  # the lowest live worker reports for the job now
+            from .metrics import setup_logging
+
+            setup_logging(True)
+        topo.cross.regroup(topo)
+        run.sync.regroup(topo.cross)
+        run.stop.regroup()
+
+    # ---- rejoining -----------------------------------------------------------------------
+    def _admit(self, iteration: int) -> None:
+        """On every live rank, after the same step: let the workers that asked in join."""
+        from patches.torch_process_group import drop
+
+        run, topo = self.run, self.run.topology
+        store = self.membership.store = _connect(topo.store)
+        asking = [w for w in range(topo.layout.workers) if w not in self.record.members
+                  and store.check([f"{JOIN}{w}"])]
+        run.stop_request.join_pending = False
+        if not asking:
+            return
+        merged = run.sync.finish()  # in flight: merged now, the newcomer starts after them
+        before = self.record
+        record = self.membership.propose(
+            before, [*before.members, *asking], iteration,
+            f"worker(s) {asking} rejoined after step {iteration}")
+        for name in ("cross_worker", "cross_worker_control"):
+            drop(topo.groups[name])
+        self._new_epoch(record)
+        self._share_global_state(record.members.index(min(before.members)))
+        if topo.leads_job():
+            for w in asking:
+                store.delete_key(f"{JOIN}{w}")
+        log.warning("membership epoch %d: workers %s (%s; %d exchange(s) in flight merged "
+                    "first); the outer mean is over %d workers from now on", record.epoch,
+                    list(record.members), record.reason, merged, len(record.members))
+
+    def join(self, since: int) -> int:
+        """On a restarted worker (outside membership epoch ``since``): ask in, wait until
+        the live workers admit it, take the global state; returns the step to go on from."""
+        import time
+
+        run, topo = self.run, self.run.topology
+        store = self.membership.store
+        if topo.coords["local"] == 0:
+            store.set(f"{JOIN}{topo.worker}", str(since))
+        log.warning("worker %d asks to rejoin the running job (membership epoch %d: workers "
+                    "%s)", topo.worker, since, list(self.membership.record(since).members)
+                    if since else list(range(topo.layout.workers)))
+        deadline = time.monotonic() + 60.0 * run.cfg.parallel.distributed_timeout_minutes
+        epoch = since
+        while True:
+            following = self.membership.record(epoch + 1)
+            if following is not None:
+                epoch += 1
+                if topo.worker in following.members:
+                    break
+                continue
+            if time.monotonic() > deadline:
+                raise JobFailure(f"worker {topo.worker} asked to rejoin but was not admitted "
+                                 "within --distributed-timeout-minutes (are the other workers "
+                                 "running, with --diloco-min-workers?)")
+            time.sleep(0.5)
+        record, before = following, self.membership.record(epoch - 1)
+        self._new_epoch(record)
+        self._share_global_state(record.members.index(min(before.members)))
+        sync = run.sync
+        for g, theta in zip(sync.groups, sync.theta_g):  # the newcomer's weights: theta_g
+            g.write(theta.to(g.read().device))
+        sync.push_to_model()
+        sync.step = sync.finished_step = record.step  # the exchanges then in flight are
+        in_flight = set(sync.schedule.in_flight_after(record.step))  # merged already
+        sync.merged_early = {g.index for g in sync.groups if g.fragment in in_flight}
+        log.warning("worker %d rejoined after step %d (membership epoch %d: workers %s): "
+                    "weights set to the global parameters, fresh inner optimizer",
+                    topo.worker, record.step, record.epoch, list(record.members))
+        return record.step
+
+
+def _connect(fallback):
+    """A fresh client of the job's rendezvous store (``fallback`` without a launcher)."""
+    import os
+
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not (host and port):
+        return fallback
+    return dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=60))
+
+
+def _first_line(e: Optional[BaseException]) -> str:
+    text = str(e).strip().splitlines() if e is not None else []
+    return text[0] if text else type(e).__name__

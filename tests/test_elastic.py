@@ -1,0 +1,69 @@
+"""Elastic workers (``--diloco-min-workers``): a lost worker is dropped and the others go on;
+restarted, it rejoins the running job; both against the single-process reference that drops
+and re-adds it at the same points.
+
+Three one-rank workers, one launch each. Worker 1 leaves after step 5 having finished what it
+started (``pretrain_with_faults``' LEAVE), so the step where the others notice is a function
+of the schedule and the reference can follow it exactly: sends after the loss fail and their
+merges are skipped, the exchanges not merged when the loss is noticed are dropped, and the
+mean is over workers 0 and 2 from then on. Relaunched with the same command, worker 1 asks
+in; the others admit it after a step of their choosing (the test reads it from the
+membership record): the exchanges in flight merge first, it starts from theta_g with a fresh
+inner optimizer and the data of the steps after that one.
+"""
+
+import pytest
+import torch
+
+from harness import free_port, start, wait_for_line
+from test_streaming import BASE, dumps, reference, relative
+
+ELASTIC = [*BASE, "--num-layers", "2", "--diloco-workers", "3", "--diloco-min-workers", "2",
+           "--diloco-inner-steps", "4", "--diloco-fragments", "2",
+           "--diloco-overlap-steps", "1", "--diloco-timeout", "60", "--train-iters", "90"]
+DRIVER = "tests/streaming_driver.py"
+
+
+@pytest.mark.timeout(420)
+def test_a_lost_worker_is_dropped_then_rejoins_and_every_step_matches_the_reference(
+        tmp_path):
+    port = free_port()
+    common = [str(tmp_path), *ELASTIC, "--master-addr", "127.0.0.1", "--master-port",
+              str(port)]
+    paced = {"MEGATRON_STREAMING_SLOW_WORKER": "0:0.3"}  # time for worker 1's relaunch
+    logs = {w: tmp_path / f"w{w}.log" for w in range(3)}
+    procs = {}
+    try:
+        procs[0] = start(1, [*common, "--diloco-worker-index", "0"], logs[0], paced, DRIVER)
+        procs[1] = start(1, [*common, "--diloco-worker-index", "1"], logs[1],
+                         {"MEGATRON_STREAMING_LEAVE_WORKER": "1:5"}, DRIVER)
+        procs[2] = start(1, [*common, "--diloco-worker-index", "2"], logs[2], None, DRIVER)
+        assert procs[1].wait(timeout=180) == 0, logs[1].read_text()[-3000:]
+        wait_for_line(logs[0], r"membership epoch 1: workers \[0, 2\]", procs[0])
+        logs[1] = tmp_path / "w1_again.log"
+        procs[1] = start(1, [*common, "--diloco-worker-index", "1"], logs[1], None, DRIVER)
+        for w, p in procs.items():
+            assert p.wait(timeout=300) == 0, logs[w].read_text()[-3000:]
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+    assert "asks to rejoin the running job" in logs[1].read_text()
+    got = {w: dumps(tmp_path, w) for w in range(3)}
+    lost, back = got[0]["epochs"]
+    assert got[2]["epochs"] == [lost, back] and got[1]["epochs"] == [back], got
+    (_, members, noticed), (_, everyone, admitted) = lost, back
+    assert members == [0, 2] and everyone == [0, 1, 2] and 5 < noticed < admitted < 90
+    print(f"worker 1 left after step 5; the others noticed after step {noticed}; "
+          f"it rejoined after step {admitted}")
+    for d in (got[0], got[2]):  # a merge after the loss was skipped (its exchange failed)
+        assert any(kind == "lost" for _, kind, _, _ in d["events"]), d["events"]
+    ref = reference(ELASTIC, tmp_path, 3, {"REFERENCE_DROP": f"1:5:{noticed}",
+                                           "REFERENCE_READD": f"1:{admitted}"})
+    for w in range(3):
+        for kind, expected in (("local", ref["local"][w]), ("global", ref["globals"][w])):
+            worst, whole = relative(got[w][kind], expected)
+            assert whole <= 1e-6 and worst <= 1e-5, (w, kind, worst, whole)
+    for n in ref["global"]:
+        assert torch.equal(got[0]["global"][n], got[1]["global"][n])
+        assert torch.equal(got[0]["global"][n], got[2]["global"][n])
