@@ -16,7 +16,8 @@ as the others have gone on. The times come from the log lines as they appear (po
 * admitted: its request -> it logs that it rejoined (the leader's heartbeat, the stop flag's
   lag, the merge of the exchanges in flight, the new groups, the state it receives).
 
-Bytes of a rejoin: what the newcomer receives, theta_g and the outer momentum in fp32 (8
+Then a SIGTERM to worker 0 stops every worker after the same step. Bytes of a rejoin: what
+the newcomer receives, theta_g and the outer momentum in fp32 (8
 bytes per parameter of its shard), from the lowest live worker. Written to OUT/elastic.json
 and printed as a table.
 """
@@ -65,7 +66,7 @@ def when(path, pattern: str, proc, timeout: float = 300.0) -> float:
 def measure(hidden: int, out: str) -> dict:
     os.makedirs(out, exist_ok=True)
     port = free_port()
-    args = flags(hidden, port, 250)
+    args = flags(hidden, port, 2000)  # ended by a SIGTERM once the rejoin is measured
     logs = {w: os.path.join(out, f"h{hidden}_w{w}.log") for w in range(3)}
     paced = {"MEGATRON_STREAMING_SLOW_WORKER": "0:0.15"}
     summary = os.path.join(out, f"h{hidden}_summary.json")
@@ -74,11 +75,10 @@ def measure(hidden: int, out: str) -> dict:
                       paced if w == 0 else None, FAULTS) for w in range(3)}
     try:
         when(logs[0], r"iteration +20/", procs[0])
-        victim = [c for c in psutil.Process(procs[1].pid).children(recursive=True)
-                  if "pretrain_with_faults" in " ".join(c.cmdline())][0]
         killed = time.monotonic()
-        victim.send_signal(signal.SIGKILL)
-        detected = min(when(logs[w], r"^rank \d+: .*failed", procs[w]) for w in (0, 2))
+        procs[1].send_signal(signal.SIGKILL)  # one rank, no launcher: the whole worker
+        detected = min(when(logs[w], r"^rank \d+: .*(failed|closed|imed out)", procs[w])
+                       for w in (0, 2))
         recovered = when(logs[0], r"membership epoch 1: workers \[0, 2\]", procs[0])
         procs[1].wait(timeout=60)
         logs[1] = os.path.join(out, f"h{hidden}_w1_again.log")
@@ -87,6 +87,7 @@ def measure(hidden: int, out: str) -> dict:
         asked = when(logs[1], r"asks to rejoin", procs[1])
         admitted = when(logs[1], r"rejoined after step", procs[1])
         text = open(logs[1]).read()
+        procs[0].send_signal(signal.SIGTERM)  # every worker stops after the same step
         codes = [p.wait(timeout=300) for p in procs.values()]
         params = json.load(open(summary))["parameters"]
     finally:
@@ -107,9 +108,12 @@ def main():
     ap.add_argument("--sizes", default="128,512,1024")
     ap.add_argument("--out", default=os.path.join(REPO, "runs", "elastic"))
     opts = ap.parse_args()
-    rows = [measure(int(h), opts.out) for h in opts.sizes.split(",")]
-    with open(os.path.join(opts.out, "elastic.json"), "w") as f:
-        json.dump(rows, f, indent=1)
+    rows = []
+    for h in opts.sizes.split(","):
+        rows.append(measure(int(h), opts.out))
+        print(rows[-1], flush=True)
+        with open(os.path.join(opts.out, "elastic.json"), "w") as f:
+            json.dump(rows, f, indent=1)
     print("| hidden | parameters | detected (s) | recovered (s) | restart to request (s) | "
           "request to rejoined (s) | rejoin bytes |")
     print("|---|---|---|---|---|---|---|")
