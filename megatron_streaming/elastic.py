@@ -61,7 +61,9 @@ class Elastic:
         self.min_workers = s.diloco_min_workers or s.diloco_workers
         self.enabled = run.sync.enabled and self.min_workers < topo.layout.workers
         self.timeout = datetime.timedelta(seconds=s.diloco_timeout)
-        self.noted: Optional[BaseException] = None
+        # What failed (its first line): the error itself is not kept, since its traceback
+        # holds the frames, and so the groups, that must be destroyed (``_release_groups``).
+        self.noted: Optional[str] = None
         self.resync_at: Optional[int] = None  # the step after which the survivors resync
         self.history = []  # the membership records this rank moved to, in order
         if self.enabled:
@@ -82,8 +84,8 @@ class Elastic:
     def note(self, error: BaseException) -> None:
         """A cross-worker collective failed on this rank."""
         if self.noted is None:
-            log.warning("rank %d: %s", self.run.topology.rank, _first_line(error))
-            self.noted = error
+            self.noted = _first_line(error)
+            log.warning("rank %d: %s", self.run.topology.rank, self.noted)
 
     def end_of_step(self, iteration: int) -> None:
         """After each training step, on every rank: act on a loss noticed by any rank of the
@@ -115,16 +117,13 @@ class Elastic:
 
     # ---- recovery ------------------------------------------------------------------------
     def _recover(self, iteration: int) -> None:
-        from patches.torch_process_group import drop
-
         from .membership import BelowQuorum
 
         run, topo = self.run, self.run.topology
         cause = self.noted
         self.noted = None
-        for name in ("cross_worker", "cross_worker_control"):
-            drop(topo.groups[name])  # a collective still blocked on it returns
-        run.sync.abandon()
+        run.sync.abandon()  # first: the failed exchanges' errors hold their groups
+        self._release_groups()
         # A new connection: the standalone rendezvous may have been restarted since.
         self.membership.store = _connect(topo.store)
         survey = run.liveness.survey(self.membership.store)
@@ -135,11 +134,11 @@ class Elastic:
         try:
             record = self.membership.propose(self.record, alive, iteration, reason)
         except BelowQuorum as e:
-            raise JobFailure(f"{e} ({_first_line(cause)})") from cause
+            raise JobFailure(f"{e} ({cause})") from None
         if topo.worker not in record.members:
             raise JobFailure(f"the other workers went on without worker {topo.worker} "
                              f"(membership epoch {record.epoch}: workers "
-                             f"{list(record.members)}, {record.reason}); stopping") from cause
+                             f"{list(record.members)}, {record.reason}); stopping") from None
         self._new_epoch(record)
         # The step to go on from: the latest any survivor reached.
         steps = torch.tensor([iteration], dtype=torch.int64)
@@ -172,6 +171,25 @@ class Elastic:
                 t.copy_(on_wire)
                 cross.count_control(t.numel() * t.element_size() * (cross.workers - 1))
 
+    def _release_groups(self) -> None:
+        """Let go of the epoch's cross-worker groups, so that they are destroyed and their
+        connections closed: a peer still blocked in a collective on them (it has not noticed
+        the loss yet) fails at once instead of after --diloco-timeout. (Aborting a gloo group
+        does not wake a blocked collective; closing its connections does.)"""
+        import gc
+
+        from patches.torch_process_group import drop
+
+        run, topo = self.run, self.run.topology
+        for name in ("cross_worker", "cross_worker_control"):
+            group = topo.groups.pop(name, None)
+            if group is not None:
+                drop(group)
+        topo.cross.data_group = topo.cross.control_group = None
+        run.stop.release()
+        run.sync.transport.abandon()
+        gc.collect()
+
     def _new_epoch(self, record) -> None:
         """Make ``record``'s groups (this rank's coordinate) and move everything onto them."""
         topo, run = self.run.topology, self.run
@@ -191,8 +209,6 @@ class Elastic:
     # ---- rejoining -----------------------------------------------------------------------
     def _admit(self, iteration: int) -> None:
         """On every live rank, after the same step: let the workers that asked in join."""
-        from patches.torch_process_group import drop
-
         run, topo = self.run, self.run.topology
         store = self.membership.store = _connect(topo.store)
         asking = [w for w in range(topo.layout.workers) if w not in self.record.members
@@ -205,8 +221,7 @@ class Elastic:
         record = self.membership.propose(
             before, [*before.members, *asking], iteration,
             f"worker(s) {asking} rejoined after step {iteration}")
-        for name in ("cross_worker", "cross_worker_control"):
-            drop(topo.groups[name])
+        self._release_groups()
         self._new_epoch(record)
         self._share_global_state(record.members.index(min(before.members)))
         if topo.leads_job():

@@ -94,6 +94,10 @@ class StopAgreement:
         # raised, and counts as no stop request.
         self.on_lost = None
 
+    def release(self) -> None:
+        """Drop the reductions posted on the control group of the epoch that ends."""
+        self._pending.clear()
+
     def regroup(self) -> None:
         """Start afresh on a new membership's control group (every member does it after the
         same step); the reductions posted on the old one are dropped."""

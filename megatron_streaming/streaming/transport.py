@@ -140,9 +140,10 @@ class Transport:
         self._executor.shutdown()
 
     def abandon(self) -> None:
-        """Stop without waiting: its group was aborted (a membership change), so what it
-        still runs fails at once and nobody waits for it."""
+        """Stop without waiting and let go of the group (a membership change: it is being
+        destroyed, so what still runs on it fails at once, and nobody waits for it)."""
         self._executor.shutdown(wait=False)
+        self.group = None
 
     # ---- the exchange, on the background thread ----------------------------------------
     def _exchange(self, xs, feedbacks, futures) -> None:
