@@ -190,17 +190,19 @@ def source_digest() -> str:
     return h.hexdigest()[:16]
 
 
-def differences(records: List[dict]) -> List[str]:
-    """One clause per worker that differs from worker 0: each differing label with both
-    values. The same on every rank, since every rank reads the same records."""
+def differences(records: List[dict], workers=None) -> List[str]:
+    """One clause per worker that differs from the first (``workers``: the index of each
+    record's worker, default 0, 1, ...): each differing label with both values. The same on
+    every rank, since every rank reads the same records."""
+    workers = list(workers or range(len(records)))
     ref = records[0]["fingerprint"]
     out = []
-    for w, rec in enumerate(records[1:], start=1):
+    for w, rec in zip(workers[1:], records[1:]):
         mine = rec["fingerprint"]
         diffs = [f"{k} {ref.get(k, '(absent)')} vs {mine.get(k, '(absent)')}"
                  for k in sorted(set(ref) | set(mine)) if ref.get(k) != mine.get(k)]
         if diffs:
-            out.append(f"worker 0 and worker {w} differ: " + "; ".join(diffs))
+            out.append(f"worker {workers[0]} and worker {w} differ: " + "; ".join(diffs))
     return out
 
 
@@ -211,12 +213,13 @@ def _proof(secret: str, key: str, launch: str) -> str:
     return hmac.new(secret.encode(), f"{key}:{launch}".encode(), hashlib.sha256).hexdigest()
 
 
-def secret_problems(records: List[dict], secret: str) -> List[str]:
-    """One clause per worker whose claim was not made with this launch's join secret."""
+def secret_problems(records: List[dict], secret: str, claims=None) -> List[str]:
+    """One clause per worker whose claim was not made with this launch's join secret.
+    ``claims``: (worker, claim key) of each record (default: worker i's first claim)."""
     out = []
-    for w, rec in enumerate(records):
-        if not hmac.compare_digest(rec.get("proof", ""), _proof(secret, f"worker{w}",
-                                                                rec["launch"])):
+    for (w, key), rec in zip(claims or [(w, f"worker{w}") for w in range(len(records))],
+                             records):
+        if not hmac.compare_digest(rec.get("proof", ""), _proof(secret, key, rec["launch"])):
             host = rec["launch"].rsplit(":", 1)[0]
             out.append(f"worker {w} ({host}) joined with another join secret than this "
                        f"launch's ({SECRET_ENV}; {'set' if secret else 'unset'} here): refused")
@@ -270,21 +273,16 @@ class Door:
         """A restarted worker's pass into a running job (membership epoch ``epoch`` without
         it): its claim is the epoch's own, so two launches cannot both rejoin as one worker;
         its fingerprint and join secret are checked against the live ``members``' records."""
-        if self.rank_in_worker == 0:
-            self._claim(mine, f"worker{self.worker}.rejoin{epoch}")
-        records = {w: json.loads(self._get(f"worker{w}")) for w in members}
-        records[self.worker] = json.loads(self._get(f"worker{self.worker}.rejoin{epoch}"))
-        ordered = [records[w] for w in sorted(records)]
-        problems = [p for w, rec in records.items()
-                    if not hmac.compare_digest(rec.get("proof", ""), _proof(
-                        self.secret, f"worker{w}" if w != self.worker else
-                        f"worker{w}.rejoin{epoch}", rec["launch"]))
-                    for p in [f"worker {w} ({rec['launch'].rsplit(':', 1)[0]}) joined with "
-                              f"another join secret than this launch's ({SECRET_ENV})"]]
-        problems = problems or differences(ordered)
+        claims = [(w, f"worker{w}") for w in sorted(members)]
+        records = [json.loads(self._get(key)) for _, key in claims]
+        # Checked before claiming, so that a refused launch does not hold the claim.
+        problems = secret_problems(records, self.secret, claims) or differences(
+            [records[0], {"fingerprint": mine}], [claims[0][0], self.worker])
         if problems:
             raise ConfigError("a worker rejoining the running job differs from it (it "
                               "stops here): " + " | ".join(problems))
+        if self.rank_in_worker == 0:
+            self._claim(mine, f"worker{self.worker}.rejoin{epoch}")
 
     def _claim(self, mine: Dict[str, str], key: Optional[str] = None) -> None:
         ident = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"

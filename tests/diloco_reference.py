@@ -181,6 +181,7 @@ class Reference:
             self.models.append(model)
             self.opts.append(opt)
         del self.models[M:], self.opts[M:]
+        self.active = list(range(M))
         self.configure(cfg, world, start)
 
     def readd(self, w, step):
