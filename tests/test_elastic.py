@@ -9,7 +9,7 @@ merges are skipped, the exchanges not merged when the loss is noticed are droppe
 mean is over workers 0 and 2 from then on. Relaunched with the same command, worker 1 asks
 in; the others admit it after a step of their choosing (the test reads it from the
 membership record): the exchanges in flight merge first, it starts from theta_g with a fresh
-inner optimizer and the data of the steps after that one. Before that, a launch with another
+inner optimizer and the data of the steps after that one. Beside it, a launch with another
 join secret is refused at the door.
 """
 
@@ -41,17 +41,17 @@ def test_a_lost_worker_is_dropped_then_rejoins_and_every_step_matches_the_refere
         procs[2] = start(1, [*common, "--diloco-worker-index", "2"], logs[2], None, DRIVER)
         assert procs[1].wait(timeout=180) == 0, logs[1].read_text()[-3000:]
         wait_for_line(logs[0], r"membership epoch 1: workers \[0, 2\]", procs[0])
-        # A launch with another join secret is refused at the door, without taking the claim.
+        # With it, a launch with another join secret: refused at the door, it takes no claim.
         stray = start(1, [*flags, "--diloco-worker-index", "1"], tmp_path / "stray.log",
                       {"MEGATRON_STREAMING_AUTH_TOKEN": "not the job's"})
+        logs[1] = tmp_path / "w1_again.log"
+        procs[1] = start(1, [*common, "--diloco-worker-index", "1"], logs[1], None, DRIVER)
         assert stray.wait(timeout=120) == 2, (tmp_path / "stray.log").read_text()[-3000:]
         refused = (tmp_path / "stray.log").read_text()
         assert "pretrain_gpt.py: error: a worker rejoining the running job differs from it " \
             "(it stops here): worker 0 (" in refused, refused[-3000:]
         assert "joined with another join secret than this launch's" in refused
         assert "not the job's" not in refused
-        logs[1] = tmp_path / "w1_again.log"
-        procs[1] = start(1, [*common, "--diloco-worker-index", "1"], logs[1], None, DRIVER)
         for w, p in procs.items():
             assert p.wait(timeout=300) == 0, logs[w].read_text()[-3000:]
     finally:

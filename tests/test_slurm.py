@@ -107,7 +107,7 @@ def test_worker_index_without_rendezvous_is_refused(cluster, tmp_path):
     assert "--diloco-worker-index needs --master-addr and --master-port" in out.read_text()
 
 
-REQUEUE_ITERS = 400
+REQUEUE_ITERS = 200
 
 
 @pytest.mark.timeout(900)

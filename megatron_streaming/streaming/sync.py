@@ -422,6 +422,12 @@ class NoSync:
     def finish(self) -> int:
         return 0
 
+    def abandon(self) -> None:
+        pass
+
+    def regroup(self, cross) -> None:
+        pass
+
     def global_parameters(self):
         return contextlib.nullcontext()
 
