@@ -102,7 +102,7 @@ class StopAgreement:
         """Start afresh on a new membership's control group (every member does it after the
         same step); the reductions posted on the old one are dropped."""
         self.workers = self.cross.workers
-        self._pending.clear()
+        self.release()
 
     def should_stop(self) -> Optional[str]:
         """The name of the signal that stops every rank after this iteration, or None.
@@ -121,9 +121,7 @@ class StopAgreement:
             work, posted = self.cross.all_reduce_control(flag, dist.ReduceOp.MAX,
                                                          async_op=True)
         except Exception as e:
-            if self.on_lost is None or not is_communication_error(e):
-                raise
-            self.on_lost(e)
+            hand_over(self.on_lost, e)
             return None
         self._pending.append((work, posted))
         if len(self._pending) <= self.lag:
@@ -135,9 +133,7 @@ class StopAgreement:
         try:
             work.wait()
         except Exception as e:
-            if self.on_lost is None or not is_communication_error(e):
-                raise
-            self.on_lost(e)
+            hand_over(self.on_lost, e)
             return None
         self.join_agreed = self.carries_join and bool(posted[1].item())
         return _signal_name(int(posted[0].item()))
@@ -309,6 +305,14 @@ class Liveness:
             if not waiting:
                 return
             time.sleep(0.2)
+
+
+def hand_over(on_lost, error: BaseException) -> None:
+    """A failed cross-worker collective of an elastic run goes to ``on_lost``
+    (``elastic.Elastic.note``); without one, or for any other error, it is raised."""
+    if on_lost is None or not is_communication_error(error):
+        raise error
+    on_lost(error)
 
 
 def is_communication_error(e: BaseException) -> bool:

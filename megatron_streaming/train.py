@@ -47,8 +47,6 @@ class Run:
         from .elastic import Elastic
 
         self.elastic = Elastic(self)
-        if self.rejoin is not None:  # from a live worker, not from --load
-            self.resume = None
         for make in self.extensions:
             self.engine.step_hooks.append(make(self))
         self.iteration = 0
@@ -56,7 +54,8 @@ class Run:
         self.last_saved = None  # iteration of the latest checkpoint this run wrote
         self.step_seconds = []
         run_state = None
-        if self.rejoin is not None:
+        if self.rejoin is not None:  # the state from a live worker, not from --load
+            self.resume = None
             self.iteration = self.elastic.join(self.rejoin.epoch)
         if self.resume:
             started = time.perf_counter()

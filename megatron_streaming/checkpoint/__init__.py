@@ -53,7 +53,7 @@ def _dist_save(sharded_state_dict: dict, directory: str) -> None:
 
 class Checkpointer:
     """Saves and loads this rank's part of a job-wide checkpoint: each worker writes its own
-    part (``store``), in its own world; global rank 0 commits the whole.
+    part (``store``), in its own world; the job's leading rank (``leads``) commits the whole.
 
     ``state`` objects (``job.JobState``) give ``sharded_state_dict()``, ``rank_info()`` and
     ``describe()``; ``failed_ranks(flag)`` is a collective over every rank of every worker that

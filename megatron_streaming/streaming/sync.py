@@ -285,9 +285,9 @@ class StreamingSync:
         try:
             result = pending.wait()
         except Exception as e:
-            if self.on_lost is None or not _communication_error(e):
-                raise
-            self.on_lost(e)  # a lost worker: skipped here, dropped everywhere (elastic)
+            from ..lifecycle import hand_over
+
+            hand_over(self.on_lost, e)  # a lost worker: skipped here, dropped everywhere
             stats.skipped += 1
             self._event("lost", g)
             return None
@@ -387,12 +387,6 @@ class StreamingSync:
         Their results are not merged (after ``finish`` there are none; a run stopped early
         keeps them in its checkpoint instead)."""
         self.transport.close()
-
-
-def _communication_error(e: BaseException) -> bool:
-    from ..lifecycle import is_communication_error
-
-    return is_communication_error(e)
 
 
 class NoSync:
