@@ -27,6 +27,11 @@ RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
 def env(extra: Optional[dict] = None) -> dict:
     e = {k: v for k, v in os.environ.items() if k not in RENDEZVOUS}
     e.setdefault("OMP_NUM_THREADS", "1")
+    # torch.compile off in launched runs: its imports (inductor, pulled in by the functions
+    # megatron-core decorates at import) cost 1.5 s of a 5.5 s start-up, on every rank of
+    # every launch; the runs here compile nothing they need (the codec compiles only tensors
+    # of 64k elements and more: test_codec checks those kernels in-process).
+    e.setdefault("TORCHDYNAMO_DISABLE", "1")
     e["PYTHONUNBUFFERED"] = "1"
     e.update(extra or {})
     return e

@@ -31,7 +31,7 @@ TINY = ["--mock-data", "--num-layers", "2", "--hidden-size", "64", "--num-attent
         "--diloco-workers", "2", "--tensor-model-parallel-size", "2",
         "--diloco-inner-steps", "2", "--log-interval", "2", "--eval-iters", "1",
         "--diloco-timeout", "180"]
-JOB_ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+JOB_ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TORCHDYNAMO_DISABLE": "1"}  # as harness.env
 JOB_TIMEOUT = 600
 
 
