@@ -255,8 +255,8 @@ class StreamingConfig:
     diloco_min_workers: Optional[int] = arg(
         None, "Elastic workers: keep training while at least this many workers are alive (and "
         "they are a strict majority of --diloco-workers); a lost worker is dropped and the "
-        "outer mean goes over the others. Default: --diloco-workers (a lost worker stops the "
-        "job).")
+        "outer mean goes over the others; fewer, or no majority: a checkpoint (--save) and a "
+        "stop with the reason. Default: --diloco-workers (a lost worker stops the job).")
     diloco_control_lag: int = arg(
         1, "Steps between posting the per-step cross-worker stop flag and reading it: hides "
         "link latency up to this many steps; a SIGTERM stops the job this many steps later.")

@@ -65,6 +65,8 @@ class Elastic:
         # holds the frames, and so the groups, that must be destroyed (``_release_groups``).
         self.noted: Optional[str] = None
         self.resync_at: Optional[int] = None  # the step after which the survivors resync
+        # Why the job stops (too few workers alive), once the survivors have resynced.
+        self.stopping: Optional[str] = None
         self.history = []  # the membership records this rank moved to, in order
         if self.enabled:
             from .membership import Membership
@@ -117,8 +119,6 @@ class Elastic:
 
     # ---- recovery ------------------------------------------------------------------------
     def _recover(self, iteration: int) -> None:
-        from .membership import BelowQuorum
-
         run, topo = self.run, self.run.topology
         cause = self.noted
         self.noted = None
@@ -128,25 +128,29 @@ class Elastic:
         self.membership.store = _connect(topo.store)
         survey = run.liveness.survey(self.membership.store)
         gone = {topo.layout.coords(r)["worker"] for r in survey["lost"] + survey["exiting"]}
+        gone &= set(self.record.members)  # those lost earlier are not news
         alive = [w for w in self.record.members if w not in gone]
         reason = f"lost worker(s) {sorted(gone)} after step {iteration}" if gone else \
-            f"a cross-worker collective failed after step {iteration}"
-        try:
-            record = self.membership.propose(self.record, alive, iteration, reason)
-        except BelowQuorum as e:
-            raise JobFailure(f"{e} ({cause})") from None
+            f"a cross-worker collective failed after step {iteration} ({cause})"
+        record = self.membership.propose(self.record, alive, iteration, reason)
         if topo.worker not in record.members:
             raise JobFailure(f"the other workers went on without worker {topo.worker} "
                              f"(membership epoch {record.epoch}: workers "
-                             f"{list(record.members)}, {record.reason}); stopping") from None
+                             f"{list(record.members)}, {record.reason}); stopping"
+                             if not record.stopping else
+                             f"the job stops: {record.reason} (membership epoch "
+                             f"{record.epoch})") from None
         self._new_epoch(record)
         # The step to go on from: the latest any survivor reached.
         steps = torch.tensor([iteration], dtype=torch.int64)
         _, steps = topo.cross.all_reduce_control(steps, dist.ReduceOp.MAX)
         target = int(steps.item())
-        log.warning("membership epoch %d: workers %s (%s); the outer mean is over %d workers "
-                    "from now on; exchanges in flight were dropped%s", record.epoch,
-                    list(record.members), record.reason, len(record.members),
+        if record.stopping:  # at that step, with the same global state: save and stop
+            self.stopping = f"{record.reason}; stopping after step {target}"
+        log.warning("membership epoch %d: workers %s (%s)%s; exchanges in flight were "
+                    "dropped%s", record.epoch, list(record.members), record.reason,
+                    "" if record.stopping else
+                    f"; the outer mean is over {len(record.members)} workers from now on",
                     f"; training without the sync up to step {target}" if target > iteration
                     else "")
         self.resync_at = target
@@ -249,6 +253,9 @@ class Elastic:
             following = self.membership.record(epoch + 1)
             if following is not None:
                 epoch += 1
+                if following.stopping:
+                    raise JobFailure(f"worker {topo.worker} asked to rejoin, but the job "
+                                     f"stopped: {following.reason}")
                 if topo.worker in following.members:
                     break
                 continue

@@ -8,12 +8,14 @@ same epoch reads the winner's record instead of writing its own. The store is th
 standalone rendezvous (``python -m megatron_streaming.rendezvous``): no worker hosts it, so
 any live worker can write and read the record.
 
-The rule against split brain: a record is valid only if its members are a strict majority of
-the configured workers (more than M/2) and at least ``--diloco-min-workers``. A proposer that
-sees fewer workers alive writes nothing and stops, so of two sides of a partitioned link at
-most one goes on (with M even, a half is not a majority: both halves stop). Each epoch's
-cross-worker groups are made by its members alone under the epoch's own prefix of the store
-(``Topology.add_cross_worker_groups``).
+The rule against split brain: a record lets its members go on only if they are a strict
+majority of the configured workers (more than M/2) and at least ``--diloco-min-workers``. A
+proposer that sees fewer workers alive proposes a *stopping* record instead (``stopping``:
+its members save a checkpoint and stop). Either way the first proposal of the epoch wins, so
+of two sides of a partitioned link at most one goes on (with M even, a half is not a
+majority: both halves stop), and a side that lost the race reads that it is not a member and
+stops. Each epoch's cross-worker groups are made by its members alone under the epoch's own
+prefix of the store (``Topology.add_cross_worker_groups``).
 """
 
 from __future__ import annotations
@@ -22,14 +24,7 @@ import json
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
-from .errors import JobFailure
-
 PREFIX = "megatron_streaming/membership/"
-
-
-class BelowQuorum(JobFailure):
-    """Too few workers are alive to go on (minority side of a partition, or below
-    ``--diloco-min-workers``)."""
 
 
 @dataclass(frozen=True)
@@ -38,15 +33,17 @@ class Record:
     members: Tuple[int, ...]
     step: int = 0
     reason: str = ""
+    stopping: bool = False  # too few alive: the members save a checkpoint and stop
 
     def encode(self) -> bytes:
-        return json.dumps({"members": list(self.members), "step": self.step,
-                           "reason": self.reason}).encode()
+        d = {"members": list(self.members), "step": self.step, "reason": self.reason}
+        return json.dumps({**d, "stopping": True} if self.stopping else d).encode()
 
     @classmethod
     def decode(cls, epoch: int, raw: bytes) -> "Record":
         d = json.loads(raw)
-        return cls(epoch, tuple(d["members"]), int(d["step"]), d.get("reason", ""))
+        return cls(epoch, tuple(d["members"]), int(d["step"]), d.get("reason", ""),
+                   bool(d.get("stopping", False)))
 
 
 def quorum_problem(members, configured: int, min_workers: int) -> Optional[str]:
@@ -90,13 +87,14 @@ class Membership:
 
     def propose(self, after: Record, alive: List[int], step: int, reason: str) -> Record:
         """The record that follows ``after``: ``alive`` (this proposer's view) if it is the
-        first proposal, else the one already written. Raises BelowQuorum, writing nothing,
-        when ``alive`` may not go on; a written record is always a valid one."""
+        first proposal, else the one already written. When ``alive`` may not go on, the
+        proposal is a stopping record, its reason saying why."""
         problem = quorum_problem(alive, self.configured, self.min_workers)
         if problem:
-            raise BelowQuorum(f"membership after epoch {after.epoch} "
-                              f"(workers {list(after.members)}): {problem}; stopping")
-        mine = Record(after.epoch + 1, tuple(sorted(set(alive))), step, reason)
+            reason = (f"{reason}; {problem} (membership epoch {after.epoch} was workers "
+                      f"{list(after.members)})")
+        mine = Record(after.epoch + 1, tuple(sorted(set(alive))), step, reason,
+                      stopping=bool(problem))
         key = f"{PREFIX}{mine.epoch}"
         held = self.store.compare_set(key, "", mine.encode())
         self.bytes += len(key) + 2 * len(mine.encode())

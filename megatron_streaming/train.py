@@ -183,6 +183,13 @@ class Run:
         deadline = time.monotonic() + 60.0 * p.distributed_timeout_minutes
         while True:
             latest = membership.latest()
+            if latest.stopping:
+                from .errors import JobFailure
+
+                raise JobFailure(f"the job this rendezvous serves has stopped: "
+                                 f"{latest.reason} (membership epoch {latest.epoch}); "
+                                 "restart the rendezvous and every worker (with --load) for "
+                                 "a new run")
             if worker not in latest.members:
                 return latest
             if not store.check([f"{PREFIX}worker{worker}"]) or time.monotonic() > deadline:
@@ -289,6 +296,9 @@ class Run:
             self.elastic.end_of_step(self.iteration)  # a lost worker: the others go on
             if self.elastic.catching_up:  # up to the step the other survivors reached: no
                 continue  # save, no stop flag (they are past this step's)
+            if self.elastic.stopping:  # too few workers alive: a checkpoint, then out
+                self.stopped_by = "too-few-workers"
+                break
             if self.iteration % cfg.logging.log_interval == 0 or self.iteration == t.train_iters:
                 self._log_step(result, throughput, progress_line)
             if t.eval_interval and self.iteration % t.eval_interval == 0:
@@ -508,6 +518,11 @@ def _train_and_report(run: Run) -> Optional[dict]:
         train_loss = run.train()
         if cfg.checkpoint.save and run.last_saved != run.iteration:
             run.save()
+        if run.elastic.stopping:
+            from .lifecycle import JobFailure, checkpoint_advice
+
+            raise JobFailure(f"{run.elastic.stopping}. "
+                             f"{checkpoint_advice(cfg.checkpoint.save)}")
     evaluated_at, valid_loss = run.last_valid
     test_loss = None
     if run.stopped_by is None:  # a stop request leaves at once: no extra evaluation

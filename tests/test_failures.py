@@ -286,9 +286,10 @@ def test_a_standalone_rendezvous_and_worker_0_can_be_lost_without_stopping_train
     """Three workers (one launch each, --diloco-min-workers 2) meet at a rendezvous served by
     its own process (--rendezvous-external). Killed mid-run and restarted on the same port, it
     does not stop training. Then every process of worker 0 (the first launched) is killed:
-    workers 1 and 2 go on over a new membership epoch and finish, with the same global
-    parameters in their parts of the final checkpoint. A launch whose rendezvous is not there
-    fails with one line naming it and how to start it."""
+    workers 1 and 2 go on over a new membership epoch, with the same global parameters in
+    their parts of the next checkpoint. Then worker 2 is killed: worker 1 alone is below
+    --diloco-min-workers and no majority, so it stops with a checkpoint and the reason. A
+    launch whose rendezvous is not there fails with one line naming it and how to start it."""
     import sys
 
     from megatron_streaming.checkpoint.offline import read_tensors
@@ -298,47 +299,58 @@ def test_a_standalone_rendezvous_and_worker_0_can_be_lost_without_stopping_train
                                  "--host", "127.0.0.1", "--port", str(port)],
                                 stdout=open(tmp_path / name, "w"), stderr=subprocess.STDOUT)
 
+    def kill(launch):  # the launcher and its rank: every process of a worker
+        for p in [*psutil.Process(launch.pid).children(recursive=True), launch]:
+            p.kill()
+
     port = free_port()
     ckpt = tmp_path / "ckpt"
     common = [*STREAMING, "--diloco-workers", "3", "--diloco-min-workers", "2",
               "--train-iters", "40", "--master-addr", "127.0.0.1", "--master-port", str(port),
-              "--rendezvous-external", "--diloco-timeout", "60", "--save", str(ckpt)]
+              "--rendezvous-external", "--diloco-timeout", "60", "--save", str(ckpt),
+              "--save-interval", "10"]
     store = serve(port, "store1.log")
     workers = []
     try:
         wait_for_line(tmp_path / "store1.log", "listening", store, timeout=60)
         for w in range(3):
-            workers.append(start(1, [*common, "--diloco-worker-index", str(w), "--summary-json",
-                                     str(tmp_path / f"w{w}.json")], tmp_path / f"w{w}.log",
-                                 SLOW, FAULTS))
+            workers.append(start(1, [*common, "--diloco-worker-index", str(w)],
+                                 tmp_path / f"w{w}.log", SLOW, FAULTS))
         wait_for_line(tmp_path / "w0.log", r"iteration +5/40", workers[0])
         store.kill()
         store.wait(timeout=30)
         time.sleep(2)
         store = serve(port, "store2.log")
         wait_for_line(tmp_path / "w0.log", r"iteration +15/40", workers[0])
-        for p in [*psutil.Process(workers[0].pid).children(recursive=True), workers[0]]:
-            p.kill()  # the launcher and its rank: every process of worker 0
-        killed = time.monotonic()
-        for w in (1, 2):
-            assert workers[w].wait(timeout=240) == 0, \
-                (tmp_path / f"w{w}.log").read_text()[-3000:]
-        print(f"workers 1 and 2 finished {time.monotonic() - killed:.1f} s after the kill")
+        kill(workers[0])
+        # Worker 1 reports for the job now; after its line for step 21, step 20's
+        # checkpoint is committed.
+        wait_for_line(tmp_path / "w1.log", r"iteration +21/40", workers[1], timeout=240)
+        kill(workers[2])
+        assert workers[1].wait(timeout=240) == 3, (tmp_path / "w1.log").read_text()[-3000:]
     finally:
         for p in [store, *workers]:
             if p.poll() is None:
                 p.kill()
     log1 = (tmp_path / "w1.log").read_text()
     assert "membership epoch 1: workers [1, 2] (lost worker(s) [0]" in log1, log1[-3000:]
-    # Worker 1 reports for the job now.
-    assert json.loads((tmp_path / "w1.json").read_text())["iteration"] == 40
-    assert _tracker(ckpt) == 40
-    final = ckpt / "iter_0000040"
-    assert sorted(p.name for p in final.iterdir() if p.is_dir()) == ["worker1", "worker2"]
-    meta = json.loads((final / "checkpoint.json").read_text())
+    kept = ckpt / "iter_0000020"
+    assert sorted(p.name for p in kept.iterdir() if p.is_dir()) == ["worker1", "worker2"]
+    meta = json.loads((kept / "checkpoint.json").read_text())
     keys = [k for k in meta["kinds"]["keys_by_part"]["worker1"] if k.startswith("outer.theta_g")]
-    one, two = (read_tensors(str(final / f"worker{w}"), keys) for w in (1, 2))
+    one, two = (read_tensors(str(kept / f"worker{w}"), keys) for w in (1, 2))
     assert keys and all(torch.equal(one[k], two[k]) for k in keys)
+    # Below K: a checkpoint at the step worker 1 stopped after, and the reason.
+    last = _tracker(ckpt)
+    error = [line for line in log1.splitlines() if "pretrain_gpt.py: error:" in line]
+    assert last >= 21 and len(error) == 1, log1[-3000:]
+    assert (f"lost worker(s) [2] after step {last}; 1 of 3 workers alive is not a majority of "
+            f"--diloco-workers 3: the other side of a partition may be the one that goes on "
+            f"(membership epoch 1 was workers [1, 2]); stopping after step {last}. Last good "
+            f"checkpoint: {ckpt}/iter_{last:07d} (iteration {last}); resume with --load"
+            ) in error[0], error[0]
+    assert sorted(p.name for p in (ckpt / f"iter_{last:07d}").iterdir() if p.is_dir()) == \
+        ["worker1"]
 
     lonely = run(1, [*STREAMING, "--train-iters", "40", "--master-addr", "127.0.0.1",
                      "--master-port", str(free_port()), "--rendezvous-external",

@@ -13,7 +13,7 @@ import threading
 import pytest
 import torch.distributed as dist
 
-from megatron_streaming.membership import BelowQuorum, Membership, Record, quorum_problem
+from megatron_streaming.membership import Membership, Record, quorum_problem
 
 
 def _store():
@@ -55,14 +55,20 @@ def test_first_proposal_wins_and_every_proposer_reads_it():
     assert m.bytes > 0
 
 
-def test_a_minority_writes_nothing_and_stops():
+def test_too_few_alive_write_a_stopping_record_and_the_first_proposal_still_wins():
     store, _ = _store()
     m = Membership(store, configured=3, min_workers=1)
-    with pytest.raises(BelowQuorum, match="1 of 3 workers alive is not a majority"):
-        m.propose(m.latest(), [2], 10, "lost workers 0, 1")
-    assert m.latest().epoch == 0
-    with pytest.raises(BelowQuorum, match="fewer than --diloco-min-workers 3"):
-        Membership(store, 3, 3).propose(m.latest(), [0, 1], 10, "lost worker 2")
+    # A minority that got there first: nobody goes on (the stopping record wins the epoch).
+    lone = m.propose(m.latest(), [2], 10, "lost worker(s) [0, 1] after step 10")
+    assert lone.stopping and lone.members == (2,) and lone.epoch == 1
+    assert "1 of 3 workers alive is not a majority" in lone.reason
+    assert m.latest() == lone == Record.decode(1, lone.encode())
+    assert m.propose(m.record(0), [0, 1], 10, "lost worker(s) [2]") == lone
+    # A majority below --diloco-min-workers stops too; a valid record is not a stopping one.
+    store, _ = _store()
+    few = Membership(store, 3, 3).propose(Record(0, (0, 1, 2)), [0, 1], 10, "lost [2]")
+    assert few.stopping and "fewer than --diloco-min-workers 3" in few.reason
+    assert not Membership(store, 3, 2).propose(few, [0, 1], 11, "x").stopping
 
 
 _MEMBER = textwrap.dedent("""
