@@ -10,7 +10,6 @@ import sys
 import textwrap
 import threading
 
-import pytest
 import torch.distributed as dist
 
 from megatron_streaming.membership import Membership, Record, quorum_problem
