@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import JobFailure
+from .lifecycle import STORE_CALL_SECONDS
 from .topology import device_of
 
 log = logging.getLogger("megatron_streaming")
@@ -124,9 +125,14 @@ class Elastic:
         self.noted = None
         run.sync.abandon()  # first: the failed exchanges' errors hold their groups
         self._release_groups()
-        # A new connection: the standalone rendezvous may have been restarted since.
-        self.membership.store = _connect(topo.store)
-        survey = run.liveness.survey(self.membership.store)
+        try:  # a new connection: the standalone rendezvous may have been restarted since
+            _answers(STORE_CALL_SECONDS)
+            self.membership.store = _connect(topo.store, seconds=STORE_CALL_SECONDS)
+            survey = run.liveness.survey(self.membership.store)
+        except Exception as e:  # cut off from the rendezvous (and so from the job)
+            raise OutsideTheJob(f"worker {topo.worker} lost the job after step {iteration} "
+                                f"({cause}) and cannot reach the rendezvous store: "
+                                f"{_first_line(e)}") from None
         gone = {topo.layout.coords(r)["worker"] for r in survey["lost"] + survey["exiting"]}
         gone &= set(self.record.members)  # those lost earlier are not news
         alive = [w for w in self.record.members if w not in gone]
@@ -134,12 +140,12 @@ class Elastic:
             f"a cross-worker collective failed after step {iteration} ({cause})"
         record = self.membership.propose(self.record, alive, iteration, reason)
         if topo.worker not in record.members:
-            raise JobFailure(f"the other workers went on without worker {topo.worker} "
-                             f"(membership epoch {record.epoch}: workers "
-                             f"{list(record.members)}, {record.reason}); stopping"
-                             if not record.stopping else
-                             f"the job stops: {record.reason} (membership epoch "
-                             f"{record.epoch})") from None
+            if record.stopping:
+                raise JobFailure(f"the job stops: {record.reason} (membership epoch "
+                                 f"{record.epoch})")
+            raise OutsideTheJob(f"the other workers went on without worker {topo.worker} "
+                                f"(membership epoch {record.epoch}: workers "
+                                f"{list(record.members)}, {record.reason})")
         self._new_epoch(record)
         # The step to go on from: the latest any survivor reached.
         steps = torch.tensor([iteration], dtype=torch.int64)
@@ -280,7 +286,61 @@ class Elastic:
         return record.step
 
 
-def _connect(fallback):
+class OutsideTheJob(JobFailure):
+    """This worker is no longer a member (cut off, or the others went on without it).
+    ``rejoin_when_reachable`` turns it into a restart of the worker's process, which rejoins
+    as any restarted worker does; else it ends the run as a ``JobFailure``."""
+
+
+def rejoin_when_reachable(outside: OutsideTheJob, timeout_s: float, hosts_store: bool,
+                          environment: dict) -> None:
+    """Wait (up to ``timeout_s``) until the rendezvous store answers, then restart this
+    process with its own command line (same pid, environment and launcher), so that it
+    comes back through the door as a restarted worker: a cut link heals by itself
+    (``environment``: the process's own, as its launcher gave it). Raises
+    ``outside`` when it cannot: this rank hosts the store (a restart would take the store
+    with it), or the store stays away."""
+    import os
+    import sys
+    import time
+
+    if hosts_store:
+        raise JobFailure(f"{outside}; stopping (this rank hosts the rendezvous store, so it "
+                         "cannot restart to rejoin)")
+    log.warning("%s; rejoining as a restarted worker once the rendezvous store answers "
+                "(waiting up to %g s, --distributed-timeout-minutes)", outside, timeout_s)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            _answers(5.0)
+            _connect(None, seconds=5.0).check(["megatron_streaming/door/"])
+            break
+        except Exception as e:
+            if time.monotonic() > deadline:
+                raise JobFailure(f"{outside}; the rendezvous store stayed unreachable for "
+                                 f"{timeout_s:g} s (--distributed-timeout-minutes): "
+                                 f"{_first_line(e)}") from None
+            time.sleep(2.0)
+    log.warning("the rendezvous store answers again: restarting this rank to rejoin")
+    for handler in logging.getLogger().handlers + log.handlers:
+        handler.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], environment)
+
+
+def _answers(seconds: float) -> None:
+    """Raise unless the rendezvous store's port takes a connection within ``seconds`` (a
+    plain socket: a store client's failed tries log pages of traces)."""
+    import os
+    import socket
+
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if host and port:
+        socket.create_connection((host, int(port)), timeout=seconds).close()
+
+
+def _connect(fallback, seconds: float = 60.0):
     """A fresh client of the job's rendezvous store (``fallback`` without a launcher)."""
     import os
 
@@ -288,7 +348,7 @@ def _connect(fallback):
     if not (host and port):
         return fallback
     return dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
-                         timeout=datetime.timedelta(seconds=60))
+                         timeout=datetime.timedelta(seconds=seconds))
 
 
 def _first_line(e: Optional[BaseException]) -> str:

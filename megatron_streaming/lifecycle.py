@@ -325,9 +325,10 @@ def is_communication_error(e: BaseException) -> bool:
         return False
     if isinstance(e, getattr(dist, "DistError", ())):
         return True
-    text = str(e)
+    text = str(e).lower()  # e.g. gloo's "Application timeout caused pair closure"
     return isinstance(e, RuntimeError) and any(
-        s in text for s in ("gloo", "Connection", "NCCL", "imed out", "Socket"))
+        s in text for s in ("gloo", "connection", "nccl", "timed out", "timeout", "socket",
+                            "pair closure"))
 
 
 def describe_rank(layout, rank: int) -> str:

@@ -8,6 +8,7 @@ collective, so a bad flag fails fast on every rank with the same message.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Optional
 
@@ -33,6 +34,7 @@ class Run:
         self.extensions = list(extensions)
         self.start_time = time.perf_counter()
         self.rejoin = None  # the membership record of a running job this worker rejoins
+        self.launch_environment = dict(os.environ)  # as launched: a restart to rejoin uses it
 
     def setup(self) -> "Run":
         """Everything a rank needs, built in dependency order."""
@@ -122,7 +124,8 @@ class Run:
         self.resume = self._resume_source(layout)
         self.patches = patches.apply()
         door = store = None
-        if not distributed.is_initialized():  # else embedded: the world exists already
+        self.own_processes = not distributed.is_initialized()  # else embedded: the world
+        if self.own_processes:  # exists already
             from .door import Door, fingerprint
 
             store = distributed.rendezvous_store(p.distributed_timeout_minutes,
@@ -502,11 +505,19 @@ def pretrain(cfg: Config, extensions=()) -> Optional[dict]:
 
     A communication failure (a lost or stuck peer) ends in ``JobFailure`` naming the lost
     rank and the last good checkpoint; SIGTERM ends in a checkpoint and a normal return."""
+    from .elastic import OutsideTheJob, rejoin_when_reachable
+
     with Run(cfg, extensions) as run:
         try:
             return _train_and_report(run)
+        except OutsideTheJob as e:  # cut off or left behind: rejoin, after Run.close
+            if not run.own_processes:  # embedded: the caller's process is not ours to restart
+                raise
+            outside, hosts_store = e, run.liveness.hosts_store()
         except Exception as e:
             raise run.failure(e)
+    rejoin_when_reachable(outside, 60.0 * cfg.parallel.distributed_timeout_minutes,
+                          hosts_store, run.launch_environment)
 
 
 def _train_and_report(run: Run) -> Optional[dict]:

@@ -38,10 +38,14 @@ class Link:
         """``command`` run inside side ``side``'s namespace."""
         return ["ip", "netns", "exec", self.names[side], *command]
 
-    def cut(self) -> None:
+    def cut(self, state: str = "down") -> None:
         """Take both ends of the link down: packets are dropped, no connection is reset."""
         for side in (0, 1):
-            _ip("-n", self.names[side], "link", "set", self.devices[side], "down")
+            _ip("-n", self.names[side], "link", "set", self.devices[side], state)
+
+    def restore(self) -> None:
+        """Bring the link back up (the addresses stay; the routes come back)."""
+        self.cut("up")
 
 
 @contextmanager

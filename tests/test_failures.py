@@ -8,6 +8,7 @@ error, the checkpoint left behind, and that a relaunch resumes from it.
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -194,6 +195,66 @@ def test_a_link_cut_between_two_clusters_stops_both_sides_within_the_timeout(tmp
     assert (f"pretrain_gpt.py: error: cannot tell which rank was lost: rendezvous store "
             f"{link.addresses[0]}:{port} unreachable: no answer within") in out1, out1[-2000:]
     assert "or the link to it is down" in out1
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not netns.available(), reason="needs root and ip netns")
+def test_an_elastic_job_goes_on_across_a_link_cut_and_heals_when_the_link_comes_back(
+        tmp_path):
+    """Three workers, --diloco-min-workers 2: workers 0 and 1 (and the store) in one network
+    namespace, worker 2 in the other. The link goes down mid-run: workers 0 and 1 (a
+    majority) name worker 2 as lost and go on; worker 2, cut off from the store, waits for
+    it. The link comes back: worker 2 restarts its own process, rejoins through the door and
+    is admitted. A SIGTERM then stops all three after the same step with a checkpoint, whose
+    three parts hold the same global parameters."""
+    from megatron_streaming.checkpoint.offline import read_tensors
+
+    sides = (0, 0, 1)
+    with netns.two_namespaces() as link:
+        port = free_port()
+        ckpt = tmp_path / "ckpt"
+        common = [*STREAMING, "--diloco-workers", "3", "--diloco-min-workers", "2",
+                  "--train-iters", "100000", "--diloco-timeout", "5",
+                  "--distributed-timeout-minutes", "1", "--master-addr", link.addresses[0],
+                  "--master-port", str(port), "--save", str(ckpt)]
+        logs = [tmp_path / f"worker{w}.log" for w in range(3)]
+        workers = [start(1, [*common, "--diloco-worker-index", str(w)], logs[w],
+                         {**SLOW, "GLOO_SOCKET_IFNAME": link.devices[sides[w]]}, FAULTS,
+                         wrap=lambda cmd, w=w: link.run_in(sides[w], cmd))
+                   for w in range(3)]
+        try:
+            wait_for_line(logs[0], r"iteration +8/", workers[0], timeout=180)
+            link.cut()
+            cut = time.monotonic()
+            wait_for_line(logs[0], r"membership epoch 1: workers \[0, 1\]", workers[0])
+            print(f"workers 0 and 1 went on {time.monotonic() - cut:.1f} s after the cut")
+            wait_for_line(logs[2], "rejoining as a restarted worker", workers[2])
+            link.restore()
+            back = time.monotonic()
+            wait_for_line(logs[2], r"worker 2 rejoined after step", workers[2], timeout=180)
+            print(f"worker 2 rejoined {time.monotonic() - back:.1f} s after the link came back")
+            line = wait_for_line(logs[0], r"membership epoch 2: workers \[0, 1, 2\]",
+                                 workers[0])
+            joined = int(re.search(r"rejoined after step (\d+)", line).group(1))
+            wait_for_line(logs[0], rf"iteration +{joined + 6}/", workers[0])
+            workers[0].send_signal(signal.SIGTERM)
+            codes = [w.wait(timeout=120) for w in workers]
+        finally:
+            for w in workers:
+                if w.poll() is None:
+                    w.kill()
+    out = [log.read_text() for log in logs]
+    assert codes == [0, 0, 0], [o[-2000:] for o in out]
+    assert "membership epoch 1: workers [0, 1] (lost worker(s) [2] after step" in out[0]
+    assert "cannot reach the rendezvous store" in out[2], out[2][-3000:]
+    assert "restarting this rank to rejoin" in out[2]
+    last = _tracker(ckpt)
+    assert last > joined
+    final = ckpt / f"iter_{last:07d}"
+    meta = json.loads((final / "checkpoint.json").read_text())
+    keys = [k for k in meta["kinds"]["keys_by_part"]["worker0"] if k.startswith("outer.theta_g")]
+    parts = [read_tensors(str(final / f"worker{w}"), keys) for w in range(3)]
+    assert keys and all(torch.equal(parts[0][k], p[k]) for p in parts[1:] for k in keys)
 
 
 def _liveness_on_own_store(monkeypatch, store_timeout: float):
