@@ -44,7 +44,7 @@ import socket
 import time
 import uuid
 from dataclasses import fields
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 from .arguments import ConfigError, flag_name
 
@@ -269,10 +269,13 @@ class Door:
                               "here): " + " | ".join(problems))
         log.debug("door: %d workers agree (%d bytes)", self.workers, self.bytes)
 
-    def rejoin(self, mine: Dict[str, str], epoch: int, members) -> None:
+    def rejoin(self, mine: Dict[str, str], epoch: int, members,
+               holder_gone: Optional[Callable[[], bool]] = None) -> None:
         """A restarted worker's pass into a running job (membership epoch ``epoch`` without
         it): its claim is the epoch's own, so two launches cannot both rejoin as one worker;
-        its fingerprint and join secret are checked against the live ``members``' records."""
+        its fingerprint and join secret are checked against the live ``members``' records.
+        ``holder_gone``: whether the launch holding the claim already has gone (its heartbeat
+        stopped before it was admitted); then this launch takes the claim over."""
         claims = [(w, f"worker{w}") for w in sorted(members)]
         records = [json.loads(self._get(key)) for _, key in claims]
         # Checked before claiming, so that a refused launch does not hold the claim.
@@ -282,15 +285,22 @@ class Door:
             raise ConfigError("a worker rejoining the running job differs from it (it "
                               "stops here): " + " | ".join(problems))
         if self.rank_in_worker == 0:
-            self._claim(mine, f"worker{self.worker}.rejoin{epoch}")
+            self._claim(mine, f"worker{self.worker}.rejoin{epoch}", holder_gone)
 
-    def _claim(self, mine: Dict[str, str], key: Optional[str] = None) -> None:
+    def _claim(self, mine: Dict[str, str], key: Optional[str] = None,
+               holder_gone: Optional[Callable[[], bool]] = None) -> None:
         ident = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         key = key or f"worker{self.worker}"
         record = json.dumps({"launch": ident, "proof": _proof(self.secret, key, ident),
                              "fingerprint": mine}).encode()
         self.bytes += len(key) + 2 * len(record)
         held = self.store.compare_set(PREFIX + key, "", record)
+        if held != record and holder_gone is not None and holder_gone():
+            gone = json.loads(held)["launch"].rsplit(":", 1)[0]
+            held = self.store.compare_set(PREFIX + key, held, record)
+            if held == record:
+                log.warning("worker %d: the launch that asked to rejoin before this one (%s) "
+                            "is gone; this launch takes its place", self.worker, gone)
         if held != record:
             other = json.loads(held)["launch"].rsplit(":", 1)[0]
             raise ConfigError(f"--diloco-worker-index {self.worker}: another launch "

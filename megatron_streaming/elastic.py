@@ -208,10 +208,15 @@ class Elastic:
         topo.add_cross_worker_groups(self.membership.store, record.epoch,
                                      list(record.members), self.timeout)
         topo.members = record.members
-        if topo.is_logging_rank():  # the lowest live worker reports for the job now
-            from .metrics import setup_logging
+        reports = topo.is_logging_rank()  # the lowest live worker reports for the job
+        if reports != run.reports:  # this rank starts or stops reporting
+            from .metrics import make_writer, setup_logging
 
-            setup_logging(True)
+            setup_logging(reports)
+            run.reports = reports
+            if hasattr(run, "writer"):  # (a rejoining worker makes it after joining)
+                run.writer.close()
+                run.writer = make_writer(run.cfg.logging, reports, run.cfg)
         topo.cross.regroup(topo)
         run.sync.regroup(topo.cross)
         run.stop.regroup()

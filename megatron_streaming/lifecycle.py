@@ -144,6 +144,16 @@ class StopAgreement:
             self._finish_oldest()
 
 
+def beating(store, rank: int, seconds: float = 2.5 * HEARTBEAT_SECONDS) -> bool:
+    """Whether ``rank``'s heartbeat (``Liveness``, this launch's restart count) moves in
+    ``store`` within ``seconds``."""
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    key = f"{Liveness.PREFIX}/{restart}/beat/{rank}"
+    before = store.add(key, 0)
+    time.sleep(seconds)
+    return store.add(key, 0) != before
+
+
 class Liveness:
     """Per-rank heartbeat and progress in the rendezvous store (a few bytes a second)."""
 

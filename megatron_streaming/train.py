@@ -75,7 +75,7 @@ class Run:
 
         self.data = RunData(self.cfg, self.topology, self.tokenizer)
         self._check_data_position(run_state)
-        self.writer = make_writer(self.cfg.logging, self.topology.is_logging_rank(), self.cfg)
+        self.writer = make_writer(self.cfg.logging, self.reports, self.cfg)
         self._closed = False
         return self
 
@@ -138,8 +138,11 @@ class Run:
             if self.rejoin is None:
                 door.agree(fingerprint(cfg, layout, self.tokenizer))
             else:
+                from .lifecycle import beating
+
+                first = coords["worker"] * layout.ranks_per_worker  # it claims for the worker
                 door.rejoin(fingerprint(cfg, layout, self.tokenizer), self.rejoin.epoch,
-                            self.rejoin.members)
+                            self.rejoin.members, lambda: not beating(store, first))
         # Each worker is its own world (distributed.init_distributed).
         rank, _ = distributed.init_distributed(
             p.distributed_backend, p.distributed_timeout_minutes, store,
@@ -161,7 +164,8 @@ class Run:
                                  store_timeout=60.0 * p.distributed_timeout_minutes,
                                  saves=bool(cfg.checkpoint.save))
         self.stop = StopAgreement(self.topology, self.stop_request, s.diloco_control_lag)
-        setup_logging(self.topology.is_logging_rank())
+        self.reports = self.topology.is_logging_rank()  # progress lines, the writers
+        setup_logging(self.reports)
         for note in cfg.notes:
             log.info("flag %s", note)
         if self.topology.is_logging_rank():  # the same on every rank: said once per job

@@ -133,6 +133,42 @@ def test_only_launches_with_the_join_secret_get_in(monkeypatch):
         assert not any(secret and secret in r for secret in secrets for r in records)
 
 
+def test_a_rejoin_claim_is_taken_over_only_from_a_launch_that_is_gone(monkeypatch):
+    """Two launches cannot both rejoin as worker 1 in one membership epoch, unless the first
+    is gone (its heartbeat stopped before it was admitted): a second relaunch then gets in.
+    ``lifecycle.beating`` tells a moving heartbeat from a frozen one."""
+    from megatron_streaming.lifecycle import beating
+
+    monkeypatch.setenv("RANK", "1")
+    fp, store = _fingerprint(), _store()
+    t = datetime.timedelta(seconds=5)
+    for w in (0, 2):
+        Door(store, w, 3, 0, t)._claim(fp)
+    Door(store, 1, 3, 0, t).rejoin(fp, 1, [0, 2], holder_gone=lambda: False)
+    first = store.get("megatron_streaming/door/worker1.rejoin1")
+    with pytest.raises(ConfigError, match="another launch .+ already joined as worker 1"):
+        Door(store, 1, 3, 0, t).rejoin(fp, 1, [0, 2], holder_gone=lambda: False)
+    assert store.get("megatron_streaming/door/worker1.rejoin1") == first
+    Door(store, 1, 3, 0, t).rejoin(fp, 1, [0, 2], holder_gone=lambda: True)
+    assert store.get("megatron_streaming/door/worker1.rejoin1") != first
+
+    key = "megatron_streaming/liveness/0/beat/3"
+    assert not beating(store, 3, seconds=0.3)
+    stop = threading.Event()
+
+    def beat():
+        while not stop.wait(0.05):
+            store.add(key, 1)
+
+    thread = threading.Thread(target=beat)
+    thread.start()
+    try:
+        assert beating(store, 3, seconds=0.3)
+    finally:
+        stop.set()
+        thread.join()
+
+
 @pytest.mark.timeout(300)
 def test_mismatched_launches_stop_every_worker_naming_the_flags(tmp_path):
     """One launch per worker (one rank each), four mismatched jobs at once (the fourth: the

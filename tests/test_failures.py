@@ -375,7 +375,8 @@ def test_a_standalone_rendezvous_and_worker_0_can_be_lost_without_stopping_train
     try:
         wait_for_line(tmp_path / "store1.log", "listening", store, timeout=60)
         for w in range(3):
-            workers.append(start(1, [*common, "--diloco-worker-index", str(w)],
+            workers.append(start(1, [*common, "--diloco-worker-index", str(w), "--log-jsonl",
+                                     str(tmp_path / f"w{w}.jsonl")],
                                  tmp_path / f"w{w}.log", SLOW, FAULTS))
         wait_for_line(tmp_path / "w0.log", r"iteration +5/40", workers[0])
         store.kill()
@@ -395,6 +396,10 @@ def test_a_standalone_rendezvous_and_worker_0_can_be_lost_without_stopping_train
                 p.kill()
     log1 = (tmp_path / "w1.log").read_text()
     assert "membership epoch 1: workers [1, 2] (lost worker(s) [0]" in log1, log1[-3000:]
+    # Worker 1's writers report for the job from the loss on; worker 2 never reports.
+    reported = [r["iteration"] for r in read_jsonl(tmp_path / "w1.jsonl")]
+    assert 15 < reported[0] and 21 in reported, reported
+    assert not (tmp_path / "w2.jsonl").exists()
     kept = ckpt / "iter_0000020"
     assert sorted(p.name for p in kept.iterdir() if p.is_dir()) == ["worker1", "worker2"]
     meta = json.loads((kept / "checkpoint.json").read_text())
