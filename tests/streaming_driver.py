@@ -39,9 +39,29 @@ def full_parameters(run) -> dict:
     return out
 
 
+class BytesByStep:
+    """A step hook: the bytes this rank's transport had sent before each step (after the
+    previous step's recovery or admission, if any)."""
+
+    def __init__(self, run):
+        self.run, self.sent = run, {}
+
+    def before_step(self, step):
+        self.sent[step] = self.run.sync.transport.bytes_sent
+
+    def after_step(self):
+        pass
+
+
 def main():
     out_dir, argv = sys.argv[1], sys.argv[2:]
-    with Run(parse_args(argv), [Faults]) as run:
+    hooks = []
+
+    def bytes_by_step(run):
+        hooks.append(BytesByStep(run))
+        return hooks[-1]
+
+    with Run(parse_args(argv), [Faults, bytes_by_step]) as run:
         run.sync.events = []  # what the sync did, step by step (off by default)
         run.train()
         run.stop.close()
@@ -54,8 +74,9 @@ def main():
         if topo.tp_rank == 0 and topo.dp_rank == 0 and topo.coords["sp"] == 0:
             tag = f"worker{topo.worker}_stage{topo.pp_rank}"
             epochs = [(r.epoch, list(r.members), r.step) for r in run.elastic.history]
+            sent = {**hooks[0].sent, "end": run.sync.transport.bytes_sent}
             torch.save({"local": local, "global": global_, "events": run.sync.events or [],
-                        "cross_worker_bytes": sync_bytes, "epochs": epochs},
+                        "cross_worker_bytes": sync_bytes, "epochs": epochs, "sent": sent},
                        os.path.join(out_dir, f"{tag}.pt"))
     topo.barrier()
 

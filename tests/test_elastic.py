@@ -6,18 +6,19 @@ Three one-rank workers, one launch each. Worker 1 leaves after step 5 having fin
 started (``pretrain_with_faults``' LEAVE), so the step where the others notice is a function
 of the schedule and the reference can follow it exactly: sends after the loss fail and their
 merges are skipped, the exchanges not merged when the loss is noticed are dropped, and the
-mean is over workers 0 and 2 from then on. Relaunched with the same command, worker 1 asks
-in; the others admit it after a step of their choosing (the test reads it from the
-membership record): the exchanges in flight merge first, it starts from theta_g with a fresh
-inner optimizer and the data of the steps after that one. Beside it, a launch with another
-join secret is refused at the door.
+mean is over workers 0 and 2 from then on (each sends what an exchange between two workers
+sends, to the byte). Relaunched with the same command, worker 1 asks in; the others admit it
+after a step of their choosing (the test reads it from the membership record): the exchanges
+in flight merge first, it starts from theta_g with a fresh inner optimizer and the data of
+the steps after that one (three workers' bytes from then on). Beside it, a launch with
+another join secret is refused at the door.
 """
 
 import pytest
 import torch
 
 from harness import free_port, start, wait_for_line
-from test_streaming import BASE, dumps, reference, relative
+from test_streaming import BASE, analytic_bytes, dumps, reference, relative
 
 ELASTIC = [*BASE, "--num-layers", "2", "--diloco-workers", "3", "--diloco-min-workers", "2",
            "--diloco-inner-steps", "4", "--diloco-fragments", "2",
@@ -77,3 +78,16 @@ def test_a_lost_worker_is_dropped_then_rejoins_and_every_step_matches_the_refere
     for n in ref["global"]:
         assert torch.equal(got[0]["global"][n], got[1]["global"][n])
         assert torch.equal(got[0]["global"][n], got[2]["global"][n])
+    # Bytes: two workers' exchanges between the loss and the rejoin, three workers' after.
+    sends = {(s, f) for s, kind, f, _ in got[0]["events"] if kind == "send"}
+
+    def per_worker(window, workers):
+        return analytic_bytes(got[0]["local"], {(s, f) for s, f in sends if s in window},
+                              workers, fragments=2, block=1, codec="none", layers=2) // workers
+
+    two, three = range(noticed + 1, admitted + 1), range(admitted + 1, 91)
+    for w in (0, 2):
+        sent = got[w]["sent"]  # by the step about to start
+        assert sent[admitted + 1] - sent[noticed + 1] == per_worker(two, 2), (w, sent)
+        assert sent["end"] - sent[admitted + 1] == per_worker(three, 3), (w, sent)
+    assert got[1]["sent"]["end"] == per_worker(three, 3)

@@ -43,6 +43,7 @@ def dumps(out, worker):
         merged["events"].extend(part["events"])
         merged["cross_worker_bytes"] = part["cross_worker_bytes"]
         merged["epochs"] = part.get("epochs", [])
+        merged["sent"] = part.get("sent", {})
     return merged
 
 
@@ -171,14 +172,15 @@ def test_slow_worker_syncs_the_same_fragments_at_the_same_steps(tmp_path):
                                                       fragments=3, block=128)
 
 
-def analytic_bytes(params: dict, sends, workers: int, fragments: int, block: int) -> int:
+def analytic_bytes(params: dict, sends, workers: int, fragments: int, block: int,
+                   codec: str = "fp4", layers: int = 3) -> int:
     """What the transport must have counted: per send, per (param group, fragment) shard of n
     elements padded to a multiple of M x block: a 4-byte finiteness flag to each peer, then
-    M-1 FP4 chunks out in the reduce-scatter and this rank's averaged chunk to M-1 peers in
-    the all-gather; every worker does the same."""
+    M-1 FP4 (or fp32, ``codec="none"``, block 1) chunks out in the reduce-scatter and this
+    rank's averaged chunk to M-1 peers in the all-gather; every worker does the same."""
     from megatron_streaming.streaming.fragments import FragmentPlan
 
-    plan = FragmentPlan(3, fragments, "strided")
+    plan = FragmentPlan(layers, fragments, "strided")
     sizes = {}
     for name, tensor in params.items():
         decay = tensor.ndim > 1 and not name.endswith(".bias")
@@ -191,8 +193,8 @@ def analytic_bytes(params: dict, sends, workers: int, fragments: int, block: int
                 continue
             padded = -(-n // (workers * block)) * (workers * block)
             chunk = padded // workers
-            fp4_chunk = chunk // 2 + 4 * (chunk // block)
-            total += 4 * (workers - 1) + 2 * (workers - 1) * fp4_chunk
+            coded = 4 * chunk if codec == "none" else chunk // 2 + 4 * (chunk // block)
+            total += 4 * (workers - 1) + 2 * (workers - 1) * coded
     return total * workers
 
 
