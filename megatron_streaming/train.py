@@ -392,11 +392,22 @@ class Run:
         return self._dp_step_bytes
 
     def save(self) -> None:
-        path = self.checkpointer.save(
-            self.cfg.checkpoint.save, self.iteration, self.job_state,
-            {"iteration": self.iteration,
-             "consumed_samples": self.data.samples_through(self.iteration),
-             "tokens": self.data.tokens_through(self.iteration)})
+        from .lifecycle import is_communication_error
+
+        try:
+            path = self.checkpointer.save(
+                self.cfg.checkpoint.save, self.iteration, self.job_state,
+                {"iteration": self.iteration,
+                 "consumed_samples": self.data.samples_through(self.iteration),
+                 "tokens": self.data.tokens_through(self.iteration)})
+        except Exception as e:  # a worker lost during the save: not committed; elastic runs
+            if not (self.elastic.enabled and is_communication_error(e)):  # go on without it
+                raise
+            self.elastic.note(e)
+            log.warning("the checkpoint of iteration %d was not written: a cross-worker "
+                        "collective failed during it (a lost worker); training goes on",
+                        self.iteration)
+            return
         self.last_saved = self.iteration
         t = self.checkpointer.timings
         log.info("saved checkpoint %s in %.2f s (gather %.2f s, write %.2f s, hash %.2f s)",

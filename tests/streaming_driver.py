@@ -39,6 +39,11 @@ def full_parameters(run) -> dict:
     return out
 
 
+def sent_by(run) -> int:
+    transport = getattr(run.sync, "transport", None)  # none without a sync (one worker)
+    return transport.bytes_sent if transport is not None else 0
+
+
 class BytesByStep:
     """A step hook: the bytes this rank's transport had sent before each step (after the
     previous step's recovery or admission, if any)."""
@@ -47,7 +52,7 @@ class BytesByStep:
         self.run, self.sent = run, {}
 
     def before_step(self, step):
-        self.sent[step] = self.run.sync.transport.bytes_sent
+        self.sent[step] = sent_by(self.run)
 
     def after_step(self):
         pass
@@ -74,7 +79,7 @@ def main():
         if topo.tp_rank == 0 and topo.dp_rank == 0 and topo.coords["sp"] == 0:
             tag = f"worker{topo.worker}_stage{topo.pp_rank}"
             epochs = [(r.epoch, list(r.members), r.step) for r in run.elastic.history]
-            sent = {**hooks[0].sent, "end": run.sync.transport.bytes_sent}
+            sent = {**hooks[0].sent, "end": sent_by(run)}
             torch.save({"local": local, "global": global_, "events": run.sync.events or [],
                         "cross_worker_bytes": sync_bytes, "epochs": epochs, "sent": sent},
                        os.path.join(out_dir, f"{tag}.pt"))

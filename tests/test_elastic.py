@@ -2,7 +2,7 @@
 restarted, it rejoins the running job; both against the single-process reference that drops
 and re-adds it at the same points.
 
-Three one-rank workers, one launch each. Worker 1 leaves after step 5 having finished what it
+Three one-rank workers, one launch each. Worker 1 leaves after step 29 having finished what it
 started (``pretrain_with_faults``' LEAVE), so the step where the others notice is a function
 of the schedule and the reference can follow it exactly: sends after the loss fail and their
 merges are skipped, the exchanges not merged when the loss is noticed are dropped, and the
@@ -11,7 +11,8 @@ sends, to the byte). Relaunched with the same command, worker 1 asks in; the oth
 after a step of their choosing (the test reads it from the membership record): the exchanges
 in flight merge first, it starts from theta_g with a fresh inner optimizer and the data of
 the steps after that one (three workers' bytes from then on). Beside it, a launch with
-another join secret is refused at the door.
+another join secret is refused at the door. The survivors' save after step 30, the first
+collective to miss worker 1, is skipped without stopping them.
 """
 
 import pytest
@@ -22,7 +23,9 @@ from test_streaming import BASE, analytic_bytes, dumps, reference, relative
 
 ELASTIC = [*BASE, "--num-layers", "2", "--diloco-workers", "3", "--diloco-min-workers", "2",
            "--diloco-inner-steps", "4", "--diloco-fragments", "2",
-           "--diloco-overlap-steps", "1", "--diloco-timeout", "60", "--train-iters", "90"]
+           "--diloco-overlap-steps", "1", "--diloco-timeout", "60", "--train-iters", "90",
+           "--save-interval", "30"]
+LEAVES_AFTER = 29  # worker 1; the others' save after step 30 is the first to miss it
 DRIVER = "tests/streaming_driver.py"
 
 
@@ -30,7 +33,9 @@ DRIVER = "tests/streaming_driver.py"
 def test_a_lost_worker_is_dropped_then_rejoins_and_every_step_matches_the_reference(
         tmp_path):
     port = free_port()
-    flags = [*ELASTIC, "--master-addr", "127.0.0.1", "--master-port", str(port)]
+    ckpt = tmp_path / "ckpt"
+    flags = [*ELASTIC, "--master-addr", "127.0.0.1", "--master-port", str(port), "--save",
+             str(ckpt)]
     common = [str(tmp_path), *flags]  # the driver's: its output directory first
     paced = {"MEGATRON_STREAMING_SLOW_WORKER": "0:0.3"}  # time for worker 1's relaunch
     logs = {w: tmp_path / f"w{w}.log" for w in range(3)}
@@ -38,7 +43,7 @@ def test_a_lost_worker_is_dropped_then_rejoins_and_every_step_matches_the_refere
     try:
         procs[0] = start(1, [*common, "--diloco-worker-index", "0"], logs[0], paced, DRIVER)
         procs[1] = start(1, [*common, "--diloco-worker-index", "1"], logs[1],
-                         {"MEGATRON_STREAMING_LEAVE_WORKER": "1:5"}, DRIVER)
+                         {"MEGATRON_STREAMING_LEAVE_WORKER": f"1:{LEAVES_AFTER}"}, DRIVER)
         procs[2] = start(1, [*common, "--diloco-worker-index", "2"], logs[2], None, DRIVER)
         assert procs[1].wait(timeout=180) == 0, logs[1].read_text()[-3000:]
         wait_for_line(logs[0], r"membership epoch 1: workers \[0, 2\]", procs[0])
@@ -64,12 +69,19 @@ def test_a_lost_worker_is_dropped_then_rejoins_and_every_step_matches_the_refere
     lost, back = got[0]["epochs"]
     assert got[2]["epochs"] == [lost, back] and got[1]["epochs"] == [back], got
     (_, members, noticed), (_, everyone, admitted) = lost, back
-    assert members == [0, 2] and everyone == [0, 1, 2] and 5 < noticed < admitted < 90
-    print(f"worker 1 left after step 5; the others noticed after step {noticed}; "
-          f"it rejoined after step {admitted}")
+    assert members == [0, 2] and everyone == [0, 1, 2]
+    assert LEAVES_AFTER < noticed < admitted < 90
+    print(f"worker 1 left after step {LEAVES_AFTER}; the others noticed after step "
+          f"{noticed}; it rejoined after step {admitted}")
+    # The save after step 30 failed with the lost worker: skipped, training went on; the
+    # final checkpoint has every worker's part.
+    assert "the checkpoint of iteration 30 was not written" in logs[0].read_text()
+    assert not (ckpt / "iter_0000030").exists()
+    assert sorted(p.name for p in (ckpt / "iter_0000090").iterdir() if p.is_dir()) == \
+        ["worker0", "worker1", "worker2"]
     for d in (got[0], got[2]):  # a merge after the loss was skipped (its exchange failed)
         assert any(kind == "lost" for _, kind, _, _ in d["events"]), d["events"]
-    ref = reference(ELASTIC, tmp_path, 3, {"REFERENCE_DROP": f"1:5:{noticed}",
+    ref = reference(ELASTIC, tmp_path, 3, {"REFERENCE_DROP": f"1:{LEAVES_AFTER}:{noticed}",
                                            "REFERENCE_READD": f"1:{admitted}"})
     for w in range(3):
         for kind, expected in (("local", ref["local"][w]), ("global", ref["globals"][w])):
