@@ -84,9 +84,10 @@ def advise(train_iters: int, num_layers: int, max_inner_steps: Optional[int] = N
            exchange_steps: Optional[float] = None) -> Advice:
     """The settings the benchmark supports for a run of ``train_iters`` steps.
 
-    ``max_inner_steps``: the largest H the link allows (the bytes of one outer gradient per
-    fragment must cross within H/P inner steps; the planner works it out). Quality wants H as
-    small as the link allows: loss grows with H at a fixed number of steps.
+    ``max_inner_steps``: the H to use if the run is long enough: the smallest the link
+    allows (the whole model's outer gradients cross once per H steps within the share of the
+    link the sync may take; ``plan`` works it out), since loss grows with H at a fixed number
+    of steps; 100 when not given.
     ``exchange_steps``: inner steps one fragment's exchange takes on the link, round trips
     included (None: within one step); sets tau, the control lag and eager (``overlap_for``)."""
     reasons = []
@@ -96,7 +97,8 @@ def advise(train_iters: int, num_layers: int, max_inner_steps: Optional[int] = N
         reasons.append(f"H={h}: at least {MIN_OUTER_STEPS} outer steps per fragment over "
                        f"{train_iters} steps (fewer were not measured)")
     else:
-        reasons.append(f"H={h}: the largest the link allows (smaller H, lower loss)")
+        reasons.append(f"H={h}: as small as the link allows (smaller H, lower loss)"
+                       if max_inner_steps else f"H={h}: the default for a link not described")
     fragments = next(p for p in (3, 2, 1)
                      if p == 1 or (num_layers % p == 0 and h % p == 0 and h // p > 1))
     interval = h // fragments

@@ -1,0 +1,171 @@
+"""The planner's memory and step-time models against measured runs on this machine (CPU).
+
+    .venv/bin/python benchmarks/plan_validation.py [--out docs/results/plan] [--iters 3]
+
+Every layout runs two ranks (one thread each, the machine's two cores), the same model
+(``MODEL``), real launches of pretrain_gpt.py (torchrun), a few iterations; measured: the
+peak resident memory of the busiest rank (``peak_rss_mib_per_rank`` of the summary) and the
+mean step time after the first. Predicted (``megatron_streaming.plan``):
+
+* memory = the model's terms (weights, gradients, optimizer, outer state, activations,
+  logits) + a runtime term measured per layout: the same layout with a tiny model (its own
+  small model terms subtracted), so that the interpreter, the libraries and the process
+  groups are not counted as a model term;
+* step time from the sustained FLOP/s of one rank (a one-rank, one-thread run of the same
+  model, not one of the layouts below) and the loopback bandwidth between two processes
+  (a gloo all-reduce of 64 MiB, measured here).
+
+Written to OUT/validation.json and printed as a table (docs/RESULTS.md, "Planner models").
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "tests"))
+
+from harness import command, env, free_port  # noqa: E402
+
+from megatron_streaming.plan.memory import GIB, Layout, ModelShape, Training, estimate  # noqa
+from megatron_streaming.plan.step_time import Fabric, forward_flops_per_token, step_time  # noqa
+
+MODEL = ["--num-layers", "8", "--hidden-size", "512", "--num-attention-heads", "8",
+         "--seq-length", "256", "--vocab-size", "8192", "--hidden-dropout", "0.1",
+         "--attention-dropout", "0.1"]
+TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8",
+        "--seq-length", "256", "--vocab-size", "512"]
+GLOBAL_BATCH = 4
+
+# (name, layout, workers): two ranks each.
+LAYOUTS = [
+    ("DP=2 ZeRO-0", Layout(dp=2, zero_stage=0, micro_batch=2), 1),
+    ("DP=2 ZeRO-1", Layout(dp=2, zero_stage=1, micro_batch=2), 1),
+    ("DP=2 ZeRO-2", Layout(dp=2, zero_stage=2, micro_batch=2), 1),
+    ("TP=2", Layout(tp=2, micro_batch=2), 1),
+    ("TP=2 recompute", Layout(tp=2, micro_batch=4, recompute=True), 1),
+    ("PP=2", Layout(pp=2, micro_batch=1), 1),
+    ("PP=2 micro-batch 2", Layout(pp=2, micro_batch=2), 1),
+    ("SP=2 (Ulysses)", Layout(sp=2, micro_batch=2), 1),
+    ("2 workers, streaming", Layout(micro_batch=2), 2),
+]
+
+
+def model_args(model_flags, layout: Layout, workers: int, iters: int, summary: str):
+    streaming = ["--diloco-inner-steps", "4", "--diloco-fragments", "2",
+                 "--diloco-overlap-steps", "1"] if workers > 1 else []
+    return ["--mock-data", *model_flags, *layout.flags(), "--global-batch-size",
+            str(GLOBAL_BATCH), "--train-iters", str(iters), "--eval-iters", "0",
+            "--log-interval", "1", "--lr", "1e-4", "--diloco-workers", str(workers),
+            *streaming, "--summary-json", summary]
+
+
+def launch(model_flags, layout: Layout, workers: int, iters: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        summary = os.path.join(tmp, "summary.json")
+        nproc = layout.ranks * workers
+        cmd = command(nproc, model_args(model_flags, layout, workers, iters, summary))
+        proc = subprocess.run(cmd, cwd=REPO, env=env({"MASTER_PORT": str(free_port())}),
+                              capture_output=True, text=True, timeout=1200)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+        with open(summary) as f:
+            return json.load(f)
+
+
+def shape_of(model_flags) -> ModelShape:
+    from megatron_streaming.arguments import parse_args
+
+    cfg = parse_args(["--mock-data", *model_flags])
+    return ModelShape.from_config(cfg.model, cfg.data.vocab_size)
+
+
+def training_of(workers: int) -> Training:
+    return Training(global_batch=GLOBAL_BATCH, streaming=workers > 1, fragments=2,
+                    overlap_steps=1)
+
+
+def loopback_bandwidth() -> float:
+    """Bytes/s of a gloo all-reduce of 64 MiB between two processes here (algorithm
+    bandwidth: the tensor's bytes over the time, as the ring model counts it)."""
+    code = (
+        "import os, time, torch, torch.distributed as dist\n"
+        "dist.init_process_group('gloo')\n"
+        "x = torch.ones(16 * 2**20)\n"
+        "dist.all_reduce(x)\n"
+        "t = time.perf_counter()\n"
+        "for _ in range(5): dist.all_reduce(x)\n"
+        "s = (time.perf_counter() - t) / 5\n"
+        "if dist.get_rank() == 0: print(x.numel() * 4 * 2 * (2 - 1) / 2 / s)\n")
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+        f.write(code)
+    try:
+        out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                              "--nproc-per-node=2", f.name], env=env(), capture_output=True,
+                             text=True, timeout=300, check=True).stdout
+    finally:
+        os.unlink(f.name)
+    return float(out.strip().splitlines()[-1])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="docs/results/plan")
+    ap.add_argument("--iters", type=int, default=3)
+    args = ap.parse_args(argv)
+    shape, tiny = shape_of(MODEL), shape_of(TINY)
+
+    started = time.perf_counter()
+    one = launch(MODEL, Layout(micro_batch=2), 1, args.iters)  # the FLOP/s calibration
+    flops = 3 * forward_flops_per_token(shape) * GLOBAL_BATCH * shape.seq \
+        / one["seconds_per_iteration"]
+    bandwidth = loopback_bandwidth()
+    fabric = Fabric(flops, bandwidth, bandwidth, devices_per_node=2)
+    print(f"calibration: {flops / 1e9:.1f} GFLOP/s per rank sustained (one rank, one thread, "
+          f"{one['seconds_per_iteration']:.2f} s/step); loopback {bandwidth / 1e9:.2f} GB/s")
+    rows = []
+    for name, layout, workers in LAYOUTS:
+        training = training_of(workers)
+        small = launch(TINY, layout, workers, 2)
+        runtime = max(small["peak_rss_mib_per_rank"]) * 2**20 \
+            - estimate(tiny, layout, training).total
+        measured = launch(MODEL, layout, workers, args.iters)
+        predicted = estimate(shape, layout, training, runtime)
+        times = step_time(shape, layout, training, fabric)
+        peak = max(measured["peak_rss_mib_per_rank"]) * 2**20
+        row = {"layout": name, "flags": layout.flags(), "workers": workers,
+               "runtime_gib": runtime / GIB,
+               "predicted_gib": predicted.total / GIB, "measured_gib": peak / GIB,
+               "memory_error": predicted.total / peak - 1,
+               "model_terms_predicted_gib": (predicted.total - runtime) / GIB,
+               "model_terms_measured_gib": (peak - runtime) / GIB,
+               "components_gib": predicted.gib(),
+               "predicted_step_s": times["total"],
+               "measured_step_s": measured["seconds_per_iteration"],
+               "time_error": times["total"] / measured["seconds_per_iteration"] - 1,
+               "time_components_s": times}
+        rows.append(row)
+        print(f"{name:24s} memory {row['predicted_gib']:.2f} vs {row['measured_gib']:.2f} GiB "
+              f"({row['memory_error']:+.1%}; model terms {row['model_terms_predicted_gib']:.2f}"
+              f" vs {row['model_terms_measured_gib']:.2f}), step {row['predicted_step_s']:.2f} "
+              f"vs {row['measured_step_s']:.2f} s ({row['time_error']:+.1%})", flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "validation.json"), "w") as f:
+        json.dump({"model": MODEL, "global_batch": GLOBAL_BATCH,
+                   "calibration": {"flops_per_rank": flops, "loopback_bytes_per_s": bandwidth,
+                                   "one_rank_step_s": one["seconds_per_iteration"]},
+                   "rows": rows, "seconds": time.perf_counter() - started}, f, indent=1)
+    worst = max(abs(r["memory_error"]) for r in rows), max(abs(r["time_error"]) for r in rows)
+    print(f"worst: memory {worst[0]:.1%}, step time {worst[1]:.1%}; median step time error "
+          f"{statistics.median(abs(r['time_error']) for r in rows):.1%}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,239 @@
+"""Peak memory of one rank of a worker, by component, from the model flags and a layout.
+
+A formula, not a profile: each term is what the code holds at the peak of a step (the
+backward of the first micro-batch on the first pipeline stage, the last micro-batch's
+activations all still alive there under 1F1B), so a term that is wrong shows in the
+validation against measured runs (``benchmarks/plan_validation.py``, docs/RESULTS.md) as a
+residual that grows with that term, not as a constant.
+
+* Weights: the rank's share of the parameters (``shape.rank_parameters``), at the
+  training precision.
+* Gradients: the same count in fp32 (DeepSpeed accumulates in fp32 for bf16/fp16 too);
+  ZeRO-2 keeps only its partition (plus one reduce bucket).
+* Optimizer: the fp32 master partition (a copy even in fp32 runs: DeepSpeed's ZeRO keeps its
+  flat partition apart from the module's weights; stage 0 with fp32 keeps none) and Adam's
+  two moments, over the ZeRO partition (the data-parallel and Ulysses ranks together).
+* Outer state (streaming): theta_g and the outer momentum, fp32, partition-sized; the
+  error-feedback residual when on; the exchanges in flight (tau of the P fragments, fp32
+  deltas). ``--diloco-offload-outer-state`` moves theta_g and momentum off the device.
+* Activations: per layer per micro-batch, what Megatron-core's local layers keep for the
+  backward (Korthikanti et al. 2022, "Reducing activation recomputation", Table 2, without
+  sequence parallelism: ``s b h (10 + 24/t + 5 a s / (h t))`` at 2-byte activations and
+  1-byte dropout masks), scaled to the precision; a full recompute keeps each layer's input
+  only, plus one layer's full set while it is recomputed. The first stage holds
+  ``min(pp, micro-batches)`` micro-batches (1F1B). Ulysses splits the sequence.
+* Logits: the last stage's ``b s V / t`` fp32 logits, their softmax and its gradient.
+* Runtime: what the process holds before any of this (the framework, the CUDA context and
+  allocator reserve; on the CPU the interpreter and libraries): measured once per machine,
+  given in the cluster description.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict
+
+GIB = 1024 ** 3
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One worker's in-worker parallel layout and micro-batching."""
+    tp: int = 1
+    pp: int = 1
+    sp: int = 1  # DeepSpeed-Ulysses sequence parallel
+    dp: int = 1
+    zero_stage: int = 1
+    micro_batch: int = 1
+    recompute: bool = False  # --recompute-granularity full
+
+    @property
+    def ranks(self) -> int:
+        return self.tp * self.pp * self.sp * self.dp
+
+    def flags(self) -> list:
+        out = ["--tensor-model-parallel-size", str(self.tp),
+               "--pipeline-model-parallel-size", str(self.pp),
+               "--zero-stage", str(self.zero_stage), "--micro-batch-size", str(self.micro_batch)]
+        if self.sp > 1:
+            out += ["--ds-sequence-parallel-size", str(self.sp)]
+        if self.recompute:
+            out += ["--recompute-granularity", "full", "--recompute-method", "uniform"]
+        return out
+
+    def describe(self) -> str:
+        return (f"TP={self.tp} PP={self.pp} SP={self.sp} DP={self.dp} ZeRO-{self.zero_stage} "
+                f"micro-batch {self.micro_batch}" + (" recompute" if self.recompute else ""))
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the memory and time models need of the model flags."""
+    layers: int
+    hidden: int
+    heads: int
+    ffn: int
+    kv_channels: int
+    query_groups: int
+    vocab: int  # padded
+    seq: int
+    swiglu: bool = False
+    bias: bool = True
+    tied: bool = True
+    learned_positions: bool = True
+    rms_norm: bool = False
+    attention_dropout: float = 0.1
+    hidden_dropout: float = 0.1
+
+    @classmethod
+    def from_config(cls, m, vocab_size: int) -> "ModelShape":
+        from ..door import padded_vocab_size
+
+        heads = m.num_attention_heads
+        return cls(
+            layers=m.num_layers, hidden=m.hidden_size, heads=heads,
+            ffn=m.ffn_hidden_size or 4 * m.hidden_size,
+            kv_channels=m.kv_channels or m.hidden_size // heads,
+            query_groups=(m.num_query_groups if m.group_query_attention and m.num_query_groups
+                          else heads),
+            vocab=padded_vocab_size(m, vocab_size), seq=m.seq_length, swiglu=m.swiglu,
+            bias=not m.disable_bias_linear, tied=not m.untie_embeddings_and_output_weights,
+            learned_positions=m.position_embedding_type == "learned_absolute",
+            rms_norm=m.normalization == "RMSNorm", attention_dropout=m.attention_dropout,
+            hidden_dropout=m.hidden_dropout)
+
+    # ---- parameters ------------------------------------------------------------------
+    def layer_parameters(self, tp: int = 1) -> float:
+        """One transformer layer's parameters on one TP rank (norms replicated)."""
+        h, q = self.hidden, self.heads * self.kv_channels
+        kv = 2 * self.query_groups * self.kv_channels
+        up = self.ffn * (2 if self.swiglu else 1)
+        split = h * (q + kv) + q * h + h * up + self.ffn * h
+        split += self.bias * (q + kv + up)
+        replicated = self.bias * 2 * h + 2 * h * (1 if self.rms_norm else 2)
+        return split / tp + replicated
+
+    def embedding_parameters(self, tp: int = 1) -> float:
+        positions = self.seq * self.hidden if self.learned_positions else 0
+        return self.vocab * self.hidden / tp + positions
+
+    def parameters(self) -> int:
+        out = self.layers * self.layer_parameters() + self.embedding_parameters()
+        out += self.hidden * (1 if self.rms_norm else 2)  # final norm
+        return int(out + (0 if self.tied else self.vocab * self.hidden))
+
+    def stage_parameters(self, tp: int, pp: int, stage: int) -> float:
+        """Parameters on a rank of pipeline stage ``stage``: its layers, the embedding on
+        the first, the final norm and the output layer (or the tied copy) on the last."""
+        out = self.layers / pp * self.layer_parameters(tp)
+        if stage == 0:
+            out += self.embedding_parameters(tp)
+        if stage == pp - 1:
+            out += self.hidden * (1 if self.rms_norm else 2)
+            if not self.tied or pp > 1:  # a tied output layer on another stage is a copy
+                out += self.vocab * self.hidden / tp
+        return out
+
+    # ---- activations ------------------------------------------------------------------
+    def layer_activation_bytes(self, micro_batch: int, tp: int, sp: int,
+                               element_bytes: int) -> float:
+        """What one layer keeps for its backward, for one micro-batch (Korthikanti et al.,
+        no sequence parallelism), with our head count, FFN width and dropout settings."""
+        s, b, h = self.seq / sp, micro_batch, self.hidden
+        a = self.heads
+        e = element_bytes
+        q = self.heads * self.kv_channels
+        kv = 2 * self.query_groups * self.kv_channels
+        up = self.ffn * (2 if self.swiglu else 1)
+        kept = (
+            2 * h * e                      # the two norms' inputs
+            + 2 * h * e                    # QKV input and MLP input (norm outputs)
+            + (q + kv) / tp * e            # Q, K, V for the scores' backward
+            + q / tp * e                   # the attention context (projection input)
+            + up / tp * e + self.ffn / tp * e  # the activation's input and output
+        )
+        masks = (h if self.hidden_dropout else 0) * 2  # two residual dropouts, 1 byte each
+        per_token = kept + masks
+        scores = a / tp * self.seq * e     # softmax output, per query (the full sequence)
+        if self.attention_dropout:
+            scores += a / tp * self.seq      # its dropout mask
+        return s * b * (per_token + scores)
+
+    def logits_bytes(self, micro_batch: int, tp: int, sp: int) -> float:
+        """The last stage's fp32 logits, their softmax and its gradient at once."""
+        return 3 * 4 * micro_batch * self.seq / sp * self.vocab / tp
+
+
+@dataclass
+class Memory:
+    """Bytes on one rank at the step's peak, by component."""
+    parts: Dict[str, float] = field(default_factory=dict)
+
+    @property
+    def total(self) -> float:
+        return sum(self.parts.values())
+
+    def gib(self) -> Dict[str, float]:
+        return {k: v / GIB for k, v in self.parts.items()}
+
+
+@dataclass(frozen=True)
+class Training:
+    """What besides the layout decides memory: precision, batch and the streaming state."""
+    precision: str = "fp32"  # fp32, bf16 or fp16
+    global_batch: int = 8  # per worker
+    streaming: bool = True
+    fragments: int = 1
+    overlap_steps: int = 1
+    error_feedback: bool = False
+    offload_outer_state: bool = False
+
+    @property
+    def weight_bytes(self) -> int:
+        return 4 if self.precision == "fp32" else 2
+
+
+def estimate(shape: ModelShape, layout: Layout, training: Training,
+             runtime_bytes: float = 0.0) -> Memory:
+    """Peak bytes on the busiest rank (the first pipeline stage, or the last when its
+    output layer and logits outweigh the first stage's extra activations)."""
+    return max((estimate_stage(shape, layout, training, runtime_bytes, stage)
+                for stage in {0, layout.pp - 1}), key=lambda m: m.total)
+
+
+def estimate_stage(shape: ModelShape, layout: Layout, training: Training,
+                   runtime_bytes: float, stage: int) -> Memory:
+    t, p = layout.tp, layout.pp
+    params = shape.stage_parameters(t, p, stage)
+    zero = layout.dp * layout.sp  # the ZeRO partition: data and sequence ranks together
+    partition = params / zero if layout.zero_stage >= 1 else params
+    w = training.weight_bytes
+    parts = {"runtime": runtime_bytes, "weights": params * w}
+    if layout.zero_stage >= 2:
+        parts["gradients"] = 4 * partition + 4 * min(params, 5e8 / zero)
+    else:
+        parts["gradients"] = 4 * params
+    master = 0 if (training.precision == "fp32" and layout.zero_stage == 0) else 4 * partition
+    parts["optimizer"] = master + 8 * partition
+    if training.streaming:
+        outer = 0 if training.offload_outer_state else 8 * partition
+        if training.error_feedback:
+            outer += 4 * partition
+        in_flight = min(training.overlap_steps, training.fragments) / training.fragments
+        parts["outer state"] = outer + 4 * partition * max(in_flight, 1 / training.fragments)
+    e = 4 if training.precision == "fp32" else 2
+    micro_batches = max(1, training.global_batch // (layout.micro_batch * layout.dp))
+    in_flight = min(p - stage, micro_batches)  # 1F1B: the first stage holds pp of them
+    layers = shape.layers / p
+    one = shape.layer_activation_bytes(layout.micro_batch, t, layout.sp, e)
+    if layout.recompute:
+        inputs = layout.micro_batch * shape.seq / layout.sp * shape.hidden * e
+        parts["activations"] = in_flight * layers * inputs + one
+    else:
+        parts["activations"] = in_flight * layers * one
+    if stage == p - 1:
+        parts["logits"] = shape.logits_bytes(layout.micro_batch, t, layout.sp)
+    return Memory(parts)
+
+
+__all__ = ["GIB", "Layout", "ModelShape", "Memory", "Training", "estimate", "estimate_stage"]

@@ -1,0 +1,84 @@
+"""The plan as text: per worker its layout, memory and step time, the sync settings with
+their reasons and predictions, and one sbatch line per cluster (``--explain``: each
+cluster's top candidates and why each lost)."""
+
+from __future__ import annotations
+
+import shlex
+from typing import List
+
+from .clusters import Link
+from .memory import ModelShape
+from .search import TIE, Plan
+
+EXPLAINED = 6  # candidates shown per cluster
+
+
+def format_plan(result: Plan, shape: ModelShape, link: Link, flags: List[str],
+                rendezvous: str, explain: bool = False) -> str:
+    workers = result.workers
+    host, _, port = rendezvous.rpartition(":")
+    devices = workers[0].best.layout.ranks
+    lines = [f"Plan: {len(workers)} workers, {shape.parameters() / 1e6:,.1f}M parameters, "
+             f"every worker {workers[0].best.layout.describe()} on {devices} devices "
+             f"(workers of different layouts are not supported yet)"]
+    for i, w in enumerate(workers):
+        c, b = w.cluster, w.best
+        idle = c.devices - devices
+        lines.append(
+            f"  worker {i} ({c.name}): {b.memory_gib:.1f} of {c.device_memory_gib:g} GiB per "
+            f"device, {w.step_seconds:.2f} s per step, {b.tokens_per_s:,.0f} tokens/s, batch "
+            f"{w.global_batch}" + (f"; {idle} of its {c.devices} devices idle" if idle else ""))
+    step = max(w.step_seconds for w in workers)
+    lines += [
+        f"Sync over the link ({link.bandwidth_gbit_per_s:g} Gbit/s, RTT {link.rtt_ms:g} ms): "
+        f"{' '.join(result.sync_flags)}",
+        f"  one fragment's exchange {result.exchange_seconds:.2f} s "
+        f"({result.exchange_seconds / step:.2f} steps of the slowest worker); predicted "
+        f"compute utilisation {result.utilisation:.1%}; link rate {result.mean_link_gbit_per_s:.2f}"
+        f" Gbit/s on average, {result.peak_link_gbit_per_s:.2f} at the peak; "
+        f"{result.fewer_bytes_than_data_parallel:.0f}x fewer bytes than data parallel across "
+        "the clusters (bf16 gradients every step)",
+        *(f"  - {r}" for r in result.reasons),
+        "",
+        f"# the rendezvous, on {host} (a host every cluster reaches):",
+        f"bash launch/rendezvous.sh --port {port}",
+    ]
+    for i, w in enumerate(workers):
+        c, layout = w.cluster, w.best.layout
+        nodes = -(-devices // c.devices_per_node)
+        args = [*flags, *layout.flags(), "--global-batch-size", str(w.global_batch),
+                "--diloco-workers", str(len(workers)), "--diloco-worker-index", str(i),
+                *result.sync_flags, "--master-addr", host, "--master-port", port,
+                "--rendezvous-external"]
+        sbatch = ["sbatch", f"--nodes={nodes}",
+                  f"--gpus-per-node={min(devices, c.devices_per_node)}", "--exclusive",
+                  *shlex.split(c.sbatch), "launch/slurm.sh", *args]
+        lines += [f"# worker {i}, on {c.name}:", shlex.join(sbatch)]
+    if explain:
+        for w in workers:
+            lines += ["", f"Candidates on {w.cluster.name} (of {len(w.ranked)}), the chosen "
+                      "first:"]
+            chosen = w.best
+            others = [c for c in w.ranked if c.layout != chosen.layout]
+            shown = [chosen, *[c for c in others if not c.why_not][:EXPLAINED - 1],
+                     *[c for c in others if c.why_not][:2]]
+            for c in shown:
+                ratio = c.tokens_per_s / chosen.tokens_per_s - 1
+                if c is chosen:
+                    why = "chosen"
+                elif c.why_not:
+                    why = c.why_not
+                elif ratio > TIE:
+                    why = (f"{ratio:.1%} faster here, but the layout must run on every "
+                           "cluster: slower on the slowest, or does not fit another")
+                elif ratio < -TIE:
+                    why = f"{-ratio:.1%} slower"
+                else:
+                    why = "as fast; more memory or more ranks per replica"
+                lines.append(f"  {c.layout.describe():58s} {c.memory_gib:6.1f} GiB "
+                             f"{c.step_seconds:7.2f} s  {why}")
+    return "\n".join(lines)
+
+
+__all__ = ["format_plan"]

@@ -1,0 +1,192 @@
+"""The plan: a layout for each cluster, batches that keep the workers in step, and the sync
+settings for the link, from the memory and step-time models (``memory``, ``step_time``),
+the sync rule (``streaming.rule.advise``) and the link simulator (``simulate``).
+
+The search is exhaustive (a cluster's candidates number in the thousands at most, each
+a few formulas): TP among the divisors of a node's devices that divide the heads and the
+query groups, PP among the divisors of the layers, Ulysses SP among the divisors of what the
+heads have left, data parallel the rest of the cluster, ZeRO 0-2, micro-batch 1-8, with and
+without a full recompute. A candidate must fit the device memory (``--memory-headroom``
+kept free); the fastest (tokens per second of the worker) wins; speeds within 0.5 % tie, and
+less memory, then fewer ranks per replica break the tie.
+
+Until workers may differ in layout, every worker runs the same layout on the same number of
+devices (the smallest cluster's; a larger cluster leaves the rest idle): the one that fits
+every cluster's device memory and is fastest on the slowest cluster; every worker the same
+batch. The sync settings then follow from the slowest worker's step and the link.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import List, Sequence
+
+from .clusters import Cluster, Link
+from .memory import GIB, Layout, ModelShape, Training, estimate
+from .step_time import step_time
+
+
+@dataclass
+class Candidate:
+    layout: Layout
+    memory_gib: float
+    step_seconds: float
+    tokens_per_s: float
+    why_not: str = ""  # empty: it fits
+
+
+@dataclass
+class WorkerPlan:
+    cluster: Cluster
+    best: Candidate
+    global_batch: int
+    step_seconds: float
+    ranked: List[Candidate] = field(default_factory=list)
+
+
+@dataclass
+class Plan:
+    workers: List[WorkerPlan]
+    sync_flags: List[str]
+    reasons: List[str]
+    exchange_seconds: float
+    utilisation: float
+    peak_link_gbit_per_s: float
+    mean_link_gbit_per_s: float
+    fewer_bytes_than_data_parallel: float  # bf16 gradients all-reduced every step
+
+
+def _divisors(n: int) -> List[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(shape: ModelShape, cluster: Cluster, devices: int,
+               global_batch: int) -> List[Layout]:
+    """Every layout of ``devices`` of ``cluster`` the model and the batch allow."""
+    out = []
+    for tp in _divisors(cluster.devices_per_node):
+        if shape.heads % tp or shape.query_groups % tp:
+            continue
+        for pp in _divisors(shape.layers):
+            for sp in _divisors(shape.heads // tp):
+                if shape.seq % sp or devices % (tp * pp * sp):
+                    continue
+                dp = devices // (tp * pp * sp)
+                for micro in (1, 2, 4, 8):
+                    if global_batch % (micro * dp):
+                        continue
+                    for zero in (0, 1, 2):
+                        if zero and dp * sp == 1:
+                            continue  # nothing to partition over
+                        for recompute in (False, True):
+                            out.append(Layout(tp, pp, sp, dp, zero, micro, recompute))
+    return out
+
+
+def rank(shape: ModelShape, cluster: Cluster, devices: int, global_batch: int,
+         training: Training, headroom: float, check=None) -> List[Candidate]:
+    """Every candidate with its memory and speed, the best first (those that do not fit or
+    that ``check(layout, global_batch)`` refuses last, each saying why)."""
+    out = []
+    training = dataclasses.replace(training, global_batch=global_batch)
+    budget = cluster.device_memory_gib * (1 - headroom)
+    fabric = cluster.fabric()
+    for layout in candidates(shape, cluster, devices, global_batch):
+        mem = estimate(shape, layout, training, cluster.runtime_gib * GIB).total / GIB
+        seconds = step_time(shape, layout, training, fabric)["total"]
+        c = Candidate(layout, mem, seconds, global_batch * shape.seq / seconds)
+        refused = check(layout, global_batch) if check else None
+        if refused:
+            c.why_not = f"pretrain_gpt.py refuses it: {refused}"
+        elif mem > budget:
+            c.why_not = f"needs {mem:.1f} GiB per device, {budget:.1f} available"
+        out.append(c)
+    return sorted(out, key=_preference)
+
+
+TIE = 0.005  # speeds within 0.5 % are a tie: less memory, then fewer ranks per replica win
+
+
+def _bucket(x: float) -> int:
+    """Equal for values within about ``TIE`` of each other."""
+    import math
+
+    return round(math.log(x) / math.log1p(TIE))
+
+
+def _preference(c: Candidate):
+    return (bool(c.why_not), -_bucket(c.tokens_per_s), c.memory_gib,
+            c.layout.tp * c.layout.pp * c.layout.sp, c.layout.recompute)
+
+
+def plan(shape: ModelShape, clusters: Sequence[Cluster], link: Link, global_batch: int,
+         train_iters: int, training: Training, headroom: float = 0.1, check=None,
+         link_share: float = 0.5) -> Plan:
+    """``global_batch``: sequences per step over all workers together; ``check(layout,
+    batch)``: why the launcher would refuse a layout (None: it would not)."""
+    from ..errors import UsageError
+    from ..streaming import rule
+
+    per_worker = global_batch // len(clusters)
+    devices = min(c.devices for c in clusters)
+    ranked = [rank(shape, c, devices, per_worker, training, headroom, check)
+              for c in clusters]
+    fits_all = [c for c in ranked[0] if not c.why_not and all(
+        any(o.layout == c.layout and not o.why_not for o in r) for r in ranked[1:])]
+    if not fits_all:
+        raise UsageError("no layout of the model fits every cluster's device memory "
+                         "(--memory-headroom, --global-batch-size, or more devices)")
+
+    def slowest(c):  # its step time on the slowest cluster
+        return max(next(o.step_seconds for o in r if o.layout == c.layout) for r in ranked)
+
+    chosen = min(fits_all, key=lambda c: (_bucket(slowest(c)), _preference(c)[2:]))
+    workers = []
+    for c, r in zip(clusters, ranked):
+        mine = next(o for o in r if o.layout == chosen.layout)
+        workers.append(WorkerPlan(c, mine, per_worker, mine.step_seconds, r))
+    step = max(w.step_seconds for w in workers)
+    advice, exchange, util, peak, mean = _sync(shape, link, len(clusters), step,
+                                               train_iters, rule, link_share)
+    fewer = advice.inner_steps * 16 / (4 + 32 / 128)
+    return Plan(workers, advice.flags(), advice.reasons, exchange, util, peak, mean, fewer)
+
+
+def _sync(shape: ModelShape, link: Link, workers: int, step: float, train_iters: int, rule,
+          link_share: float):
+    """H, P, tau and the wire format for the link (``rule.advise``: H as small as the link
+    allows, here: the FP4 outer gradients of the whole model, once per H steps, may use
+    ``link_share`` of its bandwidth on average); the predicted compute utilisation, the
+    link's peak rate (a fragment's exchange within one step) and its mean rate."""
+    import math
+
+    from .. import simulate
+
+    fp4_bits = 4 + 32 / 128  # codes and one fp32 scale per block of 128
+    ring = 2 * (workers - 1) / workers
+    params = shape.parameters()
+    model_bits = params * fp4_bits * ring
+    smallest = max(2, math.ceil(model_bits / (link_share * link.bandwidth_gbit_per_s * 1e9
+                                              * step)))
+
+    def exchange_seconds(fragments: int) -> float:
+        return model_bits / fragments / 8 / link.bytes_per_s + 2 * link.rtt_ms / 1e3
+
+    h = 6 * math.ceil(smallest / 6)  # so that P = 3 or 2 fragments divide it
+    advice = rule.advise(train_iters, shape.layers, h, None)
+    exchange = exchange_seconds(advice.fragments)
+    if exchange > step:
+        advice = rule.advise(train_iters, shape.layers, h, exchange / step)
+        exchange = exchange_seconds(advice.fragments)
+    model = simulate.ModelSpec(shape.layers, params, step)
+    method = simulate.Method("streaming", advice.inner_steps,
+                             shape.layers // advice.fragments, advice.overlap_steps,
+                             bits=4)
+    util = simulate.utilisation(model, method, link.bandwidth_gbit_per_s, workers)
+    peak = model_bits / advice.fragments / step / 1e9
+    mean = model_bits / (advice.inner_steps * step) / 1e9
+    return advice, exchange, util, peak, mean
+
+
+__all__ = ["Candidate", "Plan", "WorkerPlan", "candidates", "plan", "rank"]

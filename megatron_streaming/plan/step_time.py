@@ -1,0 +1,96 @@
+"""Time of one training step of one worker, from the model, a layout and its cluster.
+
+* Compute: the step's FLOPs (matrix multiplies and attention, forward plus twice that
+  backward, plus one more forward under a full recompute) split over the rank's share of the
+  model (TP, PP) and of the sequence (Ulysses), at the cluster's sustained FLOP/s per device
+  (peak x MFU, or what a measured step implies).
+* Pipeline bubble (1F1B): the compute stretched by ``(pp - 1) / m`` for ``m`` micro-batches
+  per data-parallel replica (Narayanan et al. 2021).
+* Tensor parallel: four all-reduces of ``b s h`` activations per layer per micro-batch (two
+  forward, two backward), ring cost ``2 (t - 1) / t`` of the bytes at the intra-node
+  bandwidth; not overlapped (Megatron-core's local layers wait for them). Every group's
+  bandwidth is the intra-node one when its ranks share a node (ranks are ordered TP, SP, DP,
+  PP, fastest first), the inter-node one otherwise.
+* Ulysses: four all-to-alls of the layer's activations per layer per micro-batch, each rank
+  sending ``(sp - 1) / sp`` of its part.
+* Pipeline: one activation forward and one gradient backward per stage boundary per
+  micro-batch.
+* Data parallel: the ZeRO reduce-scatter of the gradients and all-gather of the updated
+  weights (a ring all-reduce's volume, ``2 (d - 1) / d`` of the rank's fp32 gradients), on
+  the inter-node bandwidth when the data-parallel group spans nodes; counted as exposed
+  (DeepSpeed's overlap hides part of it on GPUs; the model stays on the safe side).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict
+
+from .memory import Layout, ModelShape, Training
+
+
+@dataclass(frozen=True)
+class Fabric:
+    """What the step-time model needs of a cluster."""
+    flops_per_device: float  # sustained (peak x MFU), per second
+    intra_node_bytes_per_s: float
+    inter_node_bytes_per_s: float
+    devices_per_node: int
+
+
+def forward_flops_per_token(shape: ModelShape) -> float:
+    """Matrix-multiply FLOPs of one token's forward pass (2 per multiply-add), attention's
+    two sequence-long products included, logits included."""
+    q = shape.heads * shape.kv_channels
+    kv = 2 * shape.query_groups * shape.kv_channels
+    up = shape.ffn * (2 if shape.swiglu else 1)
+    dense = shape.hidden * (q + kv) + q * shape.hidden + shape.hidden * up \
+        + shape.ffn * shape.hidden
+    attention = 2 * shape.seq * q  # scores and context, averaged over causal positions x2
+    return shape.layers * 2 * (dense + attention) + 2 * shape.hidden * shape.vocab
+
+
+def step_time(shape: ModelShape, layout: Layout, training: Training,
+              fabric: Fabric) -> Dict[str, float]:
+    """Seconds per step by component, and ``total``."""
+    e = 4 if training.precision == "fp32" else 2
+    replica_batch = training.global_batch / layout.dp
+    micro_batches = max(1, replica_batch / layout.micro_batch)
+    tokens = replica_batch * shape.seq
+    passes = 4 if layout.recompute else 3
+    flops = passes * forward_flops_per_token(shape) * tokens \
+        / (layout.tp * layout.pp * layout.sp)
+    compute = flops / fabric.flops_per_device
+    bubble = compute * (layout.pp - 1) / micro_batches
+    activation = layout.micro_batch * shape.seq / layout.sp * shape.hidden * e
+    layers = shape.layers / layout.pp
+    out = {"compute": compute, "bubble": bubble}
+    intra = fabric.intra_node_bytes_per_s
+
+    def bandwidth(span: int) -> float:  # a group of ranks within ``span`` consecutive ones
+        return intra if span <= fabric.devices_per_node else fabric.inter_node_bytes_per_s
+
+    # Rank order within a worker: TP fastest, then SP, DP, PP (``topology.IN_WORKER_AXES``).
+    if layout.tp > 1:
+        ring = 2 * (layout.tp - 1) / layout.tp
+        out["tensor parallel"] = 4 * layers * micro_batches * ring * activation / intra
+    if layout.sp > 1:
+        share = (layout.sp - 1) / layout.sp
+        out["sequence parallel"] = 4 * layers * micro_batches * share * activation \
+            / bandwidth(layout.tp * layout.sp)
+    if layout.pp > 1:
+        out["pipeline"] = 2 * micro_batches * activation / layout.tp \
+            / bandwidth(layout.ranks)
+    if layout.dp > 1 or layout.sp > 1:
+        from .memory import estimate_stage
+
+        params = estimate_stage(shape, layout, training, 0.0, 0).parts["weights"] \
+            / training.weight_bytes
+        d = layout.dp * layout.sp
+        out["data parallel"] = 2 * (d - 1) / d * 4 * params \
+            / bandwidth(layout.tp * layout.sp * layout.dp)
+    out["total"] = sum(out.values())
+    return out
+
+
+__all__ = ["Fabric", "forward_flops_per_token", "step_time"]

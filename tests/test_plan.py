@@ -1,0 +1,93 @@
+"""The planner (``python -m megatron_streaming.plan``): its parameter counts against the door's
+formula, the memory model's terms moving the way the code's memory does, and a whole plan
+for the example clusters whose sbatch lines pretrain_gpt.py accepts as they are."""
+
+import shlex
+
+import pytest
+
+from megatron_streaming.arguments import parse_args, validate
+from megatron_streaming.door import parameter_count
+from megatron_streaming.plan.__main__ import main
+from megatron_streaming.plan.memory import Layout, ModelShape, Training, estimate
+
+CLUSTERS = ["--cluster", "launch/clusters/h100_64.yaml", "--cluster",
+            "launch/clusters/a100_32.yaml", "--link", "launch/clusters/link_10g_80ms.yaml"]
+MODEL = ["--mock-data", "--vocab-size", "32000", "--num-layers", "24", "--hidden-size", "2048",
+         "--num-attention-heads", "16", "--seq-length", "2048", "--global-batch-size", "512",
+         "--train-iters", "20000", "--bf16"]
+
+
+class _Vocab:
+    vocab_size = 32000
+
+
+@pytest.mark.parametrize("flags", [
+    [],
+    ["--normalization", "RMSNorm", "--position-embedding-type", "rope", "--swiglu",
+     "--group-query-attention", "--num-query-groups", "4", "--disable-bias-linear",
+     "--untie-embeddings-and-output-weights", "--ffn-hidden-size", "5504"],
+])
+def test_parameters_match_the_door_and_add_up_over_stages(flags):
+    cfg = parse_args([*MODEL, *flags])
+    shape = ModelShape.from_config(cfg.model, 32000)
+    assert shape.parameters() == parameter_count(cfg.model, _Vocab())
+    for pp in (1, 2, 4):
+        stages = sum(shape.stage_parameters(1, pp, s) for s in range(pp))
+        copy = shape.vocab * shape.hidden if shape.tied and pp > 1 else 0
+        assert stages == pytest.approx(shape.parameters() + copy)
+
+
+def test_memory_terms_move_with_the_layout():
+    cfg = parse_args(MODEL)
+    shape = ModelShape.from_config(cfg.model, 32000)
+    t = Training("bf16", global_batch=64)
+
+    def parts(**kw):
+        return estimate(shape, Layout(**kw), t).parts
+
+    zero0, zero1, zero2 = (parts(dp=8, zero_stage=z, micro_batch=2) for z in (0, 1, 2))
+    assert zero1["optimizer"] == pytest.approx(zero0["optimizer"] / 8)  # master + Adam
+    assert zero2["gradients"] < zero1["gradients"] == zero0["gradients"]
+    assert zero1["outer state"] == pytest.approx(zero0["outer state"] / 8)
+    plain, recompute = parts(tp=2, micro_batch=4), parts(tp=2, micro_batch=4, recompute=True)
+    assert recompute["activations"] < plain["activations"] / 4
+    tp1, tp2 = parts(micro_batch=2), parts(tp=2, micro_batch=2)
+    assert tp2["weights"] < tp1["weights"] and tp2["activations"] < tp1["activations"]
+    offloaded = estimate(shape, Layout(), Training("bf16", 64, offload_outer_state=True))
+    assert offloaded.parts["outer state"] < estimate(shape, Layout(), t).parts["outer state"]
+
+
+def test_plan_prints_sbatch_lines_that_pretrain_gpt_accepts(capsys):
+    assert main([*CLUSTERS, "--rendezvous", "login01.example:29500", *MODEL,
+                 "--explain"]) == 0
+    out = capsys.readouterr().out
+    assert "Sync over the link (10 Gbit/s, RTT 80 ms): --diloco-inner-steps" in out
+    assert "bash launch/rendezvous.sh --port 29500" in out
+    assert "Candidates on h100-east" in out and "chosen" in out
+    lines = [shlex.split(line) for line in out.splitlines() if line.startswith("sbatch ")]
+    assert len(lines) == 2
+    for worker, line in enumerate(lines):
+        nodes = int(next(a for a in line if a.startswith("--nodes=")).split("=")[1])
+        gpus = int(next(a for a in line if a.startswith("--gpus-per-node=")).split("=")[1])
+        args = line[line.index("launch/slurm.sh") + 1:]
+        cfg = parse_args(args)
+        validate(cfg, nodes * gpus * 2)  # the job's world: two workers of that size
+        assert cfg.streaming.diloco_worker_index == worker and cfg.streaming.diloco_workers == 2
+        assert cfg.parallel.rendezvous_external and cfg.parallel.master_addr == "login01.example"
+        assert cfg.training.global_batch_size == 256  # half of the job's 512 each
+
+
+def test_plan_errors_name_the_file_and_the_field(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("nodes: 2\ndevices_per_node: 8\nflops: 3\n")
+    assert main(["--cluster", str(bad), "--link", "launch/clusters/link_10g_80ms.yaml",
+                 *MODEL]) == 2
+    assert f"plan: error: {bad}: unknown field(s) flops (known: " in capsys.readouterr().err
+    small = tmp_path / "small.yaml"
+    small.write_text("nodes: 1\ndevices_per_node: 1\ndevice_memory_gib: 8\npeak_tflops: 100\n"
+                     "intra_node_gb_per_s: 100\ninter_node_gb_per_s: 10\n")
+    assert main(["--cluster", str(small), "--cluster", str(small), "--link",
+                 "launch/clusters/link_10g_80ms.yaml", *MODEL]) == 2
+    assert "no layout of the model fits every cluster's device memory" in \
+        capsys.readouterr().err
