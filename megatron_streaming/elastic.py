@@ -302,9 +302,9 @@ def rejoin_when_reachable(outside: OutsideTheJob, timeout_s: float, hosts_store:
     """Wait (up to ``timeout_s``) until the rendezvous store answers, then restart this
     process with its own command line (same pid, environment and launcher), so that it
     comes back through the door as a restarted worker: a cut link heals by itself
-    (``environment``: the process's own, as its launcher gave it). Raises
-    ``outside`` when it cannot: this rank hosts the store (a restart would take the store
-    with it), or the store stays away."""
+    (``environment``: the process's own, as its launcher gave it). Raises a ``JobFailure``
+    with ``outside``'s message when it cannot: this rank hosts the store (a restart would
+    take the store with it), or the store stays away."""
     import os
     import sys
     import time
