@@ -167,7 +167,7 @@ def test_a_link_cut_between_two_clusters_stops_both_sides_within_the_timeout(tmp
     hosts the store, names worker 1 as lost; worker 1, cut off from the store too, says so;
     both exit 3 soon after --diloco-timeout rather than waiting for TCP to give up
     (~15 min). (Two workers cannot go on without each other: a half is not a majority, so
-    --diloco-min-workers could not help; healing a cut link in an elastic job is untested.)"""
+    --diloco-min-workers could not help; the elastic case, three workers, is the next test.)"""
     with netns.two_namespaces() as link:
         port = free_port()
         common = [*STREAMING, "--train-iters", "100000", "--diloco-timeout", "5",
