@@ -23,6 +23,8 @@ residual that grows with that term, not as a constant.
   only, plus one layer's full set while it is recomputed. The first stage holds
   ``min(pp, micro-batches)`` micro-batches (1F1B). Ulysses splits the sequence.
 * Logits: the last stage's ``b s V / t`` fp32 logits, their softmax and its gradient.
+* The optimizer step: about four fp32 copies of the partition at once (``STEP_COPIES``), in
+  memory the backward's activations freed: the peak is the larger of the two.
 * Runtime: what the process holds before any of this (the framework, the CUDA context and
   allocator reserve; on the CPU the interpreter and libraries): measured once per machine,
   given in the cluster description.
@@ -34,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Dict
 
 GIB = 1024 ** 3
+STEP_COPIES = 4  # fp32 copies of the ZeRO partition the optimizer step holds at once
 
 
 @dataclass(frozen=True)
@@ -221,6 +224,12 @@ def estimate_stage(shape: ModelShape, layout: Layout, training: Training,
             outer += 4 * partition
         in_flight = min(training.overlap_steps, training.fragments) / training.fragments
         parts["outer state"] = outer + 4 * partition * max(in_flight, 1 / training.fragments)
+    # The optimizer step's transient: DeepSpeed's flat fp32 gradient partition for the step,
+    # Adam's multi-tensor temporaries (the square root of the second moment, the
+    # weight-decayed gradient) and the updated partition on its way back into the weights:
+    # about four fp32 copies of the partition (benchmarks/memory_phases.py: 4.4 at TP=2).
+    # It reuses what the activations freed, so the peak takes the larger of the two.
+    step_transient = STEP_COPIES * 4 * partition
     e = 4 if training.precision == "fp32" else 2
     micro_batches = max(1, training.global_batch // (layout.micro_batch * layout.dp))
     in_flight = min(p - stage, micro_batches)  # 1F1B: the first stage holds pp of them
@@ -233,6 +242,9 @@ def estimate_stage(shape: ModelShape, layout: Layout, training: Training,
         parts["activations"] = in_flight * layers * one
     if stage == p - 1:
         parts["logits"] = shape.logits_bytes(layout.micro_batch, t, layout.sp)
+    backward = parts["activations"] + parts.get("logits", 0.0)
+    if step_transient > backward:  # the optimizer step is the peak
+        parts["optimizer step"] = step_transient - backward
     return Memory(parts)
 
 
