@@ -147,8 +147,7 @@ class StopAgreement:
 def beating(store, rank: int, seconds: float = 2.5 * HEARTBEAT_SECONDS) -> bool:
     """Whether ``rank``'s heartbeat (``Liveness``, this launch's restart count) moves in
     ``store`` within ``seconds``."""
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    key = f"{Liveness.PREFIX}/{restart}/beat/{rank}"
+    key = f"{Liveness.launch_prefix()}/beat/{rank}"
     before = store.add(key, 0)
     time.sleep(seconds)
     return store.add(key, 0) != before
@@ -177,8 +176,7 @@ class Liveness:
         self.interval = interval
         self.iteration = 0  # written by the training loop, published by the heartbeat
         self.address = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        self.prefix = f"{self.PREFIX}/{restart}"
+        self.prefix = self.launch_prefix()
         self._calls = BoundedCalls("rendezvous-store")
         self.watch = None  # called with the store at every beat (``elastic``)
         self.store = self._connect()
@@ -195,6 +193,11 @@ class Liveness:
         host, port = self.address.rsplit(":", 1)
         return dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
                              timeout=datetime.timedelta(seconds=seconds))
+
+    @classmethod
+    def launch_prefix(cls) -> str:
+        """Where this launch's ranks keep their keys (a torchrun restart starts afresh)."""
+        return f"{cls.PREFIX}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
     def _key(self, kind: str, rank: int) -> str:
         return f"{self.prefix}/{kind}/{rank}"

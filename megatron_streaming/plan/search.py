@@ -105,6 +105,7 @@ def rank(shape: ModelShape, cluster: Cluster, devices: int, global_batch: int,
     return sorted(out, key=_preference)
 
 
+FP4_BITS = 4 + 32 / 128  # per value on the wire: the code and one fp32 scale per 128
 TIE = 0.005  # speeds within 0.5 % are a tie: less memory, then fewer ranks per replica win
 
 
@@ -149,7 +150,7 @@ def plan(shape: ModelShape, clusters: Sequence[Cluster], link: Link, global_batc
     step = max(w.step_seconds for w in workers)
     advice, exchange, util, peak, mean = _sync(shape, link, len(clusters), step,
                                                train_iters, rule, link_share)
-    fewer = advice.inner_steps * 16 / (4 + 32 / 128)
+    fewer = advice.inner_steps * 16 / FP4_BITS
     return Plan(workers, advice.flags(), advice.reasons, exchange, util, peak, mean, fewer)
 
 
@@ -163,10 +164,9 @@ def _sync(shape: ModelShape, link: Link, workers: int, step: float, train_iters:
 
     from .. import simulate
 
-    fp4_bits = 4 + 32 / 128  # codes and one fp32 scale per block of 128
     ring = 2 * (workers - 1) / workers
     params = shape.parameters()
-    model_bits = params * fp4_bits * ring
+    model_bits = params * FP4_BITS * ring
     smallest = max(2, math.ceil(model_bits / (link_share * link.bandwidth_gbit_per_s * 1e9
                                               * step)))
 
