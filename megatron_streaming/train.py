@@ -392,7 +392,7 @@ class Run:
         return self._dp_step_bytes
 
     def save(self) -> None:
-        from .lifecycle import is_communication_error
+        from .lifecycle import hand_over
 
         try:
             path = self.checkpointer.save(
@@ -401,9 +401,7 @@ class Run:
                  "consumed_samples": self.data.samples_through(self.iteration),
                  "tokens": self.data.tokens_through(self.iteration)})
         except Exception as e:  # a worker lost during the save: not committed; elastic runs
-            if not (self.elastic.enabled and is_communication_error(e)):  # go on without it
-                raise
-            self.elastic.note(e)
+            hand_over(self.elastic.note if self.elastic.enabled else None, e)  # go on
             log.warning("the checkpoint of iteration %d was not written: a cross-worker "
                         "collective failed during it (a lost worker); training goes on",
                         self.iteration)
