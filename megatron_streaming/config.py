@@ -236,6 +236,10 @@ class StreamingConfig:
         "--diloco-overlap-steps 0.")
     diloco_alpha: float = arg(
         0.0, "Merge: local = alpha * local + (1 - alpha) * global (0 = replace).")
+    diloco_weighting: str = arg(
+        "tokens", "Weights of the outer mean: each worker by the tokens it trained on in the "
+        "round (its --global-batch-size; the same as uniform when the workers' batches are "
+        "equal), or all alike (uniform).", choices=["tokens", "uniform"])
     diloco_outer_lr: float = arg(
         1.0, "Outer SGD learning rate (1 with no momentum: the global parameters become the "
         "workers' mean; the papers' 0.7 / 0.9 needs hundreds of outer steps, docs/RESULTS.md).")

@@ -11,13 +11,15 @@ difference every rank of every worker stops at once with the same one line namin
 differing flag and both values.
 
 What is compared (``fingerprint``): the model's architecture (not recompute or dropout, which
-change no parameter), its parameter count, the layout the exchange is cut by (ranks per worker,
-TP, PP, SP, ZeRO stage), precision, every ``--diloco-*`` flag but the worker's own index, its
-timeout and which parameters it evaluates, the inner optimizer and schedule, the batch, the
-training length and the seed (the workers read disjoint samples of one shuffled order, from
+change no parameter), its parameter count, the ranks per worker, precision, every
+``--diloco-*`` flag but the worker's own index, its timeout and which parameters it evaluates,
+the inner optimizer and schedule, the training length and the seed (the workers read disjoint samples of one shuffled order, from
 weights drawn from one seed), the tokenizer (type, vocabulary size, a digest of its files), and
 the versions of this package (a digest of its source), torch, deepspeed and megatron-core. Data
-paths are not compared: each cluster has its own filesystem.
+paths are not compared: each cluster has its own filesystem. Each worker's layout (TP, PP, SP,
+ZeRO stage) and batch (micro and global) travel beside the fingerprint, not in it
+(``workers.WorkerShape``): they may differ, and every rank learns every worker's (``agree``
+returns them).
 
 A second launch claiming a worker index that another already holds is refused by name. Bytes
 through the door are counted (``Door.bytes``).
@@ -56,10 +58,9 @@ RANKS = "ranks per worker (nodes x --nproc-per-node)"
 _MODEL_SKIP = {"recompute_granularity", "recompute_method", "recompute_num_layers",
                "recompute_modules", "hidden_dropout", "attention_dropout"}
 _STREAMING_SKIP = {"diloco_worker_index", "diloco_timeout", "eval_params"}
-_PARALLEL = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "sequence_parallel",
-             "ds_sequence_parallel_size", "zero_stage")
-_TRAINING = ("micro_batch_size", "global_batch_size", "train_iters", "train_samples",
-             "train_tokens", "rampup_batch_size", "step_batch_size_schedule", "seed")
+# The layout and the batch are each worker's own (``workers.WorkerShape``), not compared.
+_TRAINING = ("train_iters", "train_samples", "train_tokens", "rampup_batch_size",
+             "step_batch_size_schedule", "seed")
 _PRECISION = ("fp16", "bf16", "grad_reduce_in_bf16")
 
 
@@ -77,7 +78,6 @@ def fingerprint(cfg, layout, tokenizer) -> Dict[str, str]:
 
     section(cfg.model, [f.name for f in fields(cfg.model) if f.name not in _MODEL_SKIP])
     out["parameters (from the model flags)"] = str(parameter_count(cfg.model, tokenizer))
-    section(cfg.parallel, _PARALLEL)
     section(cfg.precision, _PRECISION)
     section(cfg.streaming, [f.name for f in fields(cfg.streaming)
                             if f.name not in _STREAMING_SKIP])
@@ -242,11 +242,13 @@ class Door:
         self.bytes += len(key) + len(value)
         return value
 
-    def agree(self, mine: Dict[str, str]) -> None:
+    def agree(self, mine: Dict[str, str], shape: Optional[dict] = None) -> List[dict]:
         """Publish (first rank of the worker), read every worker's, raise ConfigError on a
-        difference. Waits for workers not yet started up to ``timeout``."""
+        difference. Waits for workers not yet started up to ``timeout``. Returns every
+        worker's ``shape`` (its layout and batch, ``workers.WorkerShape.settings``), in
+        worker order."""
         if self.rank_in_worker == 0:
-            self._claim(mine)
+            self._claim(mine, shape=shape)
         # Stop at the first difference: a worker that counts more workers than the others
         # would otherwise wait for one that never comes.
         records, problems = [], []
@@ -268,14 +270,17 @@ class Door:
             raise ConfigError("workers launched with different settings (every worker stops "
                               "here): " + " | ".join(problems))
         log.debug("door: %d workers agree (%d bytes)", self.workers, self.bytes)
+        return [r.get("shape") or shape for r in records]
 
     def rejoin(self, mine: Dict[str, str], epoch: int, members,
-               holder_gone: Optional[Callable[[], bool]] = None) -> None:
+               holder_gone: Optional[Callable[[], bool]] = None,
+               shape: Optional[dict] = None) -> List[dict]:
         """A restarted worker's pass into a running job (membership epoch ``epoch`` without
         it): its claim is the epoch's own, so two launches cannot both rejoin as one worker;
         its fingerprint and join secret are checked against the live ``members``' records.
         ``holder_gone``: whether the launch holding the claim already has gone (its heartbeat
-        stopped before it was admitted); then this launch takes the claim over."""
+        stopped before it was admitted); then this launch takes the claim over. Returns every
+        worker's shape as ``agree`` does (each from its first claim; its own from ``shape``)."""
         claims = [(w, f"worker{w}") for w in sorted(members)]
         records = [json.loads(self._get(key)) for _, key in claims]
         # Checked before claiming, so that a refused launch does not hold the claim.
@@ -285,14 +290,17 @@ class Door:
             raise ConfigError("a worker rejoining the running job differs from it (it "
                               "stops here): " + " | ".join(problems))
         if self.rank_in_worker == 0:
-            self._claim(mine, f"worker{self.worker}.rejoin{epoch}", holder_gone)
+            self._claim(mine, f"worker{self.worker}.rejoin{epoch}", holder_gone, shape)
+        return [shape if w == self.worker else json.loads(self._get(f"worker{w}")).get("shape")
+                for w in range(self.workers)]
 
     def _claim(self, mine: Dict[str, str], key: Optional[str] = None,
-               holder_gone: Optional[Callable[[], bool]] = None) -> None:
+               holder_gone: Optional[Callable[[], bool]] = None,
+               shape: Optional[dict] = None) -> None:
         ident = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         key = key or f"worker{self.worker}"
         record = json.dumps({"launch": ident, "proof": _proof(self.secret, key, ident),
-                             "fingerprint": mine}).encode()
+                             "fingerprint": mine, "shape": shape}).encode()
         self.bytes += len(key) + 2 * len(record)
         held = self.store.compare_set(PREFIX + key, "", record)
         if held != record and holder_gone is not None and holder_gone():

@@ -219,6 +219,10 @@ class Elastic:
                 run.writer = make_writer(run.cfg.logging, reports, run.cfg)
         topo.cross.regroup(topo)
         run.sync.regroup(topo.cross)
+        if run.sync.enabled:  # the token weights are over the members
+            from .streaming.builder import token_share
+
+            run.sync.share = token_share(run.cfg, run.job, topo)
         run.stop.regroup()
 
     # ---- rejoining -----------------------------------------------------------------------

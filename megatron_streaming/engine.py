@@ -256,10 +256,16 @@ class WorkerEngine:
         """Per param group, ``(parameter, fp32 view)`` for every parameter with elements on
         this rank: the view is the parameter's slice of this rank's flat ZeRO partition (or,
         without ZeRO, its fp32 master copy under --bf16 / --fp16, else the parameter)."""
+        return [[(p, view) for p, view, _ in group] for group in self.master_slices()]
+
+    def master_slices(self) -> List[List[tuple]]:
+        """``master_views`` with where each view starts in its parameter (flat, row-major
+        elements): ``(parameter, fp32 view, first element)``."""
         if self.sixteen_bit_without_zero:
-            return deepspeed_zero.master_pairs(self.optimizer)
+            return [[(p, m, 0) for p, m in group]
+                    for group in deepspeed_zero.master_pairs(self.optimizer)]
         if not self.zero:
-            return [[(p, p) for p in g["params"]] for g in self.inner_optimizer.param_groups]
+            return [[(p, p, 0) for p in g["params"]] for g in self.inner_optimizer.param_groups]
         out = []
         for params, flat, partition, start, size, _ in deepspeed_zero.zero_groups(
                 self.optimizer):
@@ -269,7 +275,7 @@ class WorkerEngine:
                 offset = (p.data_ptr() - flat.data_ptr()) // p.element_size()
                 lo, hi = max(offset, start), min(offset + p.numel(), start + size)
                 if lo < hi:
-                    views.append((p, partition.narrow(0, lo - start, hi - lo)))
+                    views.append((p, partition.narrow(0, lo - start, hi - lo), lo - offset))
             out.append(views)
         return out
 

@@ -1,7 +1,8 @@
 """Wires the data pipeline to the training loop: which samples each rank reads, when.
 
 Training samples are sharded over every data-parallel rank of every worker
-(``worker * DP + dp`` of ``M * DP``), so workers read disjoint data. Evaluation reads the
+(``worker * DP + dp`` of ``M * DP``), so workers read disjoint data; workers of different
+batches each read their own block of every step's samples (``workers.JobShape``). Evaluation reads the
 same fixed samples at every evaluation, sharded over the worker's DP ranks only: each worker
 evaluates the same data, so the reported loss needs no cross-worker traffic, and evaluations
 at different iterations (or after a resume) are comparable.
@@ -13,6 +14,7 @@ from typing import Iterator, Optional
 
 from .config import Config
 from .data import MicroBatchSampler, MockTokenizer, build_datasets, build_iterator
+from .data.sampler import WorkerBlockSampler
 from .data.tokenizers import TokenizerSpec, build_tokenizer
 from .schedules import BatchSchedule
 from .topology import Topology
@@ -32,8 +34,9 @@ def load_run_tokenizer(cfg: Config):
 class RunData:
     """The train/valid/test datasets of a run, and iterators positioned by iteration."""
 
-    def __init__(self, cfg: Config, topology: Topology, tokenizer):
+    def __init__(self, cfg: Config, topology: Topology, tokenizer, job=None):
         self.cfg, self.topology = cfg, topology
+        self.job = None if job is None or job.same_batches else job  # None: workers alike
         layout, t, d = topology.layout, cfg.training, cfg.data
         # Each worker's batch per step (ramp-up included); evaluation uses the full batch.
         self.batches = BatchSchedule(t, cfg.model.seq_length, layout.dp)
@@ -52,6 +55,8 @@ class RunData:
     def samples_through(self, iteration: int) -> int:
         """Training samples all workers consumed in iterations ``0 .. iteration - 1``: a
         function of the iteration alone, so a resume needs no other state."""
+        if self.job is not None:
+            return iteration * self.job.job_batch
         return self.batches.consumed(iteration) * self.workers
 
     def tokens_through(self, iteration: int) -> int:
@@ -61,6 +66,14 @@ class RunData:
         # Every micro-step of every rank takes the next micro-batch of one stream, so a step
         # with more micro-batches (ramp-up) simply reads further: only the start depends on
         # the batch schedule.
+        if self.job is not None:
+            topo = self.topology
+            sampler = WorkerBlockSampler(
+                len(self.train), self.samples_through(start_iteration),
+                self.cfg.training.micro_batch_size, topo.dp_rank, topo.layout.dp,
+                self.job.offset(topo.worker), self.job.workers[topo.worker].global_batch_size,
+                self.job.job_batch)
+            return build_iterator(self.train, sampler)
         index, count = self.topology.data_shard
         sampler = MicroBatchSampler(len(self.train), self.samples_through(start_iteration),
                                     self.cfg.training.micro_batch_size, index, count)

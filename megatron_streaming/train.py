@@ -73,7 +73,7 @@ class Run:
         from .inputs import RunData
         from .metrics import make_writer
 
-        self.data = RunData(self.cfg, self.topology, self.tokenizer)
+        self.data = RunData(self.cfg, self.topology, self.tokenizer, self.job)
         self._check_data_position(run_state)
         self.writer = make_writer(self.cfg.logging, self.reports, self.cfg)
         self._closed = False
@@ -124,6 +124,10 @@ class Run:
         self.resume = self._resume_source(layout)
         self.patches = patches.apply()
         door = store = None
+        from .workers import JobShape, WorkerShape, check, from_records
+
+        shape = WorkerShape.of(cfg, layout)
+        self.job = JobShape.uniform(shape, layout.workers)  # every worker's, from the door
         self.own_processes = not distributed.is_initialized()  # else embedded: the world
         if self.own_processes:  # exists already
             from .door import Door, fingerprint
@@ -136,13 +140,16 @@ class Run:
                         datetime.timedelta(minutes=p.distributed_timeout_minutes))
             self.rejoin = self._running_job(store, coords["worker"])
             if self.rejoin is None:
-                door.agree(fingerprint(cfg, layout, self.tokenizer))
+                shapes = door.agree(fingerprint(cfg, layout, self.tokenizer), shape.settings())
             else:
                 from .lifecycle import beating
 
                 first = coords["worker"] * layout.ranks_per_worker  # it claims for the worker
-                door.rejoin(fingerprint(cfg, layout, self.tokenizer), self.rejoin.epoch,
-                            self.rejoin.members, lambda: not beating(store, first))
+                shapes = door.rejoin(fingerprint(cfg, layout, self.tokenizer),
+                                     self.rejoin.epoch, self.rejoin.members,
+                                     lambda: not beating(store, first), shape.settings())
+            self.job = from_records(shapes)
+            check(self.job, cfg)
         # Each worker is its own world (distributed.init_distributed).
         rank, _ = distributed.init_distributed(
             p.distributed_backend, p.distributed_timeout_minutes, store,
@@ -227,7 +234,17 @@ class Run:
         from .streaming import builder
 
         self.engine = WorkerEngine(self.cfg, self.topology, self.model)
-        self.sync = builder.build_sync(self.cfg, self.topology, self.engine)
+        self.sync = builder.build_sync(self.cfg, self.topology, self.engine, self.job)
+        if self.job.workers and not (self.job.same_layout and self.job.same_batches):
+            routes = getattr(self.sync, "routes", None)
+            log.info("workers of their own layouts or batches: %s; the outer mean weighs %s; "
+                     "exchange %s", "; ".join(self.job.describe()),
+                     "each worker by its tokens" if self.cfg.streaming.diloco_weighting ==
+                     "tokens" else "the workers alike",
+                     "shard by shard" if routes is None else
+                     f"by {self.topology.layout.ranks_per_worker} layout-free lanes per "
+                     f"fragment (set-up moved {self.sync.in_worker_bytes} bytes within this "
+                     "rank's worker)")
         topo = self.topology
         self.checkpointer = Checkpointer(
             topo.rank, topo.ranks_reporting, lambda obj: _gather_objects(obj, topo),

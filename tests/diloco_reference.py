@@ -23,6 +23,7 @@ each parameter's outer momentum; more workers start from the global parameters w
 0's inner optimizer state (fewer keep the first ones); the data continues from R.
 """
 
+import json
 import os
 import sys
 from types import SimpleNamespace
@@ -76,6 +77,30 @@ def worker_iterators(cfg, tokenizer, M, DP, start_iteration=0):
     return [[build_iterator(data.train, MicroBatchSampler(
         len(data.train), consumed, cfg.training.micro_batch_size, w * DP + d, M * DP))
         for d in range(DP)] for w in range(M)]
+
+
+def job_shape(cfgs, world):
+    """Every worker's shape (``workers.JobShape``) from its flags."""
+    from megatron_streaming.workers import JobShape, WorkerShape
+
+    M = len(cfgs)
+    return JobShape(tuple(WorkerShape.of(c, RankLayout(
+        world, M, c.parallel.tensor_model_parallel_size, c.parallel.pipeline_model_parallel_size,
+        c.parallel.ds_sequence_parallel_size)) for c in cfgs))
+
+
+def block_iterators(cfgs, tokenizer, world, start_iteration=0):
+    """iterators[w][d] for workers of different batches: worker w's block of every step."""
+    from megatron_streaming.data.sampler import WorkerBlockSampler
+
+    job = job_shape(cfgs, world)
+    stub = SimpleNamespace(layout=RankLayout(world, len(cfgs)), data_shard=(0, 1), dp_rank=0)
+    data = RunData(cfgs[0], stub, tokenizer, job)
+    consumed = data.samples_through(start_iteration)
+    return [[build_iterator(data.train, WorkerBlockSampler(
+        len(data.train), consumed, s.micro_batch_size, d, s.dp, job.offset(w),
+        s.global_batch_size, job.job_batch)) for d in range(s.dp)]
+        for w, s in enumerate(job.workers)]
 
 
 def inner_optimizer(cfg, model):
@@ -138,6 +163,9 @@ class Reference:
         self.DP = data_parallel_size(cfg, world)
         self.iterators = worker_iterators(cfg, self.tokenizer, self.M, self.DP, start)
         self.micro_batches = num_microbatches(cfg, self.DP)
+        self.cfgs = [cfg] * self.M  # each worker's flags (REFERENCE_WORKER_ARGS)
+        self.micro_batches_of = [self.micro_batches] * self.M
+        self.weights = [1.0 / self.M] * self.M  # of the outer mean
         self.plan, self.schedule = fragment_plan(cfg), sync_schedule(cfg)
         self.fragment = {n: self.plan.fragment_of(n) for n in self.names}
         old = getattr(self, "outer", {})
@@ -145,6 +173,21 @@ class Reference:
         for opt in old.values():  # each parameter keeps its outer momentum
             for param, state in opt.state.items():
                 self.outer[self.fragment[self._name(param)]].state[param] = state
+
+    def configure_workers(self, cfgs, world):
+        """Workers of their own layouts and batches: each reads its block of every step and
+        counts in the outer mean by its tokens (``--diloco-weighting tokens``)."""
+        job = job_shape(cfgs, world)
+        self.cfgs = cfgs
+        if not job.same_batches:
+            self.iterators = block_iterators(cfgs, self.tokenizer, world)
+        else:
+            self.iterators = [worker_iterators(c, self.tokenizer, self.M, s.dp)[w]
+                              for w, (c, s) in enumerate(zip(cfgs, job.workers))]
+        self.micro_batches_of = [num_microbatches(c, s.dp) for c, s in zip(cfgs, job.workers)]
+        if self.cfg.streaming.diloco_weighting == "tokens":
+            total = job.job_batch
+            self.weights = [s.global_batch_size / total for s in job.workers]
 
     def _outer_optimizers(self, theta):
         s = self.cfg.streaming
@@ -212,8 +255,8 @@ class Reference:
 
     def step(self, step, last):
         for w in self.active:
-            inner_step(self.cfg, self.models[w], self.opts[w], self.iterators[w], step - 1,
-                       self.micro_batches)
+            inner_step(self.cfgs[w], self.models[w], self.opts[w], self.iterators[w], step - 1,
+                       self.micro_batches_of[w])
         local = [dict(m.named_parameters()) for m in self.models]
         if self.schedule.eager:
             self.eager_step(step, last, local)
@@ -224,9 +267,14 @@ class Reference:
             self.pending[p] = {}
             for n in self.names:
                 if self.fragment[n] == p:
-                    total = sum(self.theta_g[n].detach() - local[w][n].detach()
-                                for w in self.active)
-                    self.pending[p][n] = total / len(self.active)
+                    deltas = [self.theta_g[n].detach() - local[w][n].detach()
+                              for w in self.active]
+                    weights = [self.weights[w] for w in self.active]
+                    if len(set(weights)) == 1:
+                        self.pending[p][n] = sum(deltas) / len(self.active)
+                    else:  # by tokens
+                        self.pending[p][n] = sum(d * (x / sum(weights))
+                                                 for d, x in zip(deltas, weights))
         merging = list(self.schedule.merges_after(step))
         if last:  # the end: what is still in flight merges now
             merging += sorted(set(self.pending) - set(merging))
@@ -263,14 +311,15 @@ class Reference:
 
 
 def main():
-    import json
-
     out_dir, argv = sys.argv[1], sys.argv[2:]
     cfg = parse_args(argv)
     world = int(os.environ.pop("REFERENCE_WORLD_SIZE"))  # of the distributed run it mirrors
     resume_at = int(os.environ.pop("REFERENCE_RESUME_AT", "0"))
     patches.apply()
     ref = Reference(cfg, load_run_tokenizer(cfg), world)
+    per_worker = os.environ.pop("REFERENCE_WORKER_ARGS", "")
+    if per_worker:  # each worker its own flags
+        ref.configure_workers([parse_args(a) for a in json.loads(per_worker)], world)
     step, last_cfg = 1, cfg
     if resume_at:
         last_cfg = parse_args(json.loads(os.environ.pop("REFERENCE_RESUME_ARGS")))

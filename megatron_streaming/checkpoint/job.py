@@ -181,6 +181,9 @@ class JobState:
         fragments = set(s.in_flight_fragments())
         if not fragments:
             return None
+        settle = getattr(s, "settle", None)  # lanes in flight back to the shards (canonical)
+        if settle is not None:
+            settle()
         means = []
         for g in s.groups:
             p = s.pending.get(g.index)

@@ -57,6 +57,38 @@ class MicroBatchSampler:
             yield list(range(start, start + self.micro_batch_size))
 
 
+class WorkerBlockSampler:
+    """This rank's sample indices when workers read different batches (``workers``): each
+    step takes the next ``job_batch`` indices, worker w reads its contiguous block of
+    ``worker_batch`` from ``worker_offset`` on, and within it every micro-step takes the next
+    ``micro_batch_size * data_parallel_size`` indices, data-parallel rank r the r-th slice.
+    ``consumed_samples`` is counted over all workers (a multiple of ``job_batch``)."""
+
+    def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
+                 data_parallel_rank: int, data_parallel_size: int, worker_offset: int,
+                 worker_batch: int, job_batch: int):
+        per_micro_step = micro_batch_size * data_parallel_size
+        if worker_batch % per_micro_step:
+            raise UsageError(f"--global-batch-size {worker_batch} is not divisible by "
+                             f"--micro-batch-size {micro_batch_size} x data-parallel size "
+                             f"{data_parallel_size}")
+        self.total_samples, self.consumed_samples = total_samples, consumed_samples
+        self.micro_batch_size, self.data_parallel_rank = micro_batch_size, data_parallel_rank
+        self.per_micro_step, self.micro_steps = per_micro_step, worker_batch // per_micro_step
+        self.worker_offset, self.job_batch = worker_offset, job_batch
+
+    def __len__(self) -> int:
+        return (self.total_samples - self.consumed_samples) // self.job_batch * self.micro_steps
+
+    def __iter__(self) -> Iterator[List[int]]:
+        for i in range(len(self)):
+            step, micro = divmod(i, self.micro_steps)
+            start = (self.consumed_samples + step * self.job_batch + self.worker_offset
+                     + micro * self.per_micro_step + self.data_parallel_rank
+                     * self.micro_batch_size)
+            yield list(range(start, start + self.micro_batch_size))
+
+
 def collate_micro_batch(samples: List[Dict]) -> Dict[str, Optional["torch.Tensor"]]:
     """Stack GPTDataset samples into [b, s] tensors plus one [1, 1, s, s] causal mask.
 

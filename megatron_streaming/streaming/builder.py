@@ -75,18 +75,39 @@ def shard_groups(engine, fragment_of: Callable[[str], int]):
     ranks at the same coordinate of different workers submit identical exchanges."""
     names = {id(p): n for n, p in engine.model.named_parameters()}
     groups = []
-    for param_group, views in enumerate(engine.master_views()):
+    for param_group, slices in enumerate(engine.master_slices()):
         by_fragment = {}
-        for param, view in views:
-            by_fragment.setdefault(fragment_of(names[id(param)]), []).append(view)
+        for param, view, first in slices:
+            name = names[id(param)]
+            views, sources = by_fragment.setdefault(fragment_of(name), ([], []))
+            views.append(view)
+            sources.append((name, param, first))
         for fragment in sorted(by_fragment):
-            groups.append(ShardGroup(len(groups), param_group, fragment, by_fragment[fragment]))
+            views, sources = by_fragment[fragment]
+            groups.append(ShardGroup(len(groups), param_group, fragment, views, sources))
     return groups
 
 
-def build_sync(cfg: Config, topology: Topology, engine) -> Union[StreamingSync, NoSync]:
+def canonical_routes(cfg: Config, topology: Topology, groups):
+    """Every fragment's route to the lanes (``canonical``; collective over the worker)."""
+    from ..topology import device_of
+    from .canonical import build_routes
+
+    plan = fragment_plan(cfg)
+    group = topology.groups["worker"]
+    return build_routes(
+        groups, [g.sources for g in groups], group, device_of(group),
+        topology.coords["local"], topology.layout.ranks_per_worker, plan.fragment_of,
+        layer_offset=topology.pp_rank * (cfg.model.num_layers // topology.layout.pp),
+        tied=not cfg.model.untie_embeddings_and_output_weights, tp_rank=topology.tp_rank,
+        tp_size=topology.layout.tp, gated=cfg.model.swiglu)
+
+
+def build_sync(cfg: Config, topology: Topology, engine,
+               job=None) -> Union[StreamingSync, NoSync]:
     """The sync module (``NoSync`` when the sync is off); ``attach`` hooks it into the
-    engine."""
+    engine. ``job``: every worker's shape (``workers.JobShape``); workers of different
+    layouts exchange by lanes (``canonical.CanonicalSync``)."""
     if not enabled(cfg):
         return NoSync()
     s = cfg.streaming
@@ -97,10 +118,27 @@ def build_sync(cfg: Config, topology: Topology, engine) -> Union[StreamingSync, 
         groups[0].read().device
     transport = topology.cross.make_transport(
         make_codec(s.diloco_quantize, s.diloco_quant_block), s.diloco_timeout, codec_device)
-    warm_up(transport.codec, max((transport.padded_numel(g.numel) for g in groups), default=0),
+    args = (sync_schedule(cfg, topology.layout.dp), transport, outer_optimizer(cfg),
+            s.diloco_alpha, s.diloco_error_feedback, s.diloco_offload_outer_state,
+            engine.push_to_model)
+    if job is not None and not job.same_layout:
+        from .canonical import CanonicalSync
+
+        routes = canonical_routes(cfg, topology, groups)
+        sizes = [r.lane_numel for r in routes.values()]
+        sync = CanonicalSync(groups, routes, *args)
+    else:
+        sizes = [g.numel for g in groups]
+        sync = StreamingSync(groups, *args)
+    warm_up(transport.codec, max((transport.padded_numel(n) for n in sizes), default=0),
             transport.codec_device)
-    sync = StreamingSync(groups, sync_schedule(cfg, topology.layout.dp), transport,
-                         outer_optimizer(cfg),
-                         s.diloco_alpha, s.diloco_error_feedback,
-                         s.diloco_offload_outer_state, engine.push_to_model)
+    if job is not None:
+        sync.share = token_share(cfg, job, topology)
     return sync
+
+
+def token_share(cfg: Config, job, topology: Topology) -> float:
+    """This worker's factor on its outer gradients for the current members
+    (``workers.JobShape.share``)."""
+    members = topology.members or range(len(job.workers))
+    return job.share(topology.worker, members, cfg.streaming.diloco_weighting)

@@ -53,9 +53,12 @@ class ShardGroup:
     vector: views into the group's flat ZeRO partition (or, without ZeRO, parameters)."""
 
     def __init__(self, index: int, param_group: int, fragment: int,
-                 tensors: List[torch.Tensor]):
+                 tensors: List[torch.Tensor], sources: Optional[List[tuple]] = None):
         self.index, self.param_group, self.fragment = index, param_group, fragment
         self.tensors = list(tensors)
+        # Per tensor, (local parameter name, parameter, first element of the parameter it
+        # starts at): where its elements sit in the model (``canonical``).
+        self.sources = list(sources or [])
         self.numel = sum(t.numel() for t in self.tensors)
 
     def read(self) -> torch.Tensor:
@@ -132,6 +135,9 @@ class StreamingSync:
         # raised, and skipped; ``paused`` while a survivor trains up to the agreed step.
         self.on_lost: Optional[Callable[[BaseException], None]] = None
         self.paused = False
+        # This worker's factor on its outer gradients (``workers.JobShape.share``): the plain
+        # mean over the workers then weighs each by its tokens in the round.
+        self.share = 1.0
 
     def _event(self, kind: str, g: ShardGroup) -> None:
         if self.events is not None:
@@ -209,6 +215,8 @@ class StreamingSync:
         if stats.send_step != self.step:
             stats.grad_sq, stats.send_step = 0.0, self.step
         stats.grad_sq += float(delta.double().pow(2).sum())
+        if self.share != 1.0:
+            delta.mul_(self.share)
         if self.own is not None:
             self._eager_step(g, delta)
         self._event("send", g)
