@@ -2,6 +2,7 @@
 formula, the memory model's terms moving the way the code's memory does, and a whole plan
 for the example clusters whose sbatch lines pretrain_gpt.py accepts as they are."""
 
+import re
 import shlex
 
 import pytest
@@ -67,6 +68,7 @@ def test_plan_prints_sbatch_lines_that_pretrain_gpt_accepts(capsys):
     assert "Candidates on h100-east" in out and "chosen" in out
     lines = [shlex.split(line) for line in out.splitlines() if line.startswith("sbatch ")]
     assert len(lines) == 2
+    batches = []
     for worker, line in enumerate(lines):
         nodes = int(next(a for a in line if a.startswith("--nodes=")).split("=")[1])
         gpus = int(next(a for a in line if a.startswith("--gpus-per-node=")).split("=")[1])
@@ -75,7 +77,12 @@ def test_plan_prints_sbatch_lines_that_pretrain_gpt_accepts(capsys):
         validate(cfg, nodes * gpus * 2)  # the job's world: two workers of that size
         assert cfg.streaming.diloco_worker_index == worker and cfg.streaming.diloco_workers == 2
         assert cfg.parallel.rendezvous_external and cfg.parallel.master_addr == "login01.example"
-        assert cfg.training.global_batch_size == 256  # half of the job's 512 each
+        batches.append(cfg.training.global_batch_size)
+    # The job's 512 shared by speed: the H100 worker takes the larger part, and the predicted
+    # steps of the two workers take about as long.
+    assert sum(batches) == 512 and batches[0] > 2 * batches[1], batches
+    steps = [float(m) for m in re.findall(r"GiB per device, ([0-9.]+) s per step", out)]
+    assert len(steps) == 2 and max(steps) / min(steps) < 1.05, steps
 
 
 def test_plan_errors_name_the_file_and_the_field(tmp_path, capsys):
@@ -89,5 +96,5 @@ def test_plan_errors_name_the_file_and_the_field(tmp_path, capsys):
                      "intra_node_gb_per_s: 100\ninter_node_gb_per_s: 10\n")
     assert main(["--cluster", str(small), "--cluster", str(small), "--link",
                  "launch/clusters/link_10g_80ms.yaml", *MODEL]) == 2
-    assert "no layout of the model fits every cluster's device memory" in \
+    assert "no layout of the model fits small (1 devices, batch 256)" in \
         capsys.readouterr().err

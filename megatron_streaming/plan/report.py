@@ -19,16 +19,18 @@ def format_plan(result: Plan, shape: ModelShape, link: Link, flags: List[str],
     workers = result.workers
     host, _, port = rendezvous.rpartition(":")
     devices = workers[0].best.layout.ranks
-    lines = [f"Plan: {len(workers)} workers, {shape.parameters() / 1e6:,.1f}M parameters, "
-             f"every worker {workers[0].best.layout.describe()} on {devices} devices "
-             f"(workers of different layouts are not supported yet)"]
+    lines = [f"Plan: {len(workers)} workers of {devices} devices each, "
+             f"{shape.parameters() / 1e6:,.1f}M parameters, global batch "
+             f"{sum(w.global_batch for w in workers)} shared by speed"]
     for i, w in enumerate(workers):
         c, b = w.cluster, w.best
         idle = c.devices - devices
         lines.append(
-            f"  worker {i} ({c.name}): {b.memory_gib:.1f} of {c.device_memory_gib:g} GiB per "
-            f"device, {w.step_seconds:.2f} s per step, {b.tokens_per_s:,.0f} tokens/s, batch "
-            f"{w.global_batch}" + (f"; {idle} of its {c.devices} devices idle" if idle else ""))
+            f"  worker {i} ({c.name}): {b.layout.describe()}; batch {w.global_batch}; "
+            f"{b.memory_gib:.1f} of {c.device_memory_gib:g} GiB per device, "
+            f"{w.step_seconds:.2f} s per step, {b.tokens_per_s:,.0f} tokens/s"
+            + (f"; {idle} of its {c.devices} devices idle (ranks per worker are one for "
+               "all)" if idle else ""))
     step = max(w.step_seconds for w in workers)
     lines += [
         f"Sync over the link ({link.bandwidth_gbit_per_s:g} Gbit/s, RTT {link.rtt_ms:g} ms): "
@@ -69,9 +71,6 @@ def format_plan(result: Plan, shape: ModelShape, link: Link, flags: List[str],
                     why = "chosen"
                 elif c.why_not:
                     why = c.why_not
-                elif ratio > TIE:
-                    why = (f"{ratio:.1%} faster here, but the layout must run on every "
-                           "cluster: slower on the slowest, or does not fit another")
                 elif ratio < -TIE:
                     why = f"{-ratio:.1%} slower"
                 else:

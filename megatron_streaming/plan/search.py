@@ -10,10 +10,13 @@ without a full recompute. A candidate must fit the device memory (``--memory-hea
 kept free); the fastest (tokens per second of the worker) wins; speeds within 0.5 % tie, and
 less memory, then fewer ranks per replica break the tie.
 
-Until workers may differ in layout, every worker runs the same layout on the same number of
-devices (the smallest cluster's; a larger cluster leaves the rest idle): the one that fits
-every cluster's device memory and is fastest on the slowest cluster; every worker the same
-batch. The sync settings then follow from the slowest worker's step and the link.
+Each worker runs its own cluster's best layout (workers of different layouts exchange by the
+layout-free lanes, ``streaming.canonical``), all on the same number of devices (the smallest
+cluster's: ranks per worker are still one for all; a larger cluster leaves the rest idle).
+The global batch is then shared out in proportion to each worker's speed, so that their steps
+take about as long (``balance``): the slower cluster gets the smaller batch, and the outer
+mean weighs each worker by its tokens (``--diloco-weighting tokens``). The sync settings
+follow from the slowest worker's step and the link.
 """
 
 from __future__ import annotations
@@ -126,32 +129,65 @@ def plan(shape: ModelShape, clusters: Sequence[Cluster], link: Link, global_batc
          link_share: float = 0.5) -> Plan:
     """``global_batch``: sequences per step over all workers together; ``check(layout,
     batch)``: why the launcher would refuse a layout (None: it would not)."""
-    from ..errors import UsageError
     from ..streaming import rule
 
-    per_worker = global_batch // len(clusters)
     devices = min(c.devices for c in clusters)
-    ranked = [rank(shape, c, devices, per_worker, training, headroom, check)
-              for c in clusters]
-    fits_all = [c for c in ranked[0] if not c.why_not and all(
-        any(o.layout == c.layout and not o.why_not for o in r) for r in ranked[1:])]
-    if not fits_all:
-        raise UsageError("no layout of the model fits every cluster's device memory "
-                         "(--memory-headroom, --global-batch-size, or more devices)")
-
-    def slowest(c):  # its step time on the slowest cluster
-        return max(next(o.step_seconds for o in r if o.layout == c.layout) for r in ranked)
-
-    chosen = min(fits_all, key=lambda c: (_bucket(slowest(c)), _preference(c)[2:]))
-    workers = []
-    for c, r in zip(clusters, ranked):
-        mine = next(o for o in r if o.layout == chosen.layout)
-        workers.append(WorkerPlan(c, mine, per_worker, mine.step_seconds, r))
+    workers = balance(shape, clusters, devices, global_batch, training, headroom, check)
     step = max(w.step_seconds for w in workers)
     advice, exchange, util, peak, mean = _sync(shape, link, len(clusters), step,
                                                train_iters, rule, link_share)
     fewer = advice.inner_steps * 16 / FP4_BITS
     return Plan(workers, advice.flags(), advice.reasons, exchange, util, peak, mean, fewer)
+
+
+def balance(shape: ModelShape, clusters: Sequence[Cluster], devices: int, global_batch: int,
+            training: Training, headroom: float, check=None) -> List[WorkerPlan]:
+    """Each cluster's best layout and a batch per worker in proportion to its speed, so that
+    the workers' steps take about as long; the batches add up to ``global_batch`` (each a
+    multiple of its layout's micro-batch x DP). Two rounds: rank at an equal share, split by
+    the speeds found, rank again at the split."""
+    from ..errors import UsageError
+
+    M = len(clusters)
+    batches = [global_batch // M] * M
+    for _ in range(2):
+        ranked = [rank(shape, c, devices, b, training, headroom, check)
+                  for c, b in zip(clusters, batches)]
+        for c, r, b in zip(clusters, ranked, batches):
+            if not r or r[0].why_not:
+                raise UsageError(f"no layout of the model fits {c.name} ({devices} devices, "
+                                 f"batch {b}): --memory-headroom, --global-batch-size, or "
+                                 "more devices")
+        speeds = [r[0].tokens_per_s for r in ranked]
+        grains = [r[0].layout.micro_batch * r[0].layout.dp for r in ranked]
+        split = _split(global_batch, speeds, grains)
+        if split == batches:
+            break
+        batches = split
+    ranked = [rank(shape, c, devices, b, training, headroom, check)
+              for c, b in zip(clusters, batches)]
+    out = []
+    for c, r, b in zip(clusters, ranked, batches):
+        if not r or r[0].why_not:
+            raise UsageError(f"no layout of the model fits {c.name} at batch {b}")
+        out.append(WorkerPlan(c, r[0], b, r[0].step_seconds, r))
+    return out
+
+
+def _split(total: int, speeds: Sequence[float], grains: Sequence[int]) -> List[int]:
+    """``total`` in parts proportional to ``speeds``, each a positive multiple of its grain;
+    the remainder goes where it lengthens the slowest step least."""
+    parts = [max(g, int(total * v / sum(speeds)) // g * g) for v, g in zip(speeds, grains)]
+    while sum(parts) > total and any(p > g for p, g in zip(parts, grains)):
+        i = max((i for i, (p, g) in enumerate(zip(parts, grains)) if p > g),
+                key=lambda i: parts[i] / speeds[i])
+        parts[i] -= grains[i]
+    while True:
+        room = [i for i, g in enumerate(grains) if sum(parts) + g <= total]
+        if not room:
+            return parts
+        i = min(room, key=lambda i: (parts[i] + grains[i]) / speeds[i])
+        parts[i] += grains[i]
 
 
 def _sync(shape: ModelShape, link: Link, workers: int, step: float, train_iters: int, rule,
@@ -189,4 +225,4 @@ def _sync(shape: ModelShape, link: Link, workers: int, step: float, train_iters:
     return advice, exchange, util, peak, mean
 
 
-__all__ = ["Candidate", "Plan", "WorkerPlan", "candidates", "plan", "rank"]
+__all__ = ["Candidate", "Plan", "WorkerPlan", "balance", "candidates", "plan", "rank"]
