@@ -53,31 +53,37 @@ CASES = {
          "--global-batch-size", "4"]),
 }
 
+SAVES = "tp2_vs_pp2_batches_8_4"
 
-def _run_pair(tmp_path, per_worker, timeout=400):
+
+def _start_pair(out, per_worker, save=()):
     port = str(free_port())
-    procs, logs = [], []
-    for w, flags in enumerate(per_worker):
-        logs.append(tmp_path / f"w{w}.log")
-        procs.append(start(2, [str(tmp_path), *SHARED, *flags, "--master-addr", "127.0.0.1",
-                               "--master-port", port, "--diloco-worker-index", str(w)],
-                           logs[w], None, DRIVER))
-    try:
-        for p, log in zip(procs, logs):
-            assert p.wait(timeout=timeout) == 0, log.read_text()[-5000:]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    return [log.read_text() for log in logs]
+    return [(start(2, [str(out), *SHARED, *flags, *save, "--master-addr", "127.0.0.1",
+                       "--master-port", port, "--diloco-worker-index", str(w)],
+                   out / f"w{w}.log", None, DRIVER),
+             out / f"w{w}.log") for w, flags in enumerate(per_worker)]
 
 
 @pytest.mark.timeout(900)
 def test_workers_of_different_layouts_and_batches_match_the_reference(tmp_path):
+    launches = []
+    try:  # both jobs at once: most of a launch is waiting (start-up, rendezvous)
+        for name, per_worker in CASES.items():
+            out = tmp_path / name
+            out.mkdir()
+            # The first job saves after step 6, with fragment 1's lanes in flight (sent after
+            # 6, merged after 7): they come back to the shards for it, and the run goes on.
+            save = ["--save", str(out / "ckpt"), "--save-interval", "6"] \
+                if name == SAVES else []
+            launches += _start_pair(out, per_worker, save)
+        for proc, log in launches:
+            assert proc.wait(timeout=600) == 0, log.read_text()[-5000:]
+    finally:
+        for proc, _ in launches:
+            if proc.poll() is None:
+                proc.kill()
     for name, per_worker in CASES.items():
         out = tmp_path / name
-        out.mkdir()
-        _run_pair(out, per_worker)
         ref = reference([*SHARED, *per_worker[0]], out, 4,
                         {"REFERENCE_WORKER_ARGS": json.dumps([[*SHARED, *f]
                                                               for f in per_worker])})
@@ -91,6 +97,9 @@ def test_workers_of_different_layouts_and_batches_match_the_reference(tmp_path):
             assert torch.equal(got[0]["global"][n], got[1]["global"][n]), (name, n)
         assert any(kind == "merge" for _, kind, _, _ in got[0]["events"])
         assert got[0]["cross_worker_bytes"] == lane_bytes(ref["global"], SHARED), name
+        if name == SAVES:
+            meta = json.loads((out / "ckpt" / "iter_0000006" / "checkpoint.json").read_text())
+            assert [p["fragment"] for p in meta["pending"]] == [1], meta["pending"]
 
 
 def lane_bytes(params: dict, flags, workers: int = 2, lanes: int = 2) -> int:
@@ -114,3 +123,52 @@ def lane_bytes(params: dict, flags, workers: int = 2, lanes: int = 2) -> int:
                 chunk = -(-n // workers)
                 total += 4 * (workers - 1) + 2 * (workers - 1) * 4 * chunk
     return total * workers
+
+
+@pytest.mark.parametrize("shape,dim,gated", [((8, 6), 0, False), ((8, 6), 1, False),
+                                             ((8, 6), 0, True), ((4, 6, 5), 1, False)])
+def test_canonical_positions_find_every_shard_element_in_the_full_tensor(shape, dim, gated):
+    """Any slice of any TP rank's shard (a ZeRO partition cuts shards anywhere) maps onto the
+    full tensor's elements it was cut from, as ``weights.tp_shard`` cuts them."""
+    from megatron_streaming.streaming.canonical import parameter_positions
+    from megatron_streaming.weights import tp_shard
+
+    full = torch.randn(shape)
+    name = "decoder.layers.0.mlp.linear_fc1.weight" if gated else "x.weight"
+    for tp in (1, 2):
+        for t in range(tp):
+            shard = tp_shard(name, full, dim, t, tp, gated)
+            param = torch.nn.Parameter(shard.clone())
+            param.tensor_model_parallel, param.partition_dim = True, dim
+            for first, count in ((0, shard.numel()), (5, 7), (shard.numel() - 3, 3)):
+                where = parameter_positions(param, first, count, t, tp, gated)
+                assert torch.equal(full.reshape(-1)[where], shard.reshape(-1)[first:first + count])
+
+
+def test_workers_of_different_batches_read_disjoint_blocks_and_weigh_by_tokens():
+    from megatron_streaming.data.sampler import WorkerBlockSampler
+    from megatron_streaming.workers import JobShape, WorkerShape
+
+    job = JobShape((WorkerShape(tp=2, micro_batch_size=2, global_batch_size=8),
+                    WorkerShape(pp=2, dp=2, micro_batch_size=1, global_batch_size=4)))
+    assert not job.same_layout and not job.same_batches and job.job_batch == 12
+    read = []
+    for w, s in enumerate(job.workers):
+        for d in range(s.dp):
+            sampler = WorkerBlockSampler(12 * 5, 12, s.micro_batch_size, d, s.dp,
+                                         job.offset(w), s.global_batch_size, job.job_batch)
+            read += [i for batch in sampler for i in batch]
+    assert sorted(read) == list(range(12, 60))  # steps 1-4, every sample once
+    # Shares: M x batch / sum over the members; one alone or equal batches: 1 exactly.
+    assert job.share(0, [0, 1], "tokens") == pytest.approx(2 * 8 / 12)
+    assert job.share(1, [0, 1], "tokens") == pytest.approx(2 * 4 / 12)
+    assert job.share(1, [1], "tokens") == 1.0 and job.share(0, [0, 1], "uniform") == 1.0
+
+
+def test_the_planner_splits_a_batch_by_speed_in_whole_grains():
+    from megatron_streaming.plan.search import _split
+
+    assert _split(512, [3.0, 1.0], [1, 1]) == [384, 128]
+    parts = _split(512, [2.8, 1.0], [2, 4])
+    assert sum(parts) == 512 and parts[0] % 2 == 0 and parts[1] % 4 == 0
+    assert abs(parts[0] / 2.8 - parts[1] / 1.0) <= 4
