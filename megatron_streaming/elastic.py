@@ -173,13 +173,7 @@ class Elastic:
     def _share_global_state(self, src: int) -> None:
         """theta_g and the outer momentum of the member at index ``src`` of the epoch, to
         every member (collective over the cross-worker data groups)."""
-        sync, cross = self.run.sync, self.run.topology.cross
-        for tensors in (sync.theta_g, sync.momentum):
-            for t in tensors:
-                on_wire = t.to(cross.data_device)
-                dist.broadcast(on_wire, group_src=src, group=cross.data_group)
-                t.copy_(on_wire)
-                cross.count_control(t.numel() * t.element_size() * (cross.workers - 1))
+        self.run.sync.share_global_state(src, self.run.topology.cross)
 
     def _release_groups(self) -> None:
         """Let go of the epoch's cross-worker groups, so that they are destroyed and their
@@ -287,8 +281,7 @@ class Elastic:
             g.write(theta.to(g.read().device))
         sync.push_to_model()
         sync.step = sync.finished_step = record.step  # the exchanges then in flight are
-        in_flight = set(sync.schedule.in_flight_after(record.step))  # merged already
-        sync.merged_early = {g.index for g in sync.groups if g.fragment in in_flight}
+        sync.mark_merged(sync.schedule.in_flight_after(record.step))  # merged already
         log.warning("worker %d rejoined after step %d (membership epoch %d: workers %s): "
                     "weights set to the global parameters, fresh inner optimizer",
                     topo.worker, record.step, record.epoch, list(record.members))

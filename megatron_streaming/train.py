@@ -242,7 +242,7 @@ class Run:
                      "each worker by its tokens" if self.cfg.streaming.diloco_weighting ==
                      "tokens" else "the workers alike",
                      "shard by shard" if routes is None else
-                     f"by {self.topology.layout.ranks_per_worker} layout-free lanes per "
+                     f"by {self.topology.layout.ranks_per_worker} layout-free lane(s) per "
                      f"fragment (set-up moved {self.sync.in_worker_bytes} bytes within this "
                      "rank's worker)")
         topo = self.topology

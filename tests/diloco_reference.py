@@ -166,6 +166,7 @@ class Reference:
         self.cfgs = [cfg] * self.M  # each worker's flags (REFERENCE_WORKER_ARGS)
         self.micro_batches_of = [self.micro_batches] * self.M
         self.weights = [1.0 / self.M] * self.M  # of the outer mean
+        self.blocks = None  # the world size, when workers of different batches read blocks
         self.plan, self.schedule = fragment_plan(cfg), sync_schedule(cfg)
         self.fragment = {n: self.plan.fragment_of(n) for n in self.names}
         old = getattr(self, "outer", {})
@@ -181,6 +182,7 @@ class Reference:
         self.cfgs = cfgs
         if not job.same_batches:
             self.iterators = block_iterators(cfgs, self.tokenizer, world)
+            self.blocks = world
         else:
             self.iterators = [worker_iterators(c, self.tokenizer, self.M, s.dp)[w]
                               for w, (c, s) in enumerate(zip(cfgs, job.workers))]
@@ -237,8 +239,11 @@ class Reference:
             for n, p in model.named_parameters():
                 p.copy_(self.theta_g[n])
         self.opts[w] = inner_optimizer(self.cfg, model)
-        self.iterators[w] = worker_iterators(self.cfg, self.tokenizer, self.M, self.DP,
-                                             step)[w]
+        if self.blocks is not None:  # workers of different batches
+            self.iterators[w] = block_iterators(self.cfgs, self.tokenizer, self.blocks, step)[w]
+        else:
+            self.iterators[w] = worker_iterators(self.cfg, self.tokenizer, self.M, self.DP,
+                                                 step)[w]
         self.active = sorted([*self.active, w])
 
     def merge(self, p):

@@ -13,7 +13,14 @@ in flight merge first, it starts from theta_g with a fresh inner optimizer and t
 the steps after that one (three workers' bytes from then on). Beside it, a launch with
 another join secret is refused at the door. The survivors' save after step 30, the first
 collective to miss worker 1, is skipped without stopping them.
+
+Worker 2 runs another layout (ZeRO-0, the others ZeRO-1) and half the batch: the workers
+exchange by the layout-free lanes (``streaming.canonical``), the mean weighs each by its
+tokens over the members of the moment, and the state a survivor resyncs or a newcomer takes
+travels by lanes too.
 """
+
+import json
 
 import pytest
 import torch
@@ -25,6 +32,7 @@ ELASTIC = [*BASE, "--num-layers", "2", "--diloco-workers", "3", "--diloco-min-wo
            "--diloco-inner-steps", "4", "--diloco-fragments", "2",
            "--diloco-overlap-steps", "1", "--diloco-timeout", "60", "--train-iters", "90",
            "--save-interval", "30"]
+OWN = {2: ["--zero-stage", "0", "--global-batch-size", "2"]}  # worker 2's own flags
 LEAVES_AFTER = 29  # worker 1; the others' save after step 30 is the first to miss it
 DRIVER = "tests/streaming_driver.py"
 
@@ -44,7 +52,8 @@ def test_a_lost_worker_is_dropped_then_rejoins_and_every_step_matches_the_refere
         procs[0] = start(1, [*common, "--diloco-worker-index", "0"], logs[0], paced, DRIVER)
         procs[1] = start(1, [*common, "--diloco-worker-index", "1"], logs[1],
                          {"MEGATRON_STREAMING_LEAVE_WORKER": f"1:{LEAVES_AFTER}"}, DRIVER)
-        procs[2] = start(1, [*common, "--diloco-worker-index", "2"], logs[2], None, DRIVER)
+        procs[2] = start(1, [*common, *OWN[2], "--diloco-worker-index", "2"], logs[2], None,
+                         DRIVER)
         assert procs[1].wait(timeout=180) == 0, logs[1].read_text()[-3000:]
         wait_for_line(logs[0], r"membership epoch 1: workers \[0, 2\]", procs[0])
         # With it, a launch with another join secret: refused at the door, it takes no claim.
@@ -81,8 +90,9 @@ def test_a_lost_worker_is_dropped_then_rejoins_and_every_step_matches_the_refere
         ["worker0", "worker1", "worker2"]
     for d in (got[0], got[2]):  # a merge after the loss was skipped (its exchange failed)
         assert any(kind == "lost" for _, kind, _, _ in d["events"]), d["events"]
-    ref = reference(ELASTIC, tmp_path, 3, {"REFERENCE_DROP": f"1:{LEAVES_AFTER}:{noticed}",
-                                           "REFERENCE_READD": f"1:{admitted}"})
+    ref = reference(ELASTIC, tmp_path, 3, {
+        "REFERENCE_DROP": f"1:{LEAVES_AFTER}:{noticed}", "REFERENCE_READD": f"1:{admitted}",
+        "REFERENCE_WORKER_ARGS": json.dumps([[*ELASTIC, *OWN.get(w, [])] for w in range(3)])})
     for w in range(3):
         for kind, expected in (("local", ref["local"][w]), ("global", ref["globals"][w])):
             worst, whole = relative(got[w][kind], expected)
@@ -95,7 +105,8 @@ def test_a_lost_worker_is_dropped_then_rejoins_and_every_step_matches_the_refere
 
     def per_worker(window, workers):
         return analytic_bytes(got[0]["local"], {(s, f) for s, f in sends if s in window},
-                              workers, fragments=2, block=1, codec="none", layers=2) // workers
+                              workers, fragments=2, block=1, codec="none", layers=2,
+                              lanes=True) // workers
 
     two, three = range(noticed + 1, admitted + 1), range(admitted + 1, 91)
     for w in (0, 2):

@@ -173,18 +173,20 @@ def test_slow_worker_syncs_the_same_fragments_at_the_same_steps(tmp_path):
 
 
 def analytic_bytes(params: dict, sends, workers: int, fragments: int, block: int,
-                   codec: str = "fp4", layers: int = 3) -> int:
+                   codec: str = "fp4", layers: int = 3, lanes: bool = False) -> int:
     """What the transport must have counted: per send, per (param group, fragment) shard of n
     elements padded to a multiple of M x block: a 4-byte finiteness flag to each peer, then
     M-1 FP4 (or fp32, ``codec="none"``, block 1) chunks out in the reduce-scatter and this
-    rank's averaged chunk to M-1 peers in the all-gather; every worker does the same."""
+    rank's averaged chunk to M-1 peers in the all-gather; every worker does the same.
+    ``lanes``: one-rank workers of different layouts, one lane per fragment (both param
+    groups in one vector)."""
     from megatron_streaming.streaming.fragments import FragmentPlan
 
     plan = FragmentPlan(layers, fragments, "strided")
     sizes = {}
     for name, tensor in params.items():
         decay = tensor.ndim > 1 and not name.endswith(".bias")
-        key = (decay, plan.fragment_of(name))
+        key = (False if lanes else decay, plan.fragment_of(name))
         sizes[key] = sizes.get(key, 0) + tensor.numel()
     total = 0
     for _, fragment in sends:

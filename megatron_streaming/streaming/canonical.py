@@ -337,6 +337,27 @@ class CanonicalSync(StreamingSync):
         self.push_to_model()
         return merged
 
+    def share_global_state(self, src: int, cross) -> None:
+        """As ``StreamingSync``'s, lane by lane: each worker moves its shards to the lanes,
+        the lanes of member ``src`` go to every member, and come back to the shards."""
+        for p in sorted(self.routes):
+            route, groups = self.routes[p], self._groups_of[p]
+            for tensors in (self.theta_g, self.momentum):
+                local = torch.cat([tensors[g.index] for g in groups]) if groups else \
+                    torch.zeros(0)
+                lane = route.to_lane(local)
+                on_wire = lane.to(cross.data_device)
+                dist.broadcast(on_wire, group_src=src, group=cross.data_group)
+                cross.count_control(on_wire.numel() * on_wire.element_size()
+                                    * (cross.workers - 1))
+                back, start = route.from_lane(on_wire.to(lane.device)), 0
+                for g in groups:
+                    tensors[g.index].copy_(back[start:start + g.numel])
+                    start += g.numel
+
+    def mark_merged(self, fragments) -> None:
+        self.fragments_merged_early = set(fragments)
+
     def abandon(self) -> None:
         super().abandon()
         self.lanes.clear()

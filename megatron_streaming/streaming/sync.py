@@ -373,6 +373,23 @@ class StreamingSync:
         self._merge_later.clear()
         self.merged_early.clear()
 
+    def share_global_state(self, src: int, cross) -> None:
+        """theta_g and the outer momentum of the member at index ``src`` of the epoch, to
+        every member (collective over the cross-worker data groups; counted as control)."""
+        import torch.distributed as dist
+
+        for tensors in (self.theta_g, self.momentum):
+            for t in tensors:
+                on_wire = t.to(cross.data_device)
+                dist.broadcast(on_wire, group_src=src, group=cross.data_group)
+                t.copy_(on_wire)
+                cross.count_control(t.numel() * t.element_size() * (cross.workers - 1))
+
+    def mark_merged(self, fragments) -> None:
+        """A rejoining worker: the exchanges of ``fragments`` in flight when it was admitted
+        were merged into the state it took; their scheduled merges do nothing."""
+        self.merged_early = {g.index for g in self.groups if g.fragment in set(fragments)}
+
     def regroup(self, cross) -> None:
         """Average over a new membership's groups from now on (``cross``: the CrossWorker,
         already regrouped); the error-feedback residuals carry over (repadded: the chunking
