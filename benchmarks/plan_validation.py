@@ -12,9 +12,18 @@ the mean step time after the first. Predicted (``megatron_streaming.plan``):
   logits) + a runtime term measured per layout: the same layout with a tiny model (its own
   small model terms subtracted), so that the interpreter, the libraries and the process
   groups are not counted as a model term;
-* step time from the sustained FLOP/s of one rank (a one-rank, one-thread run of the same
-  model, not one of the layouts below) and the loopback bandwidth between two processes
+* step time from the sustained FLOP/s of one rank while every core is busy (two one-rank
+  workers of the same model training side by side without syncing, ``--no-diloco-sync``:
+  not one of the layouts below; a rank alone on the machine runs about 10 % faster, since
+  the two share the memory bandwidth) and the loopback bandwidth between two processes
   (a gloo all-reduce of 64 MiB, measured here).
+
+Every launch runs with glibc's ``MALLOC_MMAP_THRESHOLD_=131072``: blocks of 128 KiB and more
+are mapped and unmapped one by one, so the resident peak is the peak of what the process
+holds at once, the quantity the model predicts (and the one a GPU's allocator reports as its
+allocated peak). With glibc's default the threshold rises with every large block freed, the
+heap keeps what the backward and the optimizer step freed, and the resident peak becomes the
+sum of their peaks plus fragmentation (the previous table, docs/RESULTS.md).
 
 Written to OUT/validation.json and printed as a table (docs/RESULTS.md, "Planner models").
 """
@@ -67,12 +76,17 @@ def model_args(model_flags, layout: Layout, workers: int, iters: int, summary: s
             *streaming, "--summary-json", summary]
 
 
-def launch(model_flags, layout: Layout, workers: int, iters: int) -> dict:
+MALLOC = {"MALLOC_MMAP_THRESHOLD_": "131072"}  # large blocks go back when freed
+
+
+def launch(model_flags, layout: Layout, workers: int, iters: int, extra=()) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         summary = os.path.join(tmp, "summary.json")
         nproc = layout.ranks * workers
-        cmd = command(nproc, model_args(model_flags, layout, workers, iters, summary))
-        proc = subprocess.run(cmd, cwd=REPO, env=env({"MASTER_PORT": str(free_port())}),
+        cmd = command(nproc, [*model_args(model_flags, layout, workers, iters, summary),
+                              *extra])
+        proc = subprocess.run(cmd, cwd=REPO,
+                              env=env({"MASTER_PORT": str(free_port()), **MALLOC}),
                               capture_output=True, text=True, timeout=1200)
         if proc.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
@@ -123,12 +137,13 @@ def main(argv=None) -> int:
     shape, tiny = shape_of(MODEL), shape_of(TINY)
 
     started = time.perf_counter()
-    one = launch(MODEL, Layout(micro_batch=2), 1, args.iters)  # the FLOP/s calibration
+    # The FLOP/s calibration: two one-rank workers side by side, not syncing.
+    one = launch(MODEL, Layout(micro_batch=2), 2, args.iters, ["--no-diloco-sync"])
     flops = 3 * forward_flops_per_token(shape) * GLOBAL_BATCH * shape.seq \
         / one["seconds_per_iteration"]
     bandwidth = loopback_bandwidth()
     fabric = Fabric(flops, bandwidth, bandwidth, devices_per_node=2)
-    print(f"calibration: {flops / 1e9:.1f} GFLOP/s per rank sustained (one rank, one thread, "
+    print(f"calibration: {flops / 1e9:.1f} GFLOP/s per rank sustained (two one-rank workers, "
           f"{one['seconds_per_iteration']:.2f} s/step); loopback {bandwidth / 1e9:.2f} GB/s")
     rows = []
     for name, layout, workers in LAYOUTS:

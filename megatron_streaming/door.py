@@ -13,13 +13,13 @@ differing flag and both values.
 What is compared (``fingerprint``): the model's architecture (not recompute or dropout, which
 change no parameter), its parameter count, the ranks per worker, precision, every
 ``--diloco-*`` flag but the worker's own index, its timeout and which parameters it evaluates,
-the inner optimizer and schedule, the training length and the seed (the workers read disjoint samples of one shuffled order, from
-weights drawn from one seed), the tokenizer (type, vocabulary size, a digest of its files), and
-the versions of this package (a digest of its source), torch, deepspeed and megatron-core. Data
-paths are not compared: each cluster has its own filesystem. Each worker's layout (TP, PP, SP,
-ZeRO stage) and batch (micro and global) travel beside the fingerprint, not in it
-(``workers.WorkerShape``): they may differ, and every rank learns every worker's (``agree``
-returns them).
+the inner optimizer and schedule, the training length and the seed (the workers read disjoint
+samples of one shuffled order, from weights drawn from one seed), the tokenizer (type,
+vocabulary size, a digest of its files), and the versions of this package (a digest of its
+source), torch, deepspeed and megatron-core. Data paths are not compared: each cluster has its
+own filesystem. Each worker's layout (TP, PP, SP, ZeRO stage) and batch (micro and global)
+travel beside the fingerprint, not in it (``workers.WorkerShape``): they may differ, and every
+rank learns every worker's (``agree`` returns them).
 
 A second launch claiming a worker index that another already holds is refused by name. Bytes
 through the door are counted (``Door.bytes``).

@@ -1,11 +1,11 @@
 """Wires the data pipeline to the training loop: which samples each rank reads, when.
 
-Training samples are sharded over every data-parallel rank of every worker
-(``worker * DP + dp`` of ``M * DP``), so workers read disjoint data; workers of different
-batches each read their own block of every step's samples (``workers.JobShape``). Evaluation reads the
-same fixed samples at every evaluation, sharded over the worker's DP ranks only: each worker
-evaluates the same data, so the reported loss needs no cross-worker traffic, and evaluations
-at different iterations (or after a resume) are comparable.
+Training samples are sharded over every data-parallel rank of every worker (``worker * DP +
+dp`` of ``M * DP``), so workers read disjoint data; workers of different batches each read
+their own block of every step's samples (``workers.JobShape``). Evaluation reads the same fixed
+samples at every evaluation, sharded over the worker's DP ranks only: each worker evaluates the
+same data, so the reported loss needs no cross-worker traffic, and evaluations at different
+iterations (or after a resume) are comparable.
 """
 
 from __future__ import annotations

@@ -124,10 +124,6 @@ def check(job: JobShape, cfg) -> None:
                     f"{flag} with workers of different batches ({_batches(job)}): give each "
                     "worker a fixed --global-batch-size and the job a --train-iters")
     if not job.same_layout:
-        if s.diloco_eager:
-            raise ConfigError("--diloco-eager with workers of different layouts "
-                              f"({_layouts(job)}) is not supported yet: give every worker one "
-                              "layout, or leave --diloco-eager out")
         if s.diloco_error_feedback:
             raise ConfigError("--diloco-error-feedback with workers of different layouts "
                               f"({_layouts(job)}) is not supported yet: leave it out")

@@ -165,7 +165,7 @@ class Reference:
         self.micro_batches = num_microbatches(cfg, self.DP)
         self.cfgs = [cfg] * self.M  # each worker's flags (REFERENCE_WORKER_ARGS)
         self.micro_batches_of = [self.micro_batches] * self.M
-        self.weights = [1.0 / self.M] * self.M  # of the outer mean
+        self.weights = [1] * self.M  # of the outer mean (relative: each worker's batch)
         self.blocks = None  # the world size, when workers of different batches read blocks
         self.plan, self.schedule = fragment_plan(cfg), sync_schedule(cfg)
         self.fragment = {n: self.plan.fragment_of(n) for n in self.names}
@@ -187,9 +187,8 @@ class Reference:
             self.iterators = [worker_iterators(c, self.tokenizer, self.M, s.dp)[w]
                               for w, (c, s) in enumerate(zip(cfgs, job.workers))]
         self.micro_batches_of = [num_microbatches(c, s.dp) for c, s in zip(cfgs, job.workers)]
-        if self.cfg.streaming.diloco_weighting == "tokens":
-            total = job.job_batch
-            self.weights = [s.global_batch_size / total for s in job.workers]
+        if self.cfg.streaming.diloco_weighting == "tokens":  # each worker's batch
+            self.weights = [s.global_batch_size for s in job.workers]
 
     def _outer_optimizers(self, theta):
         s = self.cfg.streaming
@@ -277,9 +276,10 @@ class Reference:
                     weights = [self.weights[w] for w in self.active]
                     if len(set(weights)) == 1:
                         self.pending[p][n] = sum(deltas) / len(self.active)
-                    else:  # by tokens
-                        self.pending[p][n] = sum(d * (x / sum(weights))
-                                                 for d, x in zip(deltas, weights))
+                    else:  # by tokens: each scaled by its share, then the plain mean
+                        k = len(self.active)
+                        self.pending[p][n] = sum(d * (k * x / sum(weights))
+                                                 for d, x in zip(deltas, weights)) / k
         merging = list(self.schedule.merges_after(step))
         if last:  # the end: what is still in flight merges now
             merging += sorted(set(self.pending) - set(merging))
@@ -299,8 +299,13 @@ class Reference:
         M, alpha = self.M, self.cfg.streaming.diloco_alpha
         names = [n for n in self.names if self.fragment[n] == p]
         previous = self.pending.pop(p, None)
-        fresh = [{n: (self.thetas[w][n].detach() - local[w][n].detach()) if sending
-                  else torch.zeros_like(local[w][n]) for n in names} for w in range(M)]
+        # Each worker's outer gradient times M x its weight (1 with equal weights): the mean
+        # below is then the weighted one, and a worker's own share is its weight's.
+        scale = [M * x / sum(self.weights) if len(set(self.weights)) > 1 else 1.0
+                 for x in self.weights]
+        fresh = [{n: (self.thetas[w][n].detach() - local[w][n].detach()) * scale[w]
+                  if sending else torch.zeros_like(local[w][n]) for n in names}
+                 for w in range(M)]
         for w in range(M):
             for n in names:
                 grad = (fresh[w][n] - self.own[w].get(n, 0.0)) / M

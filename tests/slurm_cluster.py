@@ -129,6 +129,9 @@ def write_conf(root: Path, node: str) -> Path:
         "SelectType=select/cons_tres",
         "SelectTypeParameters=CR_Core",
         "SchedulerType=sched/backfill",
+        # A requeued job starts at the first scheduling pass after its wait: every second
+        # here, not every 30 s (the default backfill interval).
+        "SchedulerParameters=bf_interval=1",
         "JobAcctGatherType=jobacct_gather/none",
         "AccountingStorageType=accounting_storage/none",
         "JobCompType=jobcomp/none",

@@ -81,7 +81,9 @@ def main():
             epochs = [(r.epoch, list(r.members), r.step) for r in run.elastic.history]
             sent = {**hooks[0].sent, "end": sent_by(run)}
             torch.save({"local": local, "global": global_, "events": run.sync.events or [],
-                        "cross_worker_bytes": sync_bytes, "epochs": epochs, "sent": sent},
+                        "cross_worker_bytes": sync_bytes, "epochs": epochs, "sent": sent,
+                        # lanes (workers of different layouts): what moved inside the worker
+                        "in_worker_bytes": getattr(run.sync, "in_worker_bytes", 0)},
                        os.path.join(out_dir, f"{tag}.pt"))
     topo.barrier()
 

@@ -44,6 +44,8 @@ def dumps(out, worker):
         merged["cross_worker_bytes"] = part["cross_worker_bytes"]
         merged["epochs"] = part.get("epochs", [])
         merged["sent"] = part.get("sent", {})
+        merged["in_worker_bytes"] = merged.get("in_worker_bytes", 0) + part.get(
+            "in_worker_bytes", 0)
     return merged
 
 

@@ -236,16 +236,20 @@ class CanonicalSync(StreamingSync):
     def after_step(self) -> None:
         if self.paused:
             return
+        self._stale = False
         for p in self.schedule.sends_after(self.step):
             self._send_fragment(p)
-        merged = False
-        for p in self.schedule.merges_after(self.step):
+        merged = self._stale
+        # Eager: a round's mean is applied at the fragment's next send, never merged alone.
+        for p in self.schedule.merges_after(self.step) if self.own is None else ():
             merged = self._merge_fragment(p) or merged
         if merged:
             self.push_to_model()
 
     def _send_fragment(self, p: int) -> None:
         groups = self._groups_of[p]
+        if self.own is not None and p in self.lanes:  # eager: the previous round's mean
+            self._settle(p)
         deltas = []
         stats = self.stats[p]
         stats.grad_sq, stats.send_step = 0.0, self.step
@@ -253,12 +257,16 @@ class CanonicalSync(StreamingSync):
             theta_g = self.theta_g[g.index]
             delta = theta_g - g.read().to(theta_g.device)
             stats.grad_sq += float(delta.double().pow(2).sum())
+            if self.share != 1.0:
+                delta.mul_(self.share)
             deltas.append(delta)
             self._event("send", g)
         device = self.theta_g[groups[0].index].device if groups else torch.device("cpu")
         local = torch.cat(deltas) if deltas else torch.zeros(0, device=device)
-        if self.share != 1.0:
-            local.mul_(self.share)
+        if self.own is not None:  # eager: step at once (the local weights change: sent first)
+            for g, delta in zip(groups, deltas):
+                self._eager_step(g, delta)
+            self._stale = True
         lane = self.routes[p].to_lane(local)
         self.lanes[p] = self.transport.all_reduce_mean_many(
             [lane], self.step, [f"fragment {p} (lane {self.routes[p].lane_start})"], [None])[0]
@@ -332,6 +340,15 @@ class CanonicalSync(StreamingSync):
         self.finished_step = self.step
         merged = 0
         for p in fragments:
+            if self.own is not None:  # eager: the round in flight, with nothing fresh
+                if p in self.lanes:
+                    self._settle(p)
+                for g in self._groups_of[p]:
+                    if g.index in self.pending:
+                        merged += 1
+                        self._eager_step(g, None)
+                        self.merged_early.add(g.index)
+                continue
             merged += int(self._merge_fragment(p))
             self.fragments_merged_early.add(p)
         self.push_to_model()

@@ -447,6 +447,12 @@ class NoSync:
     def regroup(self, cross) -> None:
         pass
 
+    def share_global_state(self, src, cross) -> None:
+        pass
+
+    def mark_merged(self, fragments) -> None:
+        pass
+
     def global_parameters(self):
         return contextlib.nullcontext()
 
