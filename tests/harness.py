@@ -129,3 +129,22 @@ def train_losses(nproc: int, args, tmp_path, name: str = "run") -> list:
     log = tmp_path / f"{name}.jsonl"
     run(nproc, [*args, "--log-jsonl", str(log)])
     return [r["train/loss"] for r in read_jsonl(log) if "train/loss" in r]
+
+
+def train_losses_together(runs, tmp_path, timeout: float = 300) -> dict:
+    """``train_losses`` of several independent runs at once, ``{name: (nproc, args)}``: a
+    one-rank run beside a two-rank one fills the cores that start-up leaves idle."""
+    procs = {}
+    try:
+        for name, (nproc, args) in runs.items():
+            procs[name] = start(nproc, [*args, "--log-jsonl", str(tmp_path / f"{name}.jsonl")],
+                                tmp_path / f"{name}.log")
+        for name, proc in procs.items():
+            assert proc.wait(timeout=timeout) == 0, \
+                (tmp_path / f"{name}.log").read_text()[-4000:]
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+    return {name: [r["train/loss"] for r in read_jsonl(tmp_path / f"{name}.jsonl")
+                   if "train/loss" in r] for name in runs}

@@ -8,14 +8,11 @@ parameter of every worker, local and global.
 """
 
 import json
-import subprocess
-import sys
 
 import pytest
-import torch
 
-from harness import REPO, TINY, env, read_jsonl, run
-from test_streaming import BASE, distributed, dumps, relative
+from harness import TINY, read_jsonl, run
+from test_streaming import BASE, distributed, dumps, reference_result, relative, start_reference
 
 
 def _latest(root, iteration):
@@ -75,13 +72,10 @@ def test_layout_changes_resume_at_the_uninterrupted_loss(tmp_path):
 
 
 def _reference(args, out, world, resume_at, resume_args, resume_world):
-    e = env({"REFERENCE_WORLD_SIZE": str(world), "REFERENCE_RESUME_AT": str(resume_at),
-             "REFERENCE_RESUME_ARGS": json.dumps(resume_args),
-             "REFERENCE_RESUME_WORLD_SIZE": str(resume_world)})
-    proc = subprocess.run([sys.executable, "tests/diloco_reference.py", str(out), *args],
-                          cwd=REPO, env=e, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    return torch.load(out / "reference.pt")
+    """The resumed reference, started in the background (``reference_result`` collects it)."""
+    return start_reference(args, out, world, {
+        "REFERENCE_RESUME_AT": str(resume_at), "REFERENCE_RESUME_ARGS": json.dumps(resume_args),
+        "REFERENCE_RESUME_WORLD_SIZE": str(resume_world)})
 
 
 def _compare(out, ref, workers):
@@ -126,14 +120,18 @@ def test_resume_under_other_sync_flags_matches_the_reference(name, tmp_path):
     args1, args2 = [*STREAM, *first], [*STREAM, *second]
     ckpt = tmp_path / "ckpt"
     (tmp_path / "first").mkdir()
-    distributed(n1, [*args1, "--save", str(ckpt), "--save-interval", str(at),
-                     "--exit-interval", str(at)], tmp_path / "first")
-    out = distributed(n2, [*args2, "--load", str(ckpt)], tmp_path)
+    background = _reference(args1, tmp_path, n1, at, args2, n2)
+    try:
+        distributed(n1, [*args1, "--save", str(ckpt), "--save-interval", str(at),
+                         "--exit-interval", str(at)], tmp_path / "first")
+        out = distributed(n2, [*args2, "--load", str(ckpt)], tmp_path)
+    except BaseException:
+        background.kill()
+        raise
     if "--diloco-outer-lr" in second:
         assert ("outer optimizer changed on resume (--diloco-outer-lr 0.7 -> 0.5, "
                 "--diloco-outer-momentum 0.9 -> 0.8)") in out.stderr
-    ref = _reference(args1, tmp_path, n1, at, args2, n2)
-    _compare(tmp_path, ref, n2)
+    _compare(tmp_path, reference_result(background, tmp_path), n2)
 
 
 @pytest.mark.timeout(600)

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from harness import free_port, start
-from test_streaming import BASE, dumps, reference, relative
+from test_streaming import BASE, dumps, reference_result, relative, start_reference
 
 DRIVER = "tests/streaming_driver.py"
 
@@ -71,11 +71,14 @@ def _start_pair(out, per_worker, save=()):
 
 @pytest.mark.timeout(900)
 def test_workers_of_different_layouts_and_batches_match_the_reference(tmp_path):
-    launches = []
-    try:  # both jobs at once: most of a launch is waiting (start-up, rendezvous)
+    launches, references = [], {}
+    try:  # both jobs at once, and their references: much of a launch is waiting
         for name, per_worker in CASES.items():
             out = tmp_path / name
             out.mkdir()
+            references[name] = start_reference(
+                [*SHARED, *per_worker[0]], out, 4,
+                {"REFERENCE_WORKER_ARGS": json.dumps([[*SHARED, *f] for f in per_worker])})
             # The first job saves after step 6, with fragment 1's lanes in flight (sent after
             # 6, merged after 7): they come back to the shards for it, and the run goes on.
             save = ["--save", str(out / "ckpt"), "--save-interval", "6"] \
@@ -92,7 +95,7 @@ def test_workers_of_different_layouts_and_batches_match_the_reference(tmp_path):
         for proc, log in launches:
             assert proc.wait(timeout=600) == 0, log.read_text()[-5000:]
     finally:
-        for proc, _ in launches:
+        for proc in [p for p, _ in launches] + list(references.values()):
             if proc.poll() is None:
                 proc.kill()
     for w in range(2):
@@ -102,9 +105,7 @@ def test_workers_of_different_layouts_and_batches_match_the_reference(tmp_path):
             assert worst <= 1e-6, (w, kind, worst, whole)
     for name, per_worker in CASES.items():
         out = tmp_path / name
-        ref = reference([*SHARED, *per_worker[0]], out, 4,
-                        {"REFERENCE_WORKER_ARGS": json.dumps([[*SHARED, *f]
-                                                              for f in per_worker])})
+        ref = reference_result(references[name], out)
         got = [dumps(out, w) for w in range(2)]
         eager = "--diloco-eager" in per_worker[0]
         for w in range(2):

@@ -11,7 +11,7 @@ here (tests/local_tokenizers.py); the streaming case uses mock data, as its refe
 
 import pytest
 
-from harness import SHARED_DATA, TINY, train_losses
+from harness import SHARED_DATA, TINY, train_losses, train_losses_together
 from local_tokenizers import gpt2_bpe, write_jsonl
 from megatron_streaming.arguments import ConfigError, parse_args, validate
 
@@ -19,6 +19,7 @@ LLAMA = ["--swiglu", "--group-query-attention", "--num-query-groups", "2",
          "--position-embedding-type", "rope", "--rotary-base", "500000",
          "--normalization", "rmsnorm", "--norm-epsilon", "1e-5", "--apply-layernorm-1p",
          "--untie-embeddings-and-output-weights", "--disable-bias-linear"]
+TP2 = ["--tensor-model-parallel-size", "2"]
 ITERS = ["--train-iters", "3", "--eval-iters", "0"]
 
 
@@ -51,15 +52,18 @@ def test_llama_layouts_match_single_process(tmp_path, wiki_data):
     """On GPT-2 BPE tokens of JSON-lines wikitext: TP=2, PP=2, Ulysses SP=2 and ZeRO-2 over
     DP=2 against one process; Ladder residual at TP=2 against its own single-process run."""
     args = [*[a for a in TINY if a != "--mock-data"], *wiki_data, *LLAMA, *ITERS]
-    ref = train_losses(1, args, tmp_path, "ref")
-    for name, extra in (("tp2", ["--tensor-model-parallel-size", "2"]),
-                        ("pp2", ["--pipeline-model-parallel-size", "2"]),
+    ladder = [*args, "--ladder-residual"]
+    # Two at a time: a one-rank reference beside a two-rank layout.
+    got = train_losses_together({"ref": (1, args), "tp2": (2, [*args, *TP2])}, tmp_path)
+    got.update(train_losses_together({"ladder_ref": (1, ladder),
+                                      "ladder": (2, [*ladder, *TP2])}, tmp_path))
+    for name, extra in (("pp2", ["--pipeline-model-parallel-size", "2"]),
                         ("ulysses_sp2", ["--ds-sequence-parallel-size", "2"]),
                         ("zero2_dp2", ["--zero-stage", "2"])):
-        _close(train_losses(2, [*args, *extra], tmp_path, name), ref)
-    ladder = [*args, "--ladder-residual"]
-    _close(train_losses(2, [*ladder, "--tensor-model-parallel-size", "2"], tmp_path, "ladder"),
-           train_losses(1, ladder, tmp_path, "ladder_ref"))
+        got[name] = train_losses(2, [*args, *extra], tmp_path, name)
+    for name in ("tp2", "pp2", "ulysses_sp2", "zero2_dp2"):
+        _close(got[name], got["ref"])
+    _close(got["ladder"], got["ladder_ref"])
 
 
 def test_swiglu_fc1_shards_keep_gate_and_up_together():

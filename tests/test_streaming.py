@@ -50,12 +50,27 @@ def dumps(out, worker):
 
 
 def reference(args, out, world, extra_env=None):
-    # On the CPU always, also on a GPU machine (the CUDA tests compare the GPU run with it).
+    return reference_result(start_reference(args, out, world, extra_env), out)
+
+
+def start_reference(args, out, world, extra_env=None) -> subprocess.Popen:
+    """The reference in the background (it needs nothing of the distributed run, and its
+    single process fills the cores that the run's start-up and rendezvous leave idle).
+    On the CPU always, also on a GPU machine (the CUDA tests compare the GPU run with it)."""
     e = env({"REFERENCE_WORLD_SIZE": str(world), "CUDA_VISIBLE_DEVICES": "",
              **(extra_env or {})})
-    proc = subprocess.run([sys.executable, "tests/diloco_reference.py", str(out), *args],
-                          cwd=REPO, env=e, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-6000:]
+    return subprocess.Popen([sys.executable, "tests/diloco_reference.py", str(out), *args],
+                            cwd=REPO, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def reference_result(proc: subprocess.Popen, out):
+    try:
+        _, stderr = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, stderr[-6000:]
     return torch.load(out / "reference.pt")
 
 
@@ -113,8 +128,13 @@ def test_distributed_matches_single_process_reference(name, tmp_path):
 def matches_reference(nproc, args, out, whole_tol=1e-6, worst_tol=1e-5, extra_env=None):
     """Run ``args`` distributed and in the reference; assert they agree. Returns the worst
     (per-tensor, whole-model) differences seen, for the record."""
-    distributed(nproc, args, out, extra_env=extra_env)
-    ref = reference(args, out, nproc)
+    background = start_reference(args, out, nproc)
+    try:
+        distributed(nproc, args, out, extra_env=extra_env)
+    except BaseException:
+        background.kill()
+        raise
+    ref = reference_result(background, out)
     seen = (0.0, 0.0)
     for w in range(2):
         got = dumps(out, w)
