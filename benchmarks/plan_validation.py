@@ -18,12 +18,15 @@ the mean step time after the first. Predicted (``megatron_streaming.plan``):
   the two share the memory bandwidth) and the loopback bandwidth between two processes
   (a gloo all-reduce of 64 MiB, measured here).
 
-Every launch runs with glibc's ``MALLOC_MMAP_THRESHOLD_=131072``: blocks of 128 KiB and more
-are mapped and unmapped one by one, so the resident peak is the peak of what the process
-holds at once, the quantity the model predicts (and the one a GPU's allocator reports as its
-allocated peak). With glibc's default the threshold rises with every large block freed, the
-heap keeps what the backward and the optimizer step freed, and the resident peak becomes the
-sum of their peaks plus fragmentation (the previous table, docs/RESULTS.md).
+Memory is measured in launches with glibc's ``MALLOC_MMAP_THRESHOLD_=131072`` (the runtime
+term's tiny-model launch too): blocks of 128 KiB and more are mapped and unmapped one by one,
+so the resident peak is the peak of what the process holds at once, the quantity the model
+predicts (and the one a GPU's allocator reports as its allocated peak). With glibc's default
+the threshold rises with every large block freed, the heap keeps what the backward and the
+optimizer step freed, and the resident peak becomes about the sum of their peaks (the first
+table, docs/RESULTS.md). Step time is measured in a second launch with glibc's default: the
+mapping and unmapping cost page faults every step (about half again the step time here),
+which is not a cost of training.
 
 Written to OUT/validation.json and printed as a table (docs/RESULTS.md, "Planner models").
 """
@@ -76,17 +79,18 @@ def model_args(model_flags, layout: Layout, workers: int, iters: int, summary: s
             *streaming, "--summary-json", summary]
 
 
-MALLOC = {"MALLOC_MMAP_THRESHOLD_": "131072"}  # large blocks go back when freed
+MMAP = {"MALLOC_MMAP_THRESHOLD_": "131072"}  # large blocks go back when freed
 
 
-def launch(model_flags, layout: Layout, workers: int, iters: int, extra=()) -> dict:
+def launch(model_flags, layout: Layout, workers: int, iters: int, extra=(),
+           malloc=None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         summary = os.path.join(tmp, "summary.json")
         nproc = layout.ranks * workers
         cmd = command(nproc, [*model_args(model_flags, layout, workers, iters, summary),
                               *extra])
         proc = subprocess.run(cmd, cwd=REPO,
-                              env=env({"MASTER_PORT": str(free_port()), **MALLOC}),
+                              env=env({"MASTER_PORT": str(free_port()), **(malloc or {})}),
                               capture_output=True, text=True, timeout=1200)
         if proc.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
@@ -148,10 +152,11 @@ def main(argv=None) -> int:
     rows = []
     for name, layout, workers in LAYOUTS:
         training = training_of(workers)
-        small = launch(TINY, layout, workers, 2)
+        small = launch(TINY, layout, workers, 2, malloc=MMAP)
         runtime = max(small["peak_rss_mib_per_rank"]) * 2**20 \
             - estimate(tiny, layout, training).total
-        measured = launch(MODEL, layout, workers, args.iters)
+        measured = launch(MODEL, layout, workers, args.iters, malloc=MMAP)  # memory
+        timed = launch(MODEL, layout, workers, args.iters)  # step time
         predicted = estimate(shape, layout, training, runtime)
         times = step_time(shape, layout, training, fabric)
         peak = max(measured["peak_rss_mib_per_rank"]) * 2**20
@@ -163,8 +168,8 @@ def main(argv=None) -> int:
                "model_terms_measured_gib": (peak - runtime) / GIB,
                "components_gib": predicted.gib(),
                "predicted_step_s": times["total"],
-               "measured_step_s": measured["seconds_per_iteration"],
-               "time_error": times["total"] / measured["seconds_per_iteration"] - 1,
+               "measured_step_s": timed["seconds_per_iteration"],
+               "time_error": times["total"] / timed["seconds_per_iteration"] - 1,
                "time_components_s": times}
         rows.append(row)
         print(f"{name:24s} memory {row['predicted_gib']:.2f} vs {row['measured_gib']:.2f} GiB "

@@ -98,3 +98,16 @@ def test_plan_errors_name_the_file_and_the_field(tmp_path, capsys):
                  "launch/clusters/link_10g_80ms.yaml", *MODEL]) == 2
     assert "no layout of the model fits small (1 devices, batch 256)" in \
         capsys.readouterr().err
+
+
+def test_link_model_stalls_only_for_what_the_overlap_does_not_cover():
+    from megatron_streaming.plan.search import exchange_seconds, link_utilisation
+
+    # 1M parameters, FP4, 2 workers, P=4 at 10 Gbit/s and 100 ms: bytes are nothing, the two
+    # round trips are 0.2 s.
+    ex = exchange_seconds(1e6, 4.25, 2, 4, 10, 100)
+    assert ex == pytest.approx(1e6 / 4 * 4.25 / 10e9 + 0.2)
+    assert link_utilisation(0.5, ex, 40, 4, 1) == 1.0  # tau=1 covers 0.5 s
+    # 0.1 s steps: tau=1 leaves ex - 0.1 s per exchange, one exchange every 10 steps.
+    assert link_utilisation(0.1, ex, 40, 4, 1) == pytest.approx(0.1 / (0.1 + (ex - 0.1) / 10))
+    assert link_utilisation(0.1, ex, 40, 4, 0, eager=True) == 1.0  # a round covers it

@@ -1,6 +1,7 @@
 """The plan: a layout for each cluster, batches that keep the workers in step, and the sync
 settings for the link, from the memory and step-time models (``memory``, ``step_time``),
-the sync rule (``streaming.rule.advise``) and the link simulator (``simulate``).
+the sync rule (``streaming.rule.advise``) and the link model (``link_utilisation``: the
+exchange's bytes over the link's rate and its round trips against the steps that cover it).
 
 The search is exhaustive (a cluster's candidates number in the thousands at most, each
 a few formulas): TP among the divisors of a node's devices that divide the heads and the
@@ -190,6 +191,27 @@ def _split(total: int, speeds: Sequence[float], grains: Sequence[int]) -> List[i
         parts[i] += grains[i]
 
 
+def link_utilisation(step: float, exchange: float, inner_steps: int, fragments: int,
+                     overlap_steps: int, eager: bool = False) -> float:
+    """Compute utilisation of a worker whose fragment exchanges take ``exchange`` seconds
+    (bytes over the link's rate plus its round trips): each of the P fragments syncs every H
+    steps; the merge waits for what of the exchange the ``overlap_steps`` steps did not
+    cover (eager: the whole round of H/P steps covers it). Validated against the slow-link
+    harness (``benchmarks/plan_link_validation.py``, docs/RESULTS.md)."""
+    cover = inner_steps / fragments if eager else overlap_steps
+    stall = max(0.0, exchange - cover * step)
+    return step / (step + stall * fragments / inner_steps)
+
+
+def exchange_seconds(parameters: float, bits: float, workers: int, fragments: int,
+                     gbit_per_s: float, rtt_ms: float) -> float:
+    """One fragment's exchange: its outer gradients at ``bits`` per value through the
+    reduce-scatter and all-gather (``2 (M-1) / M`` of the fragment each way) over the link,
+    and two round trips (one per collective)."""
+    ring = 2 * (workers - 1) / workers
+    return parameters / fragments * bits * ring / (gbit_per_s * 1e9) + 2 * rtt_ms / 1e3
+
+
 def _sync(shape: ModelShape, link: Link, workers: int, step: float, train_iters: int, rule,
           link_share: float):
     """H, P, tau and the wire format for the link (``rule.advise``: H as small as the link
@@ -198,28 +220,24 @@ def _sync(shape: ModelShape, link: Link, workers: int, step: float, train_iters:
     link's peak rate (a fragment's exchange within one step) and its mean rate."""
     import math
 
-    from .. import simulate
-
     ring = 2 * (workers - 1) / workers
     params = shape.parameters()
     model_bits = params * FP4_BITS * ring
     smallest = max(2, math.ceil(model_bits / (link_share * link.bandwidth_gbit_per_s * 1e9
                                               * step)))
 
-    def exchange_seconds(fragments: int) -> float:
-        return model_bits / fragments / 8 / link.bytes_per_s + 2 * link.rtt_ms / 1e3
+    def seconds_for(fragments: int) -> float:
+        return exchange_seconds(params, FP4_BITS, workers, fragments,
+                                link.bandwidth_gbit_per_s, link.rtt_ms)
 
     h = 6 * math.ceil(smallest / 6)  # so that P = 3 or 2 fragments divide it
     advice = rule.advise(train_iters, shape.layers, h, None)
-    exchange = exchange_seconds(advice.fragments)
+    exchange = seconds_for(advice.fragments)
     if exchange > step:
         advice = rule.advise(train_iters, shape.layers, h, exchange / step)
-        exchange = exchange_seconds(advice.fragments)
-    model = simulate.ModelSpec(shape.layers, params, step)
-    method = simulate.Method("streaming", advice.inner_steps,
-                             shape.layers // advice.fragments, advice.overlap_steps,
-                             bits=4)
-    util = simulate.utilisation(model, method, link.bandwidth_gbit_per_s, workers)
+        exchange = seconds_for(advice.fragments)
+    util = link_utilisation(step, exchange, advice.inner_steps, advice.fragments,
+                            advice.overlap_steps, advice.eager)
     peak = model_bits / advice.fragments / step / 1e9
     mean = model_bits / (advice.inner_steps * step) / 1e9
     return advice, exchange, util, peak, mean

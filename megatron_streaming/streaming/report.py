@@ -1,8 +1,10 @@
 """Turns every rank's sync statistics into one worker's scalars (for TensorBoard and logs).
 
 Collective over the worker's ranks (in-worker traffic only): every rank of the worker must
-call ``worker_scalars`` at the same iterations. Workers are symmetric (same layout, same
-shards), so worker 0's numbers stand for the run; traffic totals are multiplied by M.
+call ``worker_scalars`` at the same iterations. Every worker puts the same bytes on the
+cross-worker wire (one layout: the same shards; different layouts: lanes of the same sizes),
+so traffic totals are the reporting worker's times M; outer-gradient norms and drift are the
+reporting worker's own (with workers of different batches they differ between workers).
 
 Per-fragment bytes count the exchanges merged since the last report;
 ``streaming/cross_worker_bytes`` is the whole job's cumulative count, for plotting traffic
