@@ -6,7 +6,7 @@ from typing import Callable, Union
 
 from ..config import Config
 from ..topology import Topology
-from ..weights import global_name
+from ..weights import global_name, local_spec_name
 from .codec import make_codec, warm_up
 from .fragments import FragmentPlan
 from .outer import OuterOptimizer
@@ -56,18 +56,25 @@ def outer_optimizer(cfg: Config) -> OuterOptimizer:
                           s.co2_gap_penalty, s.co2_clip_threshold)
 
 
-def fragment_function(cfg: Config, topology: Topology) -> Callable[[str], int]:
-    """Local parameter name on this rank -> fragment."""
-    plan = fragment_plan(cfg)
+def model_name_function(cfg: Config, topology: Topology) -> Callable[[str], str]:
+    """Local parameter name on this rank -> its name in the whole model, the same on every
+    layout: global layer index, megatron-core's local-spec name (``weights.local_spec_name``)
+    and, on a last stage holding the tied output layer, the embedding it copies."""
     offset = topology.pp_rank * (cfg.model.num_layers // topology.layout.pp)
     tied = not cfg.model.untie_embeddings_and_output_weights
 
-    def fragment_of(name: str) -> int:
+    def model_name(name: str) -> str:
         if tied and name == "output_layer.weight":
-            return plan.fragment_of("embedding.word_embeddings.weight")
-        return plan.fragment_of(global_name(name, offset))
+            return "embedding.word_embeddings.weight"
+        return local_spec_name(global_name(name, offset))
 
-    return fragment_of
+    return model_name
+
+
+def fragment_function(cfg: Config, topology: Topology) -> Callable[[str], int]:
+    """Local parameter name on this rank -> fragment."""
+    plan, model_name = fragment_plan(cfg), model_name_function(cfg, topology)
+    return lambda name: plan.fragment_of(model_name(name))
 
 
 def shard_groups(engine, fragment_of: Callable[[str], int]):
@@ -98,8 +105,7 @@ def canonical_routes(cfg: Config, topology: Topology, groups):
     return build_routes(
         groups, [g.sources for g in groups], group, device_of(group),
         topology.coords["local"], topology.layout.ranks_per_worker, plan.fragment_of,
-        layer_offset=topology.pp_rank * (cfg.model.num_layers // topology.layout.pp),
-        tied=not cfg.model.untie_embeddings_and_output_weights, tp_rank=topology.tp_rank,
+        model_name_function(cfg, topology), tp_rank=topology.tp_rank,
         tp_size=topology.layout.tp, gated=cfg.model.swiglu)
 
 

@@ -35,7 +35,6 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from ..weights import global_name, local_spec_name
 from .sync import StreamingSync
 from .transport import ExchangeResult, Pending
 
@@ -80,12 +79,6 @@ def parameter_positions(param: torch.Tensor, first: int, count: int, tp_rank: in
     else:
         coord = tp_rank * rows + coord
     return (high * full + coord) * inner + low
-
-
-def canonical_name(name: str, layer_offset: int, tied: bool) -> str:
-    if tied and name == "output_layer.weight":
-        return "embedding.word_embeddings.weight"
-    return local_spec_name(global_name(name, layer_offset))
 
 
 class Route:
@@ -160,11 +153,12 @@ class Route:
 
 
 def build_routes(groups, sources, worker_group, device, rank: int, lanes: int,
-                 fragment_of_canonical, layer_offset: int, tied: bool, tp_rank: int,
+                 fragment_of_canonical, model_name, tp_rank: int,
                  tp_size: int, gated: bool) -> Dict[int, Route]:
     """One ``Route`` per fragment (collective over the worker: every rank builds every
     fragment's, also one holding none of it). ``sources[g.index]``: per tensor of shard group
-    ``g``, ``(local name, parameter, first element)``."""
+    ``g``, ``(local name, parameter, first element)``; ``model_name``: local name -> its
+    name in the whole model (``builder.model_name_function``)."""
     from ..weights import _full_shape
 
     sizes = {}
@@ -173,7 +167,7 @@ def build_routes(groups, sources, worker_group, device, rank: int, lanes: int,
         numel = 1
         for size in shape:
             numel *= size
-        sizes[canonical_name(name, layer_offset, tied)] = numel
+        sizes[model_name(name)] = numel
     gathered: List[Dict[str, int]] = [None] * dist.get_world_size(worker_group)
     dist.all_gather_object(gathered, sizes, group=worker_group)
     merged: Dict[str, int] = {}
@@ -187,7 +181,7 @@ def build_routes(groups, sources, worker_group, device, rank: int, lanes: int,
             if g.fragment != p:
                 continue
             for (name, param, first), tensor in zip(sources[g.index], g.tensors):
-                _, offset = order.offsets[canonical_name(name, layer_offset, tied)]
+                _, offset = order.offsets[model_name(name)]
                 fc1 = gated and ".linear_fc1." in f".{name}"  # as weights.tp_shard splits
                 pieces.append(offset + parameter_positions(param, first, tensor.numel(),
                                                            tp_rank, tp_size, fc1))
