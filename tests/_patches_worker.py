@@ -170,8 +170,9 @@ def _ensure_global_memory_buffer():
 
 
 @contextlib.contextmanager
-def _shm_build_sentinel():
-    """Make any request to build DeepSpeed's shm op fail loudly instead of compiling."""
+def _shm_build_sentinel(refuse: bool = True):
+    """Make any request to build DeepSpeed's shm op fail loudly instead of compiling (with
+    ``refuse=False``: find no such op, as on an accelerator without it)."""
     from deepspeed.accelerator import get_accelerator
 
     accelerator = get_accelerator()
@@ -179,6 +180,8 @@ def _shm_build_sentinel():
 
     def create_op_builder(name):
         builder = original(name)
+        if name == "ShareMemCommBuilder" and not refuse:
+            return None
         if name == "ShareMemCommBuilder" and builder is not None:
             def refuse_build(*args, **kwargs):
                 raise RuntimeError("shm op build requested (would JIT-compile with g++)")
@@ -388,6 +391,11 @@ def _single_rank_checks(port):
     checks = {"deepspeed_init_no_shm": _outcome(partial(_check_deepspeed_init, port))}
     if not dist.is_initialized():  # deepspeed init refused: the rest still needs a world
         dist.init_process_group("gloo", rank=0, world_size=1)
+    if checks["deepspeed_init_no_shm"] != "ok":  # deepspeed has no backend yet: give it one
+        import deepspeed  # without the op, else the next initialize compiles it (minutes)
+
+        with _shm_build_sentinel(refuse=False):
+            deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
     _ensure_global_memory_buffer()
     checks["deepspeed_fp16_engine"] = _outcome(_check_deepspeed_fp16_engine)
     pgs = _groups()

@@ -1,8 +1,10 @@
 """``pretrain_gpt.py`` with faults injected, for tests and drills; switched on by environment
 variables, through the library's step-hook extensions (nothing in the library reads them).
 
-* ``MEGATRON_STREAMING_SLOW_WORKER=W:SECONDS``: worker W sleeps SECONDS after every step, so
-  it runs slower than the others (the schedule must keep every worker in step anyway).
+* ``MEGATRON_STREAMING_SLOW_WORKER=W:SECONDS[:PATH]``: worker W sleeps SECONDS after every
+  step, so it runs slower than the others (the schedule must keep every worker in step
+  anyway); with PATH, only while PATH exists (a test holds the job's pace until it has done
+  what it does mid-run, however slow the machine, and then lets it finish at full speed).
 * ``MEGATRON_STREAMING_STALL_WORKER=W:STEP``: worker W stops answering after step STEP (it
   sleeps instead of training), so its peers must end in the sync timeout, not hang.
 * ``MEGATRON_STREAMING_LEAVE_WORKER=W:STEP``: worker W's ranks leave after step STEP, having
@@ -30,8 +32,14 @@ def _parse(name):
     value = os.environ.get(name)
     if not value:
         return None
-    worker, amount = value.split(":")
+    worker, amount, *_ = value.split(":")
     return int(worker), float(amount)
+
+
+def _while(name):
+    """The PATH of ``W:AMOUNT:PATH``, else None."""
+    parts = os.environ.get(name, "").split(":", 2)
+    return Path(parts[2]) if len(parts) == 3 else None
 
 
 class Faults:
@@ -41,6 +49,7 @@ class Faults:
         self.run = run
         self.worker = run.topology.worker
         self.slow, self.stall, self.leave = _parse(SLOW), _parse(STALL), _parse(LEAVE)
+        self.slow_while = _while(SLOW)
 
     def before_step(self, step: int) -> None:
         if self.leave and self.leave[0] == self.worker and step > self.leave[1]:
@@ -57,7 +66,8 @@ class Faults:
                 time.sleep(3600)
 
     def after_step(self) -> None:
-        if self.slow and self.slow[0] == self.worker:
+        if self.slow and self.slow[0] == self.worker and (
+                self.slow_while is None or self.slow_while.exists()):
             time.sleep(self.slow[1])
 
 

@@ -46,7 +46,9 @@ def test_a_lost_worker_is_dropped_then_rejoins_and_every_step_matches_the_refere
     flags = [*ELASTIC, "--master-addr", "127.0.0.1", "--master-port", str(port), "--save",
              str(ckpt)]
     common = [str(tmp_path), *flags]  # the driver's: its output directory first
-    paced = {"MEGATRON_STREAMING_SLOW_WORKER": "0:0.3"}  # time for worker 1's relaunch
+    hold = tmp_path / "paced"  # the pace holds until worker 1 is back and the stray refused
+    hold.touch()
+    paced = {"MEGATRON_STREAMING_SLOW_WORKER": f"0:0.3:{hold}"}
     logs = {w: tmp_path / f"w{w}.log" for w in range(3)}
     procs = {}
     try:
@@ -68,6 +70,8 @@ def test_a_lost_worker_is_dropped_then_rejoins_and_every_step_matches_the_refere
             "(it stops here): worker 0 (" in refused, refused[-3000:]
         assert "joined with another join secret than this launch's" in refused
         assert "not the job's" not in refused
+        wait_for_line(logs[0], r"membership epoch 2: workers \[0, 1, 2\]", procs[0])
+        hold.unlink()
         for w, p in procs.items():
             assert p.wait(timeout=300) == 0, logs[w].read_text()[-3000:]
     finally:
