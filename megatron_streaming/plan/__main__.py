@@ -35,8 +35,11 @@ def _parser() -> argparse.ArgumentParser:
         description="Plan a cross-cluster Streaming DiLoCo job: a layout per cluster, the "
         "batches and the sync settings, with sbatch lines. Other flags are pretrain_gpt.py's.")
     ap.add_argument("--cluster", action="append", required=True, metavar="FILE",
-                    help="A cluster description (YAML or JSON), one per worker, in worker "
-                    "order; launch/clusters/ has examples.")
+                    help="A cluster description (YAML or JSON), one per cluster; a cluster "
+                    "runs one worker or several of the same size (workers are numbered "
+                    "cluster by cluster, in this order); launch/clusters/ has examples.")
+    ap.add_argument("--max-workers", type=int, default=8,
+                    help="The most DiLoCo workers the clusters may be cut into.")
     ap.add_argument("--link", required=True, metavar="FILE",
                     help="The inter-cluster link (bandwidth_gbit_per_s, rtt_ms).")
     ap.add_argument("--rendezvous", default="RENDEZVOUS_HOST:29500", metavar="HOST:PORT",
@@ -104,7 +107,7 @@ def main(argv=None) -> int:
     try:
         clusters = [load_cluster(p) for p in args.cluster]
         link = load_link(args.link)
-        cfg = parse_args([*rest, "--diloco-workers", str(len(clusters))])
+        cfg = parse_args([*rest, "--diloco-workers", str(len(clusters))])  # the model's
         vocab = load_run_tokenizer(cfg).vocab_size
         shape = ModelShape.from_config(cfg.model, vocab)
         precision = "bf16" if cfg.precision.bf16 else "fp16" if cfg.precision.fp16 else "fp32"
@@ -114,7 +117,7 @@ def main(argv=None) -> int:
                             offload_outer_state=s.diloco_offload_outer_state)
         result = plan(shape, clusters, link, cfg.training.global_batch_size,
                       cfg.training.train_iters, training, args.memory_headroom,
-                      launcher_check(cfg, len(clusters)), args.link_share)
+                      launcher_check(cfg, len(clusters)), args.link_share, args.max_workers)
     except UsageError as e:
         for line in str(e).splitlines():
             print(f"plan: error: {line}", file=sys.stderr)

@@ -1,6 +1,6 @@
 """The plan as text: per worker its layout, memory and step time, the sync settings with
-their reasons and predictions, and one sbatch line per cluster (``--explain``: each
-cluster's top candidates and why each lost)."""
+their reasons and predictions, and one sbatch line per worker (``--explain``: the cuts into
+workers that were weighed, and each cluster's top candidates and why each lost)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import List
 
 from .clusters import Link
 from .memory import ModelShape
-from .search import TIE, Plan
+from .search import MORE_WORKERS_FOR, TIE, Plan
 
 EXPLAINED = 6  # candidates shown per cluster
 
@@ -19,18 +19,24 @@ def format_plan(result: Plan, shape: ModelShape, link: Link, flags: List[str],
     workers = result.workers
     host, _, port = rendezvous.rpartition(":")
     devices = workers[0].best.layout.ranks
-    lines = [f"Plan: {len(workers)} workers of {devices} devices each, "
+    per_cluster = {}
+    for w in workers:
+        per_cluster.setdefault(w.cluster, []).append(w)
+    cut = ", ".join(f"{len(ws)} on {c.name}" for c, ws in per_cluster.items())
+    lines = [f"Plan: {len(workers)} workers of {devices} devices each ({cut}), "
              f"{shape.parameters() / 1e6:,.1f}M parameters, global batch "
              f"{sum(w.global_batch for w in workers)} shared by speed"]
     for i, w in enumerate(workers):
         c, b = w.cluster, w.best
-        idle = c.devices - devices
         lines.append(
             f"  worker {i} ({c.name}): {b.layout.describe()}; batch {w.global_batch}; "
             f"{b.memory_gib:.1f} of {c.device_memory_gib:g} GiB per device, "
-            f"{w.step_seconds:.2f} s per step, {b.tokens_per_s:,.0f} tokens/s"
-            + (f"; {idle} of its {c.devices} devices idle (ranks per worker are one for "
-               "all)" if idle else ""))
+            f"{w.step_seconds:.2f} s per step, {b.tokens_per_s:,.0f} tokens/s")
+    for c, ws in per_cluster.items():
+        idle = c.devices - devices * len(ws)
+        if idle:
+            lines.append(f"  {idle} of {c.name}'s {c.devices} devices idle (every worker has "
+                         f"{devices} devices)")
     step = max(w.step_seconds for w in workers)
     lines += [
         f"Sync over the link ({link.bandwidth_gbit_per_s:g} Gbit/s, RTT {link.rtt_ms:g} ms): "
@@ -58,7 +64,17 @@ def format_plan(result: Plan, shape: ModelShape, link: Link, flags: List[str],
                   *shlex.split(c.sbatch), "launch/slurm.sh", *args]
         lines += [f"# worker {i}, on {c.name}:", shlex.join(sbatch)]
     if explain:
+        lines += ["", "Cuts into workers (the chosen first; more workers must be "
+                  f"{MORE_WORKERS_FOR:.0%} faster to be chosen, each costs loss):"]
+        for o in result.options:
+            counts = " + ".join(str(k) for k in o.counts)
+            what = o.why_not or f"slowest step {o.step_seconds:.2f} s"
+            lines.append(f"  {counts} workers of {o.ranks_per_worker} devices: {what}")
+        shown_clusters = set()
         for w in workers:
+            if w.cluster in shown_clusters:
+                continue
+            shown_clusters.add(w.cluster)
             lines += ["", f"Candidates on {w.cluster.name} (of {len(w.ranked)}), the chosen "
                       "first:"]
             chosen = w.best

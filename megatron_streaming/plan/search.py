@@ -12,19 +12,23 @@ kept free); the fastest (tokens per second of the worker) wins; speeds within 0.
 less memory, then fewer ranks per replica break the tie.
 
 Each worker runs its own cluster's best layout (workers of different layouts exchange by the
-layout-free lanes, ``streaming.canonical``), all on the same number of devices (the smallest
-cluster's: ranks per worker are still one for all; a larger cluster leaves the rest idle).
-The global batch is then shared out in proportion to each worker's speed, so that their steps
-take about as long (``balance``): the slower cluster gets the smaller batch, and the outer
-mean weighs each worker by its tokens (``--diloco-weighting tokens``). The sync settings
-follow from the slowest worker's step and the link.
+layout-free lanes, ``streaming.canonical``), all on the same number of devices R (ranks per
+worker are one number for the job). A cluster of n devices runs n // R workers, so a larger
+cluster is not left idle: 64 H100s beside 32 A100s make three workers of 32 (``sizes``). R is
+the smallest cluster's size or a divisor of every cluster's; the plan takes the fastest step,
+and among steps within ``MORE_WORKERS_FOR`` of it the fewest workers (each more DiLoCo
+worker costs loss, docs/RESULTS.md), at most ``max_workers``. The global batch is then shared
+out in proportion to each worker's speed, so that their steps take about as long
+(``balance``): the slower cluster gets the smaller batch, and the outer mean weighs each
+worker by its tokens (``--diloco-weighting tokens``). The sync settings follow from the
+slowest worker's step and the link.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 from .clusters import Cluster, Link
 from .memory import GIB, Layout, ModelShape, Training, estimate
@@ -50,6 +54,15 @@ class WorkerPlan:
 
 
 @dataclass
+class Option:
+    """One way of cutting the clusters into workers: R devices each, ``counts`` per cluster."""
+    ranks_per_worker: int
+    counts: List[int]
+    step_seconds: float = 0.0  # the slowest worker's, batches shared by speed
+    why_not: str = ""
+
+
+@dataclass
 class Plan:
     workers: List[WorkerPlan]
     sync_flags: List[str]
@@ -59,6 +72,7 @@ class Plan:
     peak_link_gbit_per_s: float
     mean_link_gbit_per_s: float
     fewer_bytes_than_data_parallel: float  # bf16 gradients all-reduced every step
+    options: List[Option] = field(default_factory=list)  # the chosen first
 
 
 def _divisors(n: int) -> List[int]:
@@ -125,35 +139,85 @@ def _preference(c: Candidate):
             c.layout.tp * c.layout.pp * c.layout.sp, c.layout.recompute)
 
 
+MORE_WORKERS_FOR = 0.05  # a cut into more workers must make the step this much faster
+
+
+def sizes(clusters: Sequence[Cluster], max_workers: int) -> List[Option]:
+    """The ways to cut the clusters into workers of one size R: the smallest cluster's
+    devices, or a divisor of every cluster's; each cluster runs ``devices // R`` workers
+    (at most ``max_workers`` in all; the smallest cluster's cut is always one)."""
+    import math
+    from functools import reduce
+
+    smallest = min(c.devices for c in clusters)
+    common = reduce(math.gcd, (c.devices for c in clusters))
+    out = []
+    for r in sorted({smallest, *_divisors(common)}, reverse=True):
+        counts = [c.devices // r for c in clusters]
+        if r == smallest or sum(counts) <= max_workers:
+            out.append(Option(r, counts))
+    return out
+
+
 def plan(shape: ModelShape, clusters: Sequence[Cluster], link: Link, global_batch: int,
          train_iters: int, training: Training, headroom: float = 0.1, check=None,
-         link_share: float = 0.5) -> Plan:
+         link_share: float = 0.5, max_workers: int = 8) -> Plan:
     """``global_batch``: sequences per step over all workers together; ``check(layout,
     batch)``: why the launcher would refuse a layout (None: it would not)."""
+    from ..errors import UsageError
     from ..streaming import rule
 
-    devices = min(c.devices for c in clusters)
-    workers = balance(shape, clusters, devices, global_batch, training, headroom, check)
-    step = max(w.step_seconds for w in workers)
-    advice, exchange, util, peak, mean = _sync(shape, link, len(clusters), step,
+    options, found, first_error = sizes(clusters, max_workers), {}, None
+    memo = {}
+    for option in options:
+        cut = [c for c, k in zip(clusters, option.counts) for _ in range(k)]
+        try:
+            workers = balance(shape, cut, option.ranks_per_worker, global_batch, training,
+                              headroom, check, memo)
+        except UsageError as e:
+            first_error = first_error or e
+            option.why_not = str(e).splitlines()[0]
+            continue
+        option.step_seconds = max(w.step_seconds for w in workers)
+        found[id(option)] = workers
+    usable = [o for o in options if not o.why_not]
+    if not usable:
+        raise first_error
+    fastest = min(o.step_seconds for o in usable)
+    chosen = min((o for o in usable if o.step_seconds <= fastest * (1 + MORE_WORKERS_FOR)),
+                 key=lambda o: (sum(o.counts), o.step_seconds))
+    workers = found[id(chosen)]
+    step = chosen.step_seconds
+    advice, exchange, util, peak, mean = _sync(shape, link, len(workers), step,
                                                train_iters, rule, link_share)
     fewer = advice.inner_steps * 16 / FP4_BITS
-    return Plan(workers, advice.flags(), advice.reasons, exchange, util, peak, mean, fewer)
+    ordered = [chosen, *[o for o in options if o is not chosen]]
+    return Plan(workers, advice.flags(), advice.reasons, exchange, util, peak, mean, fewer,
+                ordered)
 
 
 def balance(shape: ModelShape, clusters: Sequence[Cluster], devices: int, global_batch: int,
-            training: Training, headroom: float, check=None) -> List[WorkerPlan]:
-    """Each cluster's best layout and a batch per worker in proportion to its speed, so that
-    the workers' steps take about as long; the batches add up to ``global_batch`` (each a
-    multiple of its layout's micro-batch x DP). Two rounds: rank at an equal share, split by
-    the speeds found, rank again at the split."""
+            training: Training, headroom: float, check=None,
+            memo: Optional[dict] = None) -> List[WorkerPlan]:
+    """Each worker's best layout on its cluster (``clusters``: one per worker) and a batch
+    per worker in proportion to its speed, so that the workers' steps take about as long;
+    the batches add up to ``global_batch`` (each a multiple of its layout's micro-batch x
+    DP). Two rounds: rank at an equal share, split by the speeds found, rank again at the
+    split. ``memo``: rankings already made, by cluster, devices and batch."""
     from ..errors import UsageError
+
+    memo = {} if memo is None else memo
+
+    def ranking(c: Cluster, b: int) -> List[Candidate]:
+        key = (c, devices, b)
+        if key not in memo:
+            memo[key] = rank(shape, c, devices, b, training, headroom, check)
+        return memo[key]
 
     M = len(clusters)
     batches = [global_batch // M] * M
     for _ in range(2):
-        ranked = [rank(shape, c, devices, b, training, headroom, check)
-                  for c, b in zip(clusters, batches)]
+        ranked = [ranking(c, b) for c, b in zip(clusters, batches)]
         for c, r, b in zip(clusters, ranked, batches):
             if not r or r[0].why_not:
                 raise UsageError(f"no layout of the model fits {c.name} ({devices} devices, "
@@ -165,8 +229,7 @@ def balance(shape: ModelShape, clusters: Sequence[Cluster], devices: int, global
         if split == batches:
             break
         batches = split
-    ranked = [rank(shape, c, devices, b, training, headroom, check)
-              for c, b in zip(clusters, batches)]
+    ranked = [ranking(c, b) for c, b in zip(clusters, batches)]
     out = []
     for c, r, b in zip(clusters, ranked, batches):
         if not r or r[0].why_not:
@@ -243,4 +306,5 @@ def _sync(shape: ModelShape, link: Link, workers: int, step: float, train_iters:
     return advice, exchange, util, peak, mean
 
 
-__all__ = ["Candidate", "Plan", "WorkerPlan", "balance", "candidates", "plan", "rank"]
+__all__ = ["Candidate", "Option", "Plan", "WorkerPlan", "balance", "candidates", "plan", "rank",
+           "sizes"]
