@@ -15,8 +15,12 @@ the mean step time after the first. Predicted (``megatron_streaming.plan``):
 * step time from the sustained FLOP/s of one rank while every core is busy (two one-rank
   workers of the same model training side by side without syncing, ``--no-diloco-sync``:
   not one of the layouts below; a rank alone on the machine runs about 10 % faster, since
-  the two share the memory bandwidth) and the loopback bandwidth between two processes
-  (a gloo all-reduce of 64 MiB, measured here).
+  the two share the memory bandwidth), the loopback bandwidth between two processes (a gloo
+  all-reduce of 64 MiB) and the memory bandwidth of one core while the other copies too
+  (the optimizer step's term), all measured here. The calibration runs right before each
+  row's timed launch (the machine's speed drifts by tens of percent over ten minutes), and
+  its own optimizer step (the model's term at the measured memory bandwidth) is taken out of
+  its step before the FLOP/s are read off it.
 
 Memory is measured in launches with glibc's ``MALLOC_MMAP_THRESHOLD_=131072`` (the runtime
 term's tiny-model launch too): blocks of 128 KiB and more are mapped and unmapped one by one,
@@ -47,7 +51,8 @@ sys.path.insert(0, os.path.join(REPO, "tests"))
 from harness import command, env, free_port  # noqa: E402
 
 from megatron_streaming.plan.memory import GIB, Layout, ModelShape, Training, estimate  # noqa
-from megatron_streaming.plan.step_time import Fabric, forward_flops_per_token, step_time  # noqa
+from megatron_streaming.plan.step_time import (  # noqa: E402
+    Fabric, forward_flops_per_token, optimizer_seconds, step_time)
 
 MODEL = ["--num-layers", "8", "--hidden-size", "512", "--num-attention-heads", "8",
          "--seq-length", "256", "--vocab-size", "8192", "--hidden-dropout", "0.1",
@@ -133,6 +138,35 @@ def loopback_bandwidth() -> float:
     return float(out.strip().splitlines()[-1])
 
 
+def memory_bandwidth() -> float:
+    """Bytes/s one process moves copying 256 MiB tensors while a second one does the same
+    (read and written bytes both counted, as the optimizer-step term counts them)."""
+    code = (
+        "import time, torch\n"
+        "torch.set_num_threads(1)\n"
+        "x, y = torch.ones(64 * 2**20), torch.empty(64 * 2**20)\n"
+        "y.copy_(x)\n"
+        "t = time.perf_counter()\n"
+        "for _ in range(10): y.copy_(x)\n"
+        "print(10 * 2 * x.numel() * 4 / (time.perf_counter() - t))\n")
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env(), stdout=subprocess.PIPE,
+                              text=True) for _ in range(2)]
+    rates = [float(p.communicate(timeout=300)[0].strip().splitlines()[-1]) for p in procs]
+    return min(rates)
+
+
+def calibrate(shape, iters: int, memory: float) -> tuple:
+    """(FLOP/s per rank, the calibration's s/step): two one-rank workers side by side, not
+    syncing, their optimizer step's modelled time taken out of the step."""
+    layout = Layout(micro_batch=2)
+    one = launch(MODEL, layout, 2, iters, ["--no-diloco-sync"])
+    step = one["seconds_per_iteration"]
+    optimizer = optimizer_seconds(shape, layout, Training(global_batch=GLOBAL_BATCH,
+                                                          streaming=False), memory)
+    return 3 * forward_flops_per_token(shape) * GLOBAL_BATCH * shape.seq / (step - optimizer), \
+        step
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="docs/results/plan")
@@ -141,22 +175,20 @@ def main(argv=None) -> int:
     shape, tiny = shape_of(MODEL), shape_of(TINY)
 
     started = time.perf_counter()
-    # The FLOP/s calibration: two one-rank workers side by side, not syncing.
-    one = launch(MODEL, Layout(micro_batch=2), 2, args.iters, ["--no-diloco-sync"])
-    flops = 3 * forward_flops_per_token(shape) * GLOBAL_BATCH * shape.seq \
-        / one["seconds_per_iteration"]
-    bandwidth = loopback_bandwidth()
-    fabric = Fabric(flops, bandwidth, bandwidth, devices_per_node=2)
-    print(f"calibration: {flops / 1e9:.1f} GFLOP/s per rank sustained (two one-rank workers, "
-          f"{one['seconds_per_iteration']:.2f} s/step); loopback {bandwidth / 1e9:.2f} GB/s")
-    rows = []
+    bandwidth, memory = loopback_bandwidth(), memory_bandwidth()
+    print(f"loopback {bandwidth / 1e9:.2f} GB/s; memory {memory / 1e9:.2f} GB/s per core")
+    rows, calibrations = [], []
     for name, layout, workers in LAYOUTS:
         training = training_of(workers)
         small = launch(TINY, layout, workers, 2, malloc=MMAP)
         runtime = max(small["peak_rss_mib_per_rank"]) * 2**20 \
             - estimate(tiny, layout, training).total
         measured = launch(MODEL, layout, workers, args.iters, malloc=MMAP)  # memory
+        flops, calibration_step = calibrate(shape, args.iters, memory)  # right before
         timed = launch(MODEL, layout, workers, args.iters)  # step time
+        calibrations.append({"flops_per_rank": flops, "one_rank_step_s": calibration_step})
+        fabric = Fabric(flops, bandwidth, bandwidth, devices_per_node=2,
+                        memory_bytes_per_s=memory)
         predicted = estimate(shape, layout, training, runtime)
         times = step_time(shape, layout, training, fabric)
         peak = max(measured["peak_rss_mib_per_rank"]) * 2**20
@@ -170,17 +202,18 @@ def main(argv=None) -> int:
                "predicted_step_s": times["total"],
                "measured_step_s": timed["seconds_per_iteration"],
                "time_error": times["total"] / timed["seconds_per_iteration"] - 1,
-               "time_components_s": times}
+               "time_components_s": times, "calibration": calibrations[-1]}
         rows.append(row)
         print(f"{name:24s} memory {row['predicted_gib']:.2f} vs {row['measured_gib']:.2f} GiB "
               f"({row['memory_error']:+.1%}; model terms {row['model_terms_predicted_gib']:.2f}"
               f" vs {row['model_terms_measured_gib']:.2f}), step {row['predicted_step_s']:.2f} "
-              f"vs {row['measured_step_s']:.2f} s ({row['time_error']:+.1%})", flush=True)
+              f"vs {row['measured_step_s']:.2f} s ({row['time_error']:+.1%}; calibration "
+              f"{flops / 1e9:.1f} GFLOP/s)", flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "validation.json"), "w") as f:
         json.dump({"model": MODEL, "global_batch": GLOBAL_BATCH,
-                   "calibration": {"flops_per_rank": flops, "loopback_bytes_per_s": bandwidth,
-                                   "one_rank_step_s": one["seconds_per_iteration"]},
+                   "calibration": {"loopback_bytes_per_s": bandwidth,
+                                   "memory_bytes_per_s": memory, "per_row": calibrations},
                    "rows": rows, "seconds": time.perf_counter() - started}, f, indent=1)
     worst = max(abs(r["memory_error"]) for r in rows), max(abs(r["time_error"]) for r in rows)
     print(f"worst: memory {worst[0]:.1%}, step time {worst[1]:.1%}; median step time error "

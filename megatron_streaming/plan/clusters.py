@@ -11,6 +11,7 @@ A cluster file (``launch/clusters/*.yaml`` are examples with public specificatio
     intra_node_gb_per_s: 450  # per device, one direction (NVLink)
     inter_node_gb_per_s: 50   # per device, one direction (InfiniBand 400 Gb/s)
     runtime_gib: 4            # per rank before the model: CUDA context, NCCL, allocator
+    memory_gb_per_s: 3350     # the device's memory bandwidth (the optimizer step's term)
 
 A link file::
 
@@ -39,6 +40,7 @@ class Cluster:
     inter_node_gb_per_s: float
     mfu: float = 0.4
     runtime_gib: float = 4.0
+    memory_gb_per_s: float = 0.0  # 0: the step-time model leaves the optimizer step out
     # The cluster's own flags for launch/slurm.sh (partition, account...), passed through.
     sbatch: str = ""
 
@@ -50,7 +52,8 @@ class Cluster:
         from .step_time import Fabric
 
         return Fabric(self.peak_tflops * 1e12 * self.mfu, self.intra_node_gb_per_s * 1e9,
-                      self.inter_node_gb_per_s * 1e9, self.devices_per_node)
+                      self.inter_node_gb_per_s * 1e9, self.devices_per_node,
+                      self.memory_gb_per_s * 1e9)
 
 
 @dataclass(frozen=True)

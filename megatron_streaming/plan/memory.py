@@ -9,7 +9,8 @@ residual that grows with that term, not as a constant.
 * Weights: the rank's share of the parameters (``shape.rank_parameters``), at the
   training precision.
 * Gradients: the same count in fp32 (DeepSpeed accumulates in fp32 for bf16/fp16 too);
-  ZeRO-2 keeps only its partition (plus one reduce bucket).
+  ZeRO-2 keeps only its partition plus one reduce bucket (never more than the whole count:
+  a model smaller than the bucket holds its gradients whole, as at stage 1).
 * Optimizer: the fp32 master partition (a copy even in fp32 runs: DeepSpeed's ZeRO keeps its
   flat partition apart from the module's weights; stage 0 with fp32 keeps none) and Adam's
   two moments, over the ZeRO partition (the data-parallel and Ulysses ranks together).
@@ -23,8 +24,10 @@ residual that grows with that term, not as a constant.
   only, plus one layer's full set while it is recomputed. The first stage holds
   ``min(pp, micro-batches)`` micro-batches (1F1B). Ulysses splits the sequence.
 * Logits: the last stage's ``b s V / t`` fp32 logits, their softmax and its gradient.
-* The optimizer step: about four fp32 copies of the partition at once (``STEP_COPIES``), in
-  memory the backward's activations freed: the peak is the larger of the two.
+* The optimizer step: about four fp32 copies of the partition at once under ZeRO 1-2 and
+  DeepSpeed's fp16/bf16 optimizers (``STEP_COPIES``), one at stage 0 in fp32 (torch's own
+  AdamW steps the module's parameters in place; ``STEP_COPIES_IN_PLACE``), in memory the
+  backward's activations freed: the peak is the larger of the two.
 * Runtime: what the process holds before any of this (the framework, the CUDA context and
   allocator reserve; on the CPU the interpreter and libraries): measured once per machine,
   given in the cluster description.
@@ -37,6 +40,7 @@ from typing import Dict
 
 GIB = 1024 ** 3
 STEP_COPIES = 4  # fp32 copies of the ZeRO partition the optimizer step holds at once
+STEP_COPIES_IN_PLACE = 1  # the same for torch's AdamW on the module's parameters (ZeRO-0 fp32)
 
 
 @dataclass(frozen=True)
@@ -213,10 +217,11 @@ def estimate_stage(shape: ModelShape, layout: Layout, training: Training,
     w = training.weight_bytes
     parts = {"runtime": runtime_bytes, "weights": params * w}
     if layout.zero_stage >= 2:
-        parts["gradients"] = 4 * partition + 4 * min(params, 5e8 / zero)
+        parts["gradients"] = 4 * min(params, partition + 5e8 / zero)
     else:
         parts["gradients"] = 4 * params
-    master = 0 if (training.precision == "fp32" and layout.zero_stage == 0) else 4 * partition
+    in_place = training.precision == "fp32" and layout.zero_stage == 0
+    master = 0 if in_place else 4 * partition
     parts["optimizer"] = master + 8 * partition
     if training.streaming:
         outer = 0 if training.offload_outer_state else 8 * partition
@@ -227,9 +232,10 @@ def estimate_stage(shape: ModelShape, layout: Layout, training: Training,
     # The optimizer step's transient: DeepSpeed's flat fp32 gradient partition for the step,
     # Adam's multi-tensor temporaries (the square root of the second moment, the
     # weight-decayed gradient) and the updated partition on its way back into the weights:
-    # about four fp32 copies of the partition (benchmarks/memory_phases.py: 4.4 at TP=2).
+    # about four fp32 copies of the partition (benchmarks/memory_phases.py: 4.4 at TP=2);
+    # torch's AdamW stepping the module's own fp32 parameters (ZeRO-0) holds about one.
     # It reuses what the activations freed, so the peak takes the larger of the two.
-    step_transient = STEP_COPIES * 4 * partition
+    step_transient = (STEP_COPIES_IN_PLACE if in_place else STEP_COPIES) * 4 * partition
     e = 4 if training.precision == "fp32" else 2
     micro_batches = max(1, training.global_batch // (layout.micro_batch * layout.dp))
     in_flight = min(p - stage, micro_batches)  # 1F1B: the first stage holds pp of them

@@ -19,6 +19,12 @@
   weights (a ring all-reduce's volume, ``2 (d - 1) / d`` of the rank's fp32 gradients), on
   the inter-node bandwidth when the data-parallel group spans nodes; counted as exposed
   (DeepSpeed's overlap hides part of it on GPUs; the model stays on the safe side).
+* Optimizer step: AdamW over the rank's partition is memory-bound: ``OPTIMIZER_BYTES`` per
+  element (the weight, gradient and two moments read, three written; DeepSpeed's ZeRO and
+  fp16/bf16 paths also flatten the gradient partition and copy the updated partition back
+  into the weights) at the device's memory bandwidth (given in the cluster description;
+  without it the term is left out). It does not shrink with the batch, which the compute
+  does: a layout of more data-parallel ranks pays it on a smaller share of the work.
 """
 
 from __future__ import annotations
@@ -36,6 +42,23 @@ class Fabric:
     intra_node_bytes_per_s: float
     inter_node_bytes_per_s: float
     devices_per_node: int
+    memory_bytes_per_s: float = 0.0  # the device's own memory; 0: no optimizer-step term
+
+
+OPTIMIZER_BYTES = 28  # AdamW in place: weight, gradient, two moments read; three written
+FLAT_COPY_BYTES = 16  # DeepSpeed's flat gradient partition and the copy back to the weights
+
+
+def optimizer_seconds(shape: ModelShape, layout: Layout, training: Training,
+                      memory_bytes_per_s: float) -> float:
+    """The optimizer step of the busiest rank (the first stage's partition)."""
+    if not memory_bytes_per_s:
+        return 0.0
+    params = shape.stage_parameters(layout.tp, layout.pp, 0)
+    in_place = training.precision == "fp32" and layout.zero_stage == 0
+    partition = params if layout.zero_stage == 0 else params / (layout.dp * layout.sp)
+    per_element = OPTIMIZER_BYTES + (0 if in_place else FLAT_COPY_BYTES)
+    return partition * per_element / memory_bytes_per_s
 
 
 def forward_flops_per_token(shape: ModelShape) -> float:
@@ -89,8 +112,11 @@ def step_time(shape: ModelShape, layout: Layout, training: Training,
         d = layout.dp * layout.sp
         out["data parallel"] = 2 * (d - 1) / d * 4 * params \
             / bandwidth(layout.tp * layout.sp * layout.dp)
+    optimizer = optimizer_seconds(shape, layout, training, fabric.memory_bytes_per_s)
+    if optimizer:
+        out["optimizer"] = optimizer
     out["total"] = sum(out.values())
     return out
 
 
-__all__ = ["Fabric", "forward_flops_per_token", "step_time"]
+__all__ = ["Fabric", "forward_flops_per_token", "optimizer_seconds", "step_time"]
