@@ -107,7 +107,7 @@ def test_worker_index_without_rendezvous_is_refused(cluster, tmp_path):
     assert "--diloco-worker-index needs --master-addr and --master-port" in out.read_text()
 
 
-REQUEUE_ITERS = 120
+REQUEUE_ITERS = 60
 
 
 @pytest.mark.timeout(900)
