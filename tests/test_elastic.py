@@ -98,15 +98,16 @@ def test_a_lost_worker_is_dropped_then_rejoins_and_every_step_matches_the_refere
     ref = reference(ELASTIC, tmp_path, 3, {
         "REFERENCE_DROP": f"1:{LEAVES_AFTER}:{noticed}", "REFERENCE_READD": f"1:{admitted}",
         "REFERENCE_WORKER_ARGS": json.dumps([[*ELASTIC, *OWN.get(w, [])] for w in range(3)])})
-    # 90 steps at lr 1e-3 amplify the engine's and the reference's different fp32 summation
-    # orders (clip norms, ZeRO-2's buckets): 3e-7 to 1.9e-6 of the whole model over runs
-    # whose loss and rejoin steps differ. Wrong arithmetic is four orders above: against
-    # this test's dumps, uniform weights instead of tokens give 7.8e-2, the rejoin a step
-    # early 2.5e-2.
+    # The engine's and the reference's fp32 summation orders differ (clip norms, ZeRO-2's
+    # buckets, the token-weighted mean), and AdamW turns a rounding-level change of a near-zero
+    # gradient into a full step of that element: over 90 steps that reached 3e-7 to 5.3e-6 of
+    # the whole model (worst tensor 3.8e-5) in five runs whose loss and rejoin steps differed.
+    # Wrong arithmetic is about three orders above the bound: against one run's dumps, uniform
+    # weights instead of tokens give 7.8e-2, the rejoin a step early 2.5e-2.
     for w in range(3):
         for kind, expected in (("local", ref["local"][w]), ("global", ref["globals"][w])):
             worst, whole = relative(got[w][kind], expected)
-            assert whole <= 5e-6 and worst <= 5e-5, (w, kind, worst, whole)
+            assert whole <= 3e-5 and worst <= 3e-4, (w, kind, worst, whole)
     for n in ref["global"]:
         assert torch.equal(got[0]["global"][n], got[1]["global"][n])
         assert torch.equal(got[0]["global"][n], got[2]["global"][n])
