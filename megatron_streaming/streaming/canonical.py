@@ -91,6 +91,7 @@ class Route:
         self.local_numel = positions.numel()
         self.lane_start, self.lane_numel = bounds[rank], bounds[rank + 1] - bounds[rank]
         self.bytes = 0  # in-worker bytes this rank sent, set-up included
+        self._indices: Dict[tuple, torch.Tensor] = {}  # (name, device) -> index tensor there
         lane = torch.bucketize(positions, torch.tensor(bounds[1:-1], dtype=torch.int64),
                                right=True)
         self.order = torch.argsort(lane, stable=True)  # local elements in lane order
@@ -134,21 +135,28 @@ class Route:
         self.bytes += (x.numel() - send[self.rank]) * x.element_size()  # what left the rank
         return out.cpu() if x.device.type == "cpu" else out.to(x.device)
 
+    def _index(self, name: str, device) -> torch.Tensor:
+        """The index tensor ``name`` on ``device``, copied there once (not every round)."""
+        key = (name, str(device))
+        if key not in self._indices:
+            self._indices[key] = getattr(self, name).to(device)
+        return self._indices[key]
+
     def to_lane(self, local: torch.Tensor) -> torch.Tensor:
         """This rank's elements (flat fp32, in shard order) -> the lane this rank holds,
         every element from its contributing rank."""
-        got = self._all_to_all(local[self.contrib.to(local.device)], self.contrib_recv_counts,
-                               self.contrib_send_counts)
+        got = self._all_to_all(local[self._index("contrib", local.device)],
+                               self.contrib_recv_counts, self.contrib_send_counts)
         lane = torch.empty(self.lane_numel, dtype=local.dtype, device=local.device)
-        lane[self.recv_positions.to(local.device)] = got
+        lane[self._index("recv_positions", local.device)] = got
         return lane
 
     def from_lane(self, lane: torch.Tensor) -> torch.Tensor:
         """The lanes' values -> this rank's elements (every holder of each)."""
-        got = self._all_to_all(lane[self.back_positions.to(lane.device)], self.send_counts,
-                               self.recv_counts)
+        got = self._all_to_all(lane[self._index("back_positions", lane.device)],
+                               self.send_counts, self.recv_counts)
         local = torch.empty(self.local_numel, dtype=lane.dtype, device=lane.device)
-        local[self.order.to(lane.device)] = got
+        local[self._index("order", lane.device)] = got
         return local
 
 
