@@ -113,7 +113,7 @@ def check(job: JobShape, cfg) -> None:
     """What heterogeneous workers do not support yet; raise ConfigError naming the flag."""
     from .arguments import ConfigError
 
-    t, s = cfg.training, cfg.streaming
+    t = cfg.training
     if not job.same_batches:
         for name, flag in (("rampup_batch_size", "--rampup-batch-size"),
                            ("step_batch_size_schedule", "--step-batch-size-schedule"),
@@ -123,19 +123,10 @@ def check(job: JobShape, cfg) -> None:
                 raise ConfigError(
                     f"{flag} with workers of different batches ({_batches(job)}): give each "
                     "worker a fixed --global-batch-size and the job a --train-iters")
-    if not job.same_layout:
-        if s.diloco_error_feedback:
-            raise ConfigError("--diloco-error-feedback with workers of different layouts "
-                              f"({_layouts(job)}) is not supported yet: leave it out")
 
 
 def _batches(job: JobShape) -> str:
     return ", ".join(f"worker {w}: {s.global_batch_size}" for w, s in enumerate(job.workers))
-
-
-def _layouts(job: JobShape) -> str:
-    return "; ".join(f"worker {w}: TP={s.tp} PP={s.pp} SP={s.sp} DP={s.dp} ZeRO-{s.zero_stage}"
-                     for w, s in enumerate(job.workers))
 
 
 def from_records(settings: Sequence[Dict[str, int]]) -> JobShape:

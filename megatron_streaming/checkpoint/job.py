@@ -178,12 +178,14 @@ class JobState:
         """Means of the exchanges in flight (waited for), per shard group, and their
         fragments; None when nothing is in flight anywhere on this rank's worker."""
         s = self.sync
+        # Lanes in flight back to the shards, and the lanes' error-feedback residuals
+        # (canonical exchange; collective over the worker, whatever is in flight).
+        settle = getattr(s, "settle", None)
+        if settle is not None:
+            settle()
         fragments = set(s.in_flight_fragments())
         if not fragments:
             return None
-        settle = getattr(s, "settle", None)  # lanes in flight back to the shards (canonical)
-        if settle is not None:
-            settle()
         means = []
         for g in s.groups:
             p = s.pending.get(g.index)

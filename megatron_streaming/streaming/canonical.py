@@ -35,6 +35,7 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from .codec import ErrorFeedback
 from .sync import StreamingSync
 from .transport import ExchangeResult, Pending
 
@@ -216,7 +217,12 @@ class CanonicalSync(StreamingSync):
 
     A fragment's round is one decision for the whole worker: when any lane's exchange failed
     or carried a non-finite outer gradient, every rank of the worker skips it (an all-reduce
-    of one flag over the worker)."""
+    of one flag over the worker).
+
+    Error feedback keeps its residual where the quantization happens, on the lane (one per
+    fragment, ``lane_feedback``). The shards' residuals (``feedback``, what a checkpoint saves
+    and restores) are its image: ``settle`` writes the lanes' residuals to them, and a lane
+    takes its residual from them at its next send (after a resume, or after a checkpoint)."""
 
     def __init__(self, groups, routes: Dict[int, Route], *args, **kwargs):
         super().__init__(groups, *args, **kwargs)
@@ -224,6 +230,8 @@ class CanonicalSync(StreamingSync):
         self.lanes: Dict[int, Pending] = {}  # fragment -> its lane's exchange in flight
         self.fragments_merged_early: set = set()
         self._groups_of = {p: [g for g in groups if g.fragment == p] for p in routes}
+        self.error_feedback = any(f is not None for f in self.feedback)
+        self.lane_feedback: Dict[int, ErrorFeedback] = {}  # fragment -> its lane's residual
 
     @property
     def in_worker_bytes(self) -> int:
@@ -270,8 +278,36 @@ class CanonicalSync(StreamingSync):
                 self._eager_step(g, delta)
             self._stale = True
         lane = self.routes[p].to_lane(local)
+        feedback = self._lane_feedback(p) if self.error_feedback else None
         self.lanes[p] = self.transport.all_reduce_mean_many(
-            [lane], self.step, [f"fragment {p} (lane {self.routes[p].lane_start})"], [None])[0]
+            [lane], self.step, [f"fragment {p} (lane {self.routes[p].lane_start})"],
+            [feedback])[0]
+
+    def _shard_vector(self, tensors, p: int) -> torch.Tensor:
+        """Fragment p's shards of ``tensors`` (one per shard group), concatenated."""
+        groups = self._groups_of[p]
+        return torch.cat([tensors[g.index][:g.numel] for g in groups]) if groups else \
+            torch.zeros(0)
+
+    def _to_shards(self, tensors, p: int, values: torch.Tensor) -> None:
+        start = 0
+        for g in self._groups_of[p]:
+            tensors[g.index][:g.numel].copy_(values[start:start + g.numel])
+            start += g.numel
+
+    def _lane_feedback(self, p: int) -> ErrorFeedback:
+        """Fragment p's lane residual, taken from the shards' the first time (collective
+        over the worker: every rank sends every fragment)."""
+        if p not in self.lane_feedback:
+            route = self.routes[p]
+            residuals = [f.residual for f in self.feedback]
+            lane = route.to_lane(self._shard_vector(residuals, p))
+            fresh = ErrorFeedback(self.transport.codec,
+                                  self.transport.padded_numel(route.lane_numel),
+                                  self.transport.codec_device)
+            fresh.residual[:route.lane_numel] = lane.to(fresh.residual.device)
+            self.lane_feedback[p] = fresh
+        return self.lane_feedback[p]
 
     def _merge_fragment(self, p: int) -> bool:
         """Merge fragment p's exchange (its lanes' or, restored or settled, its shards');
@@ -289,10 +325,17 @@ class CanonicalSync(StreamingSync):
         return merged
 
     def settle(self) -> None:
-        """Bring every lane in flight back into the shards' pending means (collective over
-        the worker; before a checkpoint reads them)."""
+        """Bring every lane in flight back into the shards' pending means, and the lanes'
+        error-feedback residuals into the shards' (collective over the worker; before a
+        checkpoint reads them). The lanes take their residuals from the shards again at
+        their next send."""
         for p in sorted(self.lanes):
             self._settle(p)
+        for p in sorted(self.lane_feedback):
+            route, lane = self.routes[p], self.lane_feedback[p].residual
+            self._to_shards([f.residual for f in self.feedback], p,
+                            route.from_lane(lane[:route.lane_numel]))
+        self.lane_feedback.clear()
 
     def _settle(self, p: int) -> None:
         pending = self.lanes.pop(p)
@@ -376,6 +419,15 @@ class CanonicalSync(StreamingSync):
 
     def mark_merged(self, fragments) -> None:
         self.fragments_merged_early = set(fragments)
+
+    def regroup(self, cross) -> None:
+        """As ``StreamingSync``'s; the lanes' residuals carry over too (repadded)."""
+        super().regroup(cross)
+        for p, f in list(self.lane_feedback.items()):
+            n = self.routes[p].lane_numel
+            fresh = ErrorFeedback(f.codec, self.transport.padded_numel(n), f.residual.device)
+            fresh.residual[:n] = f.residual[:n]
+            self.lane_feedback[p] = fresh
 
     def abandon(self) -> None:
         super().abandon()
