@@ -107,7 +107,7 @@ def main(argv=None) -> int:
     try:
         clusters = [load_cluster(p) for p in args.cluster]
         link = load_link(args.link)
-        cfg = parse_args([*rest, "--diloco-workers", str(len(clusters))])  # the model's
+        cfg = parse_args([*rest, "--diloco-workers", str(len(clusters))])
         vocab = load_run_tokenizer(cfg).vocab_size
         shape = ModelShape.from_config(cfg.model, vocab)
         precision = "bf16" if cfg.precision.bf16 else "fp16" if cfg.precision.fp16 else "fp32"

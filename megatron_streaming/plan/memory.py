@@ -200,6 +200,18 @@ class Training:
         return 4 if self.precision == "fp32" else 2
 
 
+def steps_in_place(layout: Layout, training: Training) -> bool:
+    """Whether torch's AdamW steps the module's own parameters (ZeRO-0 in fp32), rather
+    than DeepSpeed a flat fp32 partition apart from them."""
+    return training.precision == "fp32" and layout.zero_stage == 0
+
+
+def zero_partition(params: float, layout: Layout) -> float:
+    """A rank's share of ``params`` in the optimizer: the data and sequence ranks together
+    under ZeRO 1-2, all of them at stage 0."""
+    return params / (layout.dp * layout.sp) if layout.zero_stage >= 1 else params
+
+
 def estimate(shape: ModelShape, layout: Layout, training: Training,
              runtime_bytes: float = 0.0) -> Memory:
     """Peak bytes on the busiest rank (the first pipeline stage, or the last when its
@@ -213,14 +225,14 @@ def estimate_stage(shape: ModelShape, layout: Layout, training: Training,
     t, p = layout.tp, layout.pp
     params = shape.stage_parameters(t, p, stage)
     zero = layout.dp * layout.sp  # the ZeRO partition: data and sequence ranks together
-    partition = params / zero if layout.zero_stage >= 1 else params
+    partition = zero_partition(params, layout)
     w = training.weight_bytes
     parts = {"runtime": runtime_bytes, "weights": params * w}
     if layout.zero_stage >= 2:
         parts["gradients"] = 4 * min(params, partition + 5e8 / zero)
     else:
         parts["gradients"] = 4 * params
-    in_place = training.precision == "fp32" and layout.zero_stage == 0
+    in_place = steps_in_place(layout, training)
     master = 0 if in_place else 4 * partition
     parts["optimizer"] = master + 8 * partition
     if training.streaming:
@@ -254,4 +266,5 @@ def estimate_stage(shape: ModelShape, layout: Layout, training: Training,
     return Memory(parts)
 
 
-__all__ = ["GIB", "Layout", "ModelShape", "Memory", "Training", "estimate", "estimate_stage"]
+__all__ = ["GIB", "Layout", "ModelShape", "Memory", "Training", "estimate", "estimate_stage",
+           "steps_in_place", "zero_partition"]

@@ -60,6 +60,7 @@ class Option:
     counts: List[int]
     step_seconds: float = 0.0  # the slowest worker's, batches shared by speed
     why_not: str = ""
+    workers: List["WorkerPlan"] = field(default_factory=list)
 
 
 @dataclass
@@ -167,33 +168,30 @@ def plan(shape: ModelShape, clusters: Sequence[Cluster], link: Link, global_batc
     from ..errors import UsageError
     from ..streaming import rule
 
-    options, found, first_error = sizes(clusters, max_workers), {}, None
-    memo = {}
+    options, memo, first_error = sizes(clusters, max_workers), {}, None
     for option in options:
         cut = [c for c, k in zip(clusters, option.counts) for _ in range(k)]
         try:
-            workers = balance(shape, cut, option.ranks_per_worker, global_batch, training,
-                              headroom, check, memo)
+            option.workers = balance(shape, cut, option.ranks_per_worker, global_batch,
+                                     training, headroom, check, memo)
         except UsageError as e:
             first_error = first_error or e
             option.why_not = str(e).splitlines()[0]
             continue
-        option.step_seconds = max(w.step_seconds for w in workers)
-        found[id(option)] = workers
+        option.step_seconds = max(w.step_seconds for w in option.workers)
     usable = [o for o in options if not o.why_not]
     if not usable:
         raise first_error
     fastest = min(o.step_seconds for o in usable)
     chosen = min((o for o in usable if o.step_seconds <= fastest * (1 + MORE_WORKERS_FOR)),
                  key=lambda o: (sum(o.counts), o.step_seconds))
-    workers = found[id(chosen)]
-    step = chosen.step_seconds
-    advice, exchange, util, peak, mean = _sync(shape, link, len(workers), step,
-                                               train_iters, rule, link_share)
+    advice, exchange, util, peak, mean = _sync(shape, link, len(chosen.workers),
+                                               chosen.step_seconds, train_iters, rule,
+                                               link_share)
     fewer = advice.inner_steps * 16 / FP4_BITS
     ordered = [chosen, *[o for o in options if o is not chosen]]
-    return Plan(workers, advice.flags(), advice.reasons, exchange, util, peak, mean, fewer,
-                ordered)
+    return Plan(chosen.workers, advice.flags(), advice.reasons, exchange, util, peak, mean,
+                fewer, ordered)
 
 
 def balance(shape: ModelShape, clusters: Sequence[Cluster], devices: int, global_batch: int,

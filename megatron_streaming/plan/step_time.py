@@ -32,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict
 
-from .memory import Layout, ModelShape, Training
+from .memory import Layout, ModelShape, Training, steps_in_place, zero_partition
 
 
 @dataclass(frozen=True)
@@ -54,11 +54,9 @@ def optimizer_seconds(shape: ModelShape, layout: Layout, training: Training,
     """The optimizer step of the busiest rank (the first stage's partition)."""
     if not memory_bytes_per_s:
         return 0.0
-    params = shape.stage_parameters(layout.tp, layout.pp, 0)
-    in_place = training.precision == "fp32" and layout.zero_stage == 0
-    partition = params if layout.zero_stage == 0 else params / (layout.dp * layout.sp)
-    per_element = OPTIMIZER_BYTES + (0 if in_place else FLAT_COPY_BYTES)
-    return partition * per_element / memory_bytes_per_s
+    partition = zero_partition(shape.stage_parameters(layout.tp, layout.pp, 0), layout)
+    flat = 0 if steps_in_place(layout, training) else FLAT_COPY_BYTES
+    return partition * (OPTIMIZER_BYTES + flat) / memory_bytes_per_s
 
 
 def forward_flops_per_token(shape: ModelShape) -> float:

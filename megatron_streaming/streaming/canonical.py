@@ -425,9 +425,7 @@ class CanonicalSync(StreamingSync):
         super().regroup(cross)
         for p, f in list(self.lane_feedback.items()):
             n = self.routes[p].lane_numel
-            fresh = ErrorFeedback(f.codec, self.transport.padded_numel(n), f.residual.device)
-            fresh.residual[:n] = f.residual[:n]
-            self.lane_feedback[p] = fresh
+            self.lane_feedback[p] = f.resized(self.transport.padded_numel(n), n)
 
     def abandon(self) -> None:
         super().abandon()

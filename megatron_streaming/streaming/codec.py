@@ -442,6 +442,13 @@ class ErrorFeedback:
         self.residual = target.sub_(self.codec.decode(encoded))
         return encoded
 
+    def resized(self, padded: int, numel: int) -> "ErrorFeedback":
+        """A residual of ``padded`` elements whose first ``numel`` are this one's (the
+        transport's padding follows the number of workers)."""
+        fresh = ErrorFeedback(self.codec, padded, self.residual.device)
+        fresh.residual[:numel] = self.residual[:numel]
+        return fresh
+
     def state_dict(self) -> Dict[str, torch.Tensor]:
         return {"residual": self.residual}
 

@@ -399,10 +399,7 @@ class StreamingSync:
         for i, f in enumerate(self.feedback):
             if f is not None:
                 n = self.groups[i].numel
-                fresh = ErrorFeedback(f.codec, self.transport.padded_numel(n),
-                                      f.residual.device)
-                fresh.residual[:n] = f.residual[:n]
-                self.feedback[i] = fresh
+                self.feedback[i] = f.resized(self.transport.padded_numel(n), n)
         self.transport.bytes_sent, self.transport.bytes_received = \
             old.bytes_sent, old.bytes_received
         old.abandon()
