@@ -40,6 +40,11 @@ class CrossWorker:
         self.data_group = topology.groups.get("cross_worker")
         self.data_ranks: List[int] = topology.group_ranks.get("cross_worker", [topology.rank])
         self.control_group = topology.groups.get("cross_worker_control")
+        # Workers of different sizes: the control groups of the coordinates beyond this
+        # worker's size that this rank stands in for. Every control collective runs on them
+        # too, with the same value: it is the worker's (reduced over the worker first), so
+        # each group's result is every worker's, whichever of its ranks stands there.
+        self.proxy_groups = list(topology.proxy_groups)
         self.control_device = device_of(self.control_group) if self.control_group is not None \
             else torch.device("cpu")
         self.data_device = device_of(self.data_group) if self.data_group is not None \
@@ -78,8 +83,11 @@ class CrossWorker:
             return None, tensor
         on_wire = tensor.to(self.control_device)
         work = dist.all_reduce(on_wire, op=op, group=self.control_group, async_op=async_op)
-        self.count_control(2 * on_wire.numel() * on_wire.element_size() * (self.workers - 1))
-        return work, on_wire
+        works = [dist.all_reduce(on_wire.clone(), op=op, group=g, async_op=async_op)
+                 for g in self.proxy_groups]  # in coordinate order on every rank: no cycle
+        self.count_control(2 * on_wire.numel() * on_wire.element_size() * (self.workers - 1)
+                           * (1 + len(works)))
+        return (_AllOf([work, *works]) if async_op and works else work), on_wire
 
     def gather_control(self, obj) -> list:
         """Every worker's ``obj`` (a picklable object), in worker order, over the control
@@ -88,17 +96,21 @@ class CrossWorker:
             return [obj]
         import pickle
 
-        out = [None] * self.workers
-        dist.all_gather_object(out, obj, group=self.control_group)
-        sizes = [len(pickle.dumps(o)) for o in out]
-        mine = len(pickle.dumps(obj))
-        self.count_control(mine * (self.workers - 1) + sum(sizes) - mine)
-        return out
+        result = None
+        for group in (self.control_group, *self.proxy_groups):
+            out = [None] * self.workers
+            dist.all_gather_object(out, obj, group=group)
+            sizes = [len(pickle.dumps(o)) for o in out]
+            mine = len(pickle.dumps(obj))
+            self.count_control(mine * (self.workers - 1) + sum(sizes) - mine)
+            result = out if result is None else result
+        return result
 
     def barrier(self) -> None:
         if self.control_group is not None:
-            dist.barrier(group=self.control_group)
-            self.count_control(2 * (self.workers - 1))  # a byte each way (gloo's barrier)
+            for group in (self.control_group, *self.proxy_groups):
+                dist.barrier(group=group)
+                self.count_control(2 * (self.workers - 1))  # a byte each way (gloo's)
 
     def total_control_bytes(self, worker_group) -> int:
         """Control bytes of every rank of every worker, as counted before this call
@@ -110,6 +122,19 @@ class CrossWorker:
         dist.all_reduce(mine, group=worker_group)
         _, total = self.all_reduce_control(mine)
         return int(total.item())
+
+
+class _AllOf:
+    """The works of one control collective on several groups, waited for together."""
+
+    def __init__(self, works):
+        self.works = works
+
+    def wait(self, *args) -> bool:
+        return all(w.wait(*args) is not False for w in self.works)
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
 
 
 def byte_count(*parts: str) -> int:

@@ -36,12 +36,20 @@ def join_worker_launch(env, workers: int, worker_index: Optional[int],
     if not (master_addr or "MASTER_ADDR" in env):
         raise ConfigError("--diloco-worker-index needs --master-addr (the host of worker 0's "
                           "first rank), or MASTER_ADDR in the environment")
+    # Provisional where workers differ in size: renumbered once every worker's size is known
+    # (``renumber``); the worker index and the rank within it stand either way.
     ranks_per_worker = int(env.get("WORLD_SIZE", "1"))
     env["RANK"] = str(worker_index * ranks_per_worker + int(env.get("RANK", "0")))
     env["WORLD_SIZE"] = str(workers * ranks_per_worker)
     env.setdefault("LOCAL_RANK", "0")
     # torchrun's agent hosts a store per launch; the job's one store is global rank 0's.
     env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+
+
+def renumber(env, layout, worker: int, local: int) -> None:
+    """This rank's global number in the job of workers of their own sizes (``layout``)."""
+    env["RANK"] = str(layout.offset(worker) + local)
+    env["WORLD_SIZE"] = str(layout.world_size)
 
 
 def backend_for(requested: str) -> str:
@@ -117,16 +125,17 @@ def worker_store(store, worker: int, incarnation: int = 0):
 
 
 def init_distributed(backend: str, timeout_minutes: float, store=None,
-                     ranks_per_worker: Optional[int] = None, incarnation: int = 0) -> tuple:
+                     layout=None, incarnation: int = 0) -> tuple:
     """Initialise the default process group once, on ``store`` (else on a new
     ``rendezvous_store``), with the in-worker ``backend``; returns this rank's (global rank,
     job size), from the launcher's numbering.
 
-    With ``ranks_per_worker`` R the default group is this rank's worker, not the job: global
-    rank ``g`` is rank ``g % R`` of worker ``g // R``'s world, made on its own part of the
-    store. Each worker is then a plain Megatron/DeepSpeed job (its checkpoint, its barriers,
-    its object collectives) and losing another worker breaks nothing of it; the groups that
-    cross workers are made on the store by their members alone (``Topology``)."""
+    With the job's ``layout`` (``topology.RankLayout``) the default group is this rank's
+    worker, not the job: global rank ``g`` is its local rank in its worker's world, made on
+    the worker's own part of the store. Each worker is then a plain Megatron/DeepSpeed job
+    (its checkpoint, its barriers, its object collectives) and losing another worker breaks
+    nothing of it; the groups that cross workers are made on the store by their members alone
+    (``Topology``)."""
     import torch.distributed as dist
 
     if dist.is_initialized():  # embedded: the caller's world is the job
@@ -135,9 +144,10 @@ def init_distributed(backend: str, timeout_minutes: float, store=None,
         store = store if store is not None else rendezvous_store(timeout_minutes)
         rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         world_rank, world_size = rank, size
-        if ranks_per_worker:
-            world_rank, world_size = rank % ranks_per_worker, ranks_per_worker
-            store = worker_store(store, rank // ranks_per_worker, incarnation)
+        if layout is not None:
+            coords = layout.coords(rank)
+            world_rank, world_size = coords["local"], layout.ranks_per_worker
+            store = worker_store(store, coords["worker"], incarnation)
         if backend_for(backend) == "nccl":
             # More local ranks than GPUs (two one-rank workers on one test GPU) share them;
             # NCCL refuses two ranks of one device only within one group.

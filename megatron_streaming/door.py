@@ -11,15 +11,15 @@ difference every rank of every worker stops at once with the same one line namin
 differing flag and both values.
 
 What is compared (``fingerprint``): the model's architecture (not recompute or dropout, which
-change no parameter), its parameter count, the ranks per worker, precision, every
+change no parameter), its parameter count, precision, every
 ``--diloco-*`` flag but the worker's own index, its timeout and which parameters it evaluates,
 the inner optimizer and schedule, the training length and the seed (the workers read disjoint
 samples of one shuffled order, from weights drawn from one seed), the tokenizer (type,
 vocabulary size, a digest of its files), and the versions of this package (a digest of its
 source), torch, deepspeed and megatron-core. Data paths are not compared: each cluster has its
-own filesystem. Each worker's layout (TP, PP, SP, ZeRO stage) and batch (micro and global)
-travel beside the fingerprint, not in it (``workers.WorkerShape``): they may differ, and every
-rank learns every worker's (``agree`` returns them).
+own filesystem. Each worker's layout (TP, PP, SP, DP, so its number of ranks; ZeRO stage) and
+batch (micro and global) travel beside the fingerprint, not in it (``workers.WorkerShape``):
+they may differ, and every rank learns every worker's (``agree`` returns them).
 
 A second launch claiming a worker index that another already holds is refused by name. Bytes
 through the door are counted (``Door.bytes``).
@@ -54,7 +54,6 @@ log = logging.getLogger("megatron_streaming")
 
 PREFIX = "megatron_streaming/door/"
 SECRET_ENV = "MEGATRON_STREAMING_AUTH_TOKEN"
-RANKS = "ranks per worker (nodes x --nproc-per-node)"
 _MODEL_SKIP = {"recompute_granularity", "recompute_method", "recompute_num_layers",
                "recompute_modules", "hidden_dropout", "attention_dropout"}
 _STREAMING_SKIP = {"diloco_worker_index", "diloco_timeout", "eval_params"}
@@ -67,10 +66,7 @@ _PRECISION = ("fp16", "bf16", "grad_reduce_in_bf16")
 def fingerprint(cfg, layout, tokenizer) -> Dict[str, str]:
     """What must be equal on every worker, as ``{label: value}``; a label is the flag's name
     where there is one."""
-    out: Dict[str, str] = {
-        RANKS: str(layout.ranks_per_worker),
-        "world size": str(layout.world_size),
-    }
+    out: Dict[str, str] = {}
 
     def section(obj, names):
         for name in names:
@@ -206,6 +202,12 @@ def differences(records: List[dict], workers=None) -> List[str]:
     return out
 
 
+def _ranks(shape: Optional[dict]) -> int:
+    """A worker's ranks, from its shape (``workers.WorkerShape.settings``)."""
+    shape = shape or {}
+    return shape.get("tp", 1) * shape.get("pp", 1) * shape.get("sp", 1) * shape.get("dp", 1)
+
+
 def _proof(secret: str, key: str, launch: str) -> str:
     """The claim's HMAC under the join secret ("" without one)."""
     if not secret:
@@ -262,7 +264,7 @@ class Door:
         self.bytes += 2 * len(PREFIX + "read")
         if problems:
             if int(os.environ.get("RANK", "0")) == 0:
-                expected = sum(int(r["fingerprint"][RANKS]) for r in records)
+                expected = sum(_ranks(r.get("shape") or shape) for r in records)
                 deadline = time.monotonic() + 15
                 while read < expected and time.monotonic() < deadline:
                     time.sleep(0.2)
@@ -293,6 +295,12 @@ class Door:
             self._claim(mine, f"worker{self.worker}.rejoin{epoch}", holder_gone, shape)
         return [shape if w == self.worker else json.loads(self._get(f"worker{w}")).get("shape")
                 for w in range(self.workers)]
+
+    def first_rank(self, worker: int) -> int:
+        """Worker ``worker``'s first global rank in a running job: the ranks of the workers
+        before it, from their first claims' shapes."""
+        return sum(_ranks(json.loads(self._get(f"worker{w}")).get("shape"))
+                   for w in range(worker))
 
     def _claim(self, mine: Dict[str, str], key: Optional[str] = None,
                holder_gone: Optional[Callable[[], bool]] = None,

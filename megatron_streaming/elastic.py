@@ -185,11 +185,13 @@ class Elastic:
         from patches.torch_process_group import drop
 
         run, topo = self.run, self.run.topology
-        for name in ("cross_worker", "cross_worker_control"):
-            group = topo.groups.pop(name, None)
+        for group in [topo.groups.pop(name, None)
+                      for name in ("cross_worker", "cross_worker_control")] + topo.proxy_groups:
             if group is not None:
                 drop(group)
+        topo.proxy_groups = []
         topo.cross.data_group = topo.cross.control_group = None
+        topo.cross.proxy_groups = []
         run.stop.release()
         run.sync.transport.abandon()
         gc.collect()

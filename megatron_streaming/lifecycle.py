@@ -347,7 +347,7 @@ def is_communication_error(e: BaseException) -> bool:
 def describe_rank(layout, rank: int) -> str:
     c = layout.coords(rank)
     axes = ", ".join(f"{a} {c[a]}" for a in ("tp", "sp", "dp", "pp")
-                     if layout.sizes()[a] > 1)
+                     if layout.axis_sizes()[a] > 1)
     return f"rank {rank} (worker {c['worker']}{', ' + axes if axes else ''})"
 
 

@@ -1,16 +1,21 @@
 """The rank layout, and the one object that owns every process group.
 
 ``WORLD = M workers x R ranks per worker`` with ``R = TP x PP x DP`` (DESIGN.md, "Rank
-layout"). A worker is a contiguous block of R global ranks, so it maps onto one cluster's
-nodes. Inside a worker the order is Megatron's default (tensor-parallel rank fastest, then
-data-parallel, pipeline stage slowest), so a worker looks exactly like a Megatron job.
+layout"), or workers of their own sizes ``R_w`` (``sizes``; each cluster a worker of all its
+devices). A worker is a contiguous block of global ranks (worker w's start at the sum of the
+sizes before it), so it maps onto one cluster's nodes. Inside a worker the order is Megatron's
+default (tensor-parallel rank fastest, then data-parallel, pipeline stage slowest), so a
+worker looks exactly like a Megatron job.
 
 Every Megatron/DeepSpeed group lives inside one worker. The only groups that span workers are
-the cross-worker groups ``{w*R + c : w < M}``, two per in-worker coordinate ``c`` (data and
-control, both reached through ``crossworker.CrossWorker``). With gloo across workers they are
-not subgroups of the world: the ranks at coordinate ``c`` make them on the rendezvous store
-under their membership epoch's prefix (``add_cross_worker_groups``), so the workers of a later
-epoch can make new ones without a lost worker.
+the cross-worker groups, reached through ``crossworker.CrossWorker``: a data group per lane
+``c < L = min R_w`` (the local ranks ``c`` of every worker) and a control group per coordinate
+``c < max R_w``, in which worker w is represented by its local rank ``c mod R_w`` (a rank of
+a smaller worker stands in for the coordinates beyond its size: ``proxied``). With equal
+sizes both are ``{w*R + c : w < M}``. With gloo across workers they are not subgroups of the
+world: their members make them on the rendezvous store under their membership epoch's prefix
+(``add_cross_worker_groups``), so the workers of a later epoch can make new ones without a
+lost worker.
 
 ``RankLayout`` is pure arithmetic (testable without processes); ``Topology`` creates the
 torch.distributed groups from it, in the same order on every rank as ``new_group`` requires.
@@ -20,7 +25,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 IN_WORKER_AXES = ("tp", "sp", "dp", "pp")  # fastest first; sp = Ulysses sequence parallel
 
@@ -34,6 +39,10 @@ class RankLayout:
     tp: int = 1
     pp: int = 1
     sp: int = 1
+    # Workers of their own sizes (ranks of each, in worker order; empty: all alike) and the
+    # worker whose TP/PP/SP these are (the layout of the others is theirs).
+    sizes: Tuple[int, ...] = ()
+    worker: int = 0
 
     def __post_init__(self):
         flags = (("--diloco-workers", self.workers), ("--tensor-model-parallel-size", self.tp),
@@ -44,41 +53,78 @@ class RankLayout:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         used = [(name, value) for name, value in flags if value > 1 or
                 name != "--ds-sequence-parallel-size"]
-        denom = self.workers * self.tp * self.pp * self.sp
-        if self.world_size % denom:
+        if self.sizes:
+            if len(self.sizes) != self.workers or sum(self.sizes) != self.world_size:
+                raise ValueError(f"worker sizes {list(self.sizes)} do not make "
+                                 f"{self.workers} workers of {self.world_size} ranks")
+            used = used[1:]
+            world, denom = self.sizes[self.worker], self.tp * self.pp * self.sp
+        else:
+            world, denom = self.world_size, self.workers * self.tp * self.pp * self.sp
+        if world % denom:
             factors = " x ".join(f"{name} ({value})" for name, value in used)
-            raise ValueError(f"world size {self.world_size} is not divisible by {factors} "
-                             f"= {denom}")
+            raise ValueError(f"world size {world} is not divisible by {factors} = {denom}")
 
     @property
     def ranks_per_worker(self) -> int:
-        return self.world_size // self.workers
+        """This worker's ranks (every worker's, unless they have their own ``sizes``)."""
+        return self.sizes[self.worker] if self.sizes else self.world_size // self.workers
+
+    @property
+    def worker_sizes(self) -> Tuple[int, ...]:
+        return self.sizes or (self.world_size // self.workers,) * self.workers
+
+    @property
+    def uniform(self) -> bool:
+        return len(set(self.worker_sizes)) == 1
+
+    def offset(self, worker: int) -> int:
+        """Worker ``worker``'s first global rank."""
+        return sum(self.worker_sizes[:worker])
+
+    @property
+    def lanes(self) -> int:
+        """In-worker coordinates that every worker has: the cross-worker data groups."""
+        return min(self.worker_sizes)
+
+    @property
+    def coordinates(self) -> int:
+        """In-worker coordinates of the largest worker: the cross-worker control groups."""
+        return max(self.worker_sizes)
 
     @property
     def dp(self) -> int:
         return self.ranks_per_worker // (self.tp * self.sp * self.pp)
 
-    def sizes(self) -> Dict[str, int]:
+    def axis_sizes(self) -> Dict[str, int]:
         return {"tp": self.tp, "sp": self.sp, "dp": self.dp, "pp": self.pp}
 
     def coords(self, rank: int) -> Dict[str, int]:
-        """Worker and in-worker coordinates of a global rank."""
-        worker, local = divmod(rank, self.ranks_per_worker)
+        """Worker and in-worker coordinates of a global rank (the axes as this worker's
+        layout cuts them)."""
+        if self.sizes:
+            worker, local = 0, rank
+            while worker < self.workers - 1 and local >= self.sizes[worker]:
+                local -= self.sizes[worker]
+                worker += 1
+        else:
+            worker, local = divmod(rank, self.ranks_per_worker)
         out = {"worker": worker, "local": local}
         for axis in IN_WORKER_AXES:
-            local, out[axis] = divmod(local, self.sizes()[axis])
+            local, out[axis] = divmod(local, self.axis_sizes()[axis])
         return out
 
     def rank(self, worker: int, tp: int = 0, dp: int = 0, pp: int = 0, sp: int = 0) -> int:
         local = tp + self.tp * (sp + self.sp * (dp + self.dp * pp))
-        return worker * self.ranks_per_worker + local
+        return self.offset(worker) + local
 
     def _groups_varying(self, axes) -> List[List[int]]:
         """All groups of ranks that differ only along ``axes``, worker by worker."""
-        sizes = self.sizes()
+        sizes = self.axis_sizes()
         fixed = [a for a in IN_WORKER_AXES if a not in axes]
         groups = []
-        for worker in range(self.workers):
+        # Workers of other sizes are cut their own way: only this one's groups are known.
+        for worker in range(self.workers) if self.uniform else (self.worker,):
             for fixed_vals in itertools.product(*(range(sizes[a]) for a in fixed)):
                 base = dict(zip(fixed, fixed_vals))
                 ranks = []
@@ -96,8 +142,21 @@ class RankLayout:
         return [[g[0]] for g in self._groups_varying(("pp",))]
 
     def cross_worker_groups(self) -> List[List[int]]:
-        R = self.ranks_per_worker
-        return [[w * R + c for w in range(self.workers)] for c in range(R)]
+        """The data groups: one per lane, the local ranks ``c < L`` of every worker."""
+        return [[self.offset(w) + c for w in range(self.workers)] for c in range(self.lanes)]
+
+    def control_groups(self) -> List[List[int]]:
+        """The control groups: one per coordinate ``c`` of the largest worker, worker w's
+        member its local rank ``c mod R_w`` (the data groups, with equal sizes)."""
+        sizes = self.worker_sizes
+        return [[self.offset(w) + c % sizes[w] for w in range(self.workers)]
+                for c in range(self.coordinates)]
+
+    def proxied(self, local: int, worker: Optional[int] = None) -> List[int]:
+        """The coordinates whose control group a worker's local rank ``local`` is in: its
+        own first, then those beyond its worker's size that it stands in for."""
+        size = self.worker_sizes[self.worker if worker is None else worker]
+        return list(range(local, self.coordinates, size))
 
     def all_groups(self) -> Dict[str, List[List[int]]]:
         """Every group by name, in a fixed order (the creation order on every rank)."""
@@ -117,7 +176,7 @@ class RankLayout:
             # and one for control (barriers from the main thread). Sharing one group between
             # threads would let a barrier pair up with an in-flight exchange on another worker.
             "cross_worker": self.cross_worker_groups(),
-            "cross_worker_control": self.cross_worker_groups(),
+            "cross_worker_control": self.control_groups(),
         }
 
     def data_shard(self, rank: int):
@@ -145,6 +204,9 @@ class Topology:
     per_worker_world: bool = False
     store: object = None  # the rendezvous store (membership records, cross-worker groups)
     members: tuple = ()  # the workers of the current membership epoch (``elastic``)
+    # The control groups of the coordinates beyond this worker's size that this rank stands
+    # in for (``RankLayout.proxied``; none where every worker has the same size).
+    proxy_groups: list = field(default_factory=list)
 
     @classmethod
     def create(cls, layout: RankLayout, rank: int, timeout=None,
@@ -172,8 +234,11 @@ class Topology:
                              f"({layout.ranks_per_worker})")
         if per_worker:
             topo.per_worker_world = True
-            topo.world_offset = -topo.worker * layout.ranks_per_worker
+            topo.world_offset = -layout.offset(topo.worker)
         standalone = per_worker or topo.cross_worker_backend == "gloo"
+        if not (standalone or layout.uniform):
+            raise ValueError("workers of different sizes need each worker in its own world "
+                             "(one launch per worker) or gloo across workers")
         for name, rank_lists in layout.all_groups().items():
             cross = name.startswith("cross_worker")
             if cross and standalone:
@@ -209,12 +274,18 @@ class Topology:
 
         from patches.torch_process_group import standalone_group
 
-        c = self.coords
-        R = self.layout.ranks_per_worker
-        ranks = [w * R + c["local"] for w in members]
+        layout, c = self.layout, self.coords
+        sizes, local = layout.worker_sizes, c["local"]
+        wanted = [("cross_worker", local)] if local < layout.lanes else []
+        wanted += [("cross_worker_control", coord) for coord in layout.proxied(local)]
         for name in ("cross_worker", "cross_worker_control"):
-            prefix = f"megatron_streaming/epoch{epoch}/{name}/{c['local']}/"
-            self.groups[name] = standalone_group(
+            self.groups.pop(name, None)
+            self.group_ranks.pop(name, None)
+        self.proxy_groups = []
+        for name, coord in wanted:
+            ranks = [layout.offset(w) + coord % sizes[w] for w in members]
+            prefix = f"megatron_streaming/epoch{epoch}/{name}/{coord}/"
+            group = standalone_group(
                 self.cross_worker_backend or "gloo", dist.PrefixStore(prefix, store),
                 members.index(c["worker"]), len(members),
                 timeout or datetime.timedelta(minutes=10),
@@ -222,6 +293,10 @@ class Topology:
                 # where each worker is its own world
                 {self.rank + self.world_offset: members.index(c["worker"])}
                 if self.per_worker_world else {r: i for i, r in enumerate(ranks)}, prefix)
+            if name in self.groups:  # a coordinate this rank stands in for
+                self.proxy_groups.append(group)
+                continue
+            self.groups[name] = group
             self.group_ranks[name] = ranks
 
     # ---- coordinates -------------------------------------------------------------------
@@ -421,5 +496,6 @@ def device_of(group):
 def describe(layout: RankLayout, rank: Optional[int] = None) -> str:
     c = layout.coords(rank) if rank is not None else None
     text = (f"world={layout.world_size} workers={layout.workers} "
-            f"tp={layout.tp} sp={layout.sp} pp={layout.pp} dp={layout.dp}")
+            + ("" if layout.uniform else f"of {list(layout.worker_sizes)} ranks ")
+            + f"tp={layout.tp} sp={layout.sp} pp={layout.pp} dp={layout.dp}")
     return text if c is None else f"{text} rank={rank} {c}"

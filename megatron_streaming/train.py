@@ -144,16 +144,20 @@ class Run:
             else:
                 from .lifecycle import beating
 
-                first = coords["worker"] * layout.ranks_per_worker  # it claims for the worker
+                first = door.first_rank(coords["worker"])  # it claims for the worker
                 shapes = door.rejoin(fingerprint(cfg, layout, self.tokenizer),
                                      self.rejoin.epoch, self.rejoin.members,
                                      lambda: not beating(store, first), shape.settings())
             self.job = from_records(shapes)
             check(self.job, cfg)
+            sizes = tuple(w.ranks for w in self.job.workers)
+            if len(set(sizes)) > 1:  # workers of their own sizes: number the job's ranks
+                layout = RankLayout(sum(sizes), layout.workers, layout.tp, layout.pp,
+                                    layout.sp, sizes=sizes, worker=coords["worker"])
+                distributed.renumber(os.environ, layout, coords["worker"], coords["local"])
         # Each worker is its own world (distributed.init_distributed).
         rank, _ = distributed.init_distributed(
-            p.distributed_backend, p.distributed_timeout_minutes, store,
-            ranks_per_worker=layout.ranks_per_worker,
+            p.distributed_backend, p.distributed_timeout_minutes, store, layout=layout,
             incarnation=self.rejoin.epoch if self.rejoin else 0)
         distributed.cpu_threads()
         self.topology = Topology.create(
@@ -242,14 +246,14 @@ class Run:
                      "each worker by its tokens" if self.cfg.streaming.diloco_weighting ==
                      "tokens" else "the workers alike",
                      "shard by shard" if routes is None else
-                     f"by {self.topology.layout.ranks_per_worker} layout-free lane(s) per "
+                     f"by {self.topology.layout.lanes} layout-free lane(s) per "
                      f"fragment (set-up moved {self.sync.in_worker_bytes} bytes within this "
                      "rank's worker)")
         topo = self.topology
         self.checkpointer = Checkpointer(
             topo.rank, topo.ranks_reporting, lambda obj: _gather_objects(obj, topo),
             topo.layout.ranks_per_worker, topo.worker, topo.cross.gather_control,
-            topo.leads_job)
+            topo.leads_job, local=topo.coords["local"])
         self.job_state = JobState(self.cfg, self.topology, self.model, self.engine, self.sync,
                                   self.tokenizer.vocab_size)
 

@@ -4,8 +4,9 @@ Each cluster launches its worker with its own command line. The model, the fragm
 schedule and everything in ``door.fingerprint`` must be equal; the in-worker layout (TP, PP,
 Ulysses SP, ZeRO stage) and the batch (micro-batch, global batch) may differ, so that each
 cluster runs the layout that suits it and a slower cluster takes a smaller batch to keep pace.
-The number of ranks per worker is still one for all (the cross-worker groups pair the ranks at
-one in-worker position).
+So may the number of ranks (each cluster a worker of all its devices): the ranks of the
+smallest worker hold the exchange's lanes, and the control collectives reach every rank of a
+larger worker through a stand-in (``topology.RankLayout.control_groups``).
 
 ``WorkerShape`` is one worker's choice, published at the door; ``JobShape`` is every worker's,
 the same on every rank, and answers what the others need from it:
@@ -55,11 +56,17 @@ class WorkerShape:
         return cls(**{k: int(v) for k, v in settings.items()})
 
     @property
+    def ranks(self) -> int:
+        """The worker's ranks (its launch's world size)."""
+        return self.tp * self.pp * self.sp * self.dp
+
+    @property
     def layout(self) -> Tuple[int, ...]:
         return tuple(getattr(self, f) for f in LAYOUT_FIELDS)
 
     def describe(self) -> str:
-        return (f"TP={self.tp} PP={self.pp} SP={self.sp} DP={self.dp} ZeRO-{self.zero_stage}, "
+        return (f"{self.ranks} rank{'s' * (self.ranks != 1)}, TP={self.tp} PP={self.pp} "
+                f"SP={self.sp} DP={self.dp} ZeRO-{self.zero_stage}, "
                 f"micro-batch {self.micro_batch_size}, global batch {self.global_batch_size}")
 
 

@@ -79,14 +79,23 @@ def worker_iterators(cfg, tokenizer, M, DP, start_iteration=0):
         for d in range(DP)] for w in range(M)]
 
 
+def _layout(world, M, cfg=None, worker=0):
+    """The run's layout as worker ``worker`` (flags ``cfg``) sees it; ``world``: the job's
+    ranks, or a tuple of each worker's where workers differ in size."""
+    p = cfg.parallel if cfg is not None else None
+    axes = (p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
+            p.ds_sequence_parallel_size) if p else ()
+    if isinstance(world, tuple):
+        return RankLayout(sum(world), M, *axes, sizes=world, worker=worker)
+    return RankLayout(world, M, *axes)
+
+
 def job_shape(cfgs, world):
     """Every worker's shape (``workers.JobShape``) from its flags."""
     from megatron_streaming.workers import JobShape, WorkerShape
 
-    M = len(cfgs)
-    return JobShape(tuple(WorkerShape.of(c, RankLayout(
-        world, M, c.parallel.tensor_model_parallel_size, c.parallel.pipeline_model_parallel_size,
-        c.parallel.ds_sequence_parallel_size)) for c in cfgs))
+    return JobShape(tuple(WorkerShape.of(c, _layout(world, len(cfgs), c, w))
+                          for w, c in enumerate(cfgs)))
 
 
 def block_iterators(cfgs, tokenizer, world, start_iteration=0):
@@ -94,7 +103,7 @@ def block_iterators(cfgs, tokenizer, world, start_iteration=0):
     from megatron_streaming.data.sampler import WorkerBlockSampler
 
     job = job_shape(cfgs, world)
-    stub = SimpleNamespace(layout=RankLayout(world, len(cfgs)), data_shard=(0, 1), dp_rank=0)
+    stub = SimpleNamespace(layout=_layout(world, len(cfgs)), data_shard=(0, 1), dp_rank=0)
     data = RunData(cfgs[0], stub, tokenizer, job)
     consumed = data.samples_through(start_iteration)
     return [[build_iterator(data.train, WorkerBlockSampler(
@@ -323,10 +332,13 @@ class Reference:
 def main():
     out_dir, argv = sys.argv[1], sys.argv[2:]
     cfg = parse_args(argv)
-    world = int(os.environ.pop("REFERENCE_WORLD_SIZE"))  # of the distributed run it mirrors
+    # Of the distributed run it mirrors: the job's ranks, or each worker's ("2,1").
+    world = tuple(int(r) for r in os.environ.pop("REFERENCE_WORLD_SIZE").split(","))
+    world = world[0] if len(world) == 1 else world
     resume_at = int(os.environ.pop("REFERENCE_RESUME_AT", "0"))
     patches.apply()
-    ref = Reference(cfg, load_run_tokenizer(cfg), world)
+    ref = Reference(cfg, load_run_tokenizer(cfg),
+                    world if isinstance(world, int) else world[0] * len(world))
     per_worker = os.environ.pop("REFERENCE_WORKER_ARGS", "")
     if per_worker:  # each worker its own flags
         ref.configure_workers([parse_args(a) for a in json.loads(per_worker)], world)

@@ -235,3 +235,61 @@ def test_the_planner_splits_a_batch_by_speed_in_whole_grains():
     parts = _split(512, [2.8, 1.0], [2, 4])
     assert sum(parts) == 512 and parts[0] % 2 == 0 and parts[1] % 4 == 0
     assert abs(parts[0] / 2.8 - parts[1] / 1.0) <= 4
+
+
+# Workers of different sizes: 2 ranks (TP=2, batch 8) beside 1 rank (batch 4). One lane per
+# fragment (the smaller worker's one rank); worker 0's second rank holds none, and worker 1's
+# rank stands in for it in the control group of coordinate 1 (stop flag, checkpoint
+# agreement, barriers). Resumed from step 6 the other way round (1 rank beside PP=2 on 2):
+# the checkpoint is layout-free, and the reference does not depend on the ranks.
+SIZED = (["--tensor-model-parallel-size", "2", "--micro-batch-size", "2",
+          "--global-batch-size", "8"],
+         ["--micro-batch-size", "2", "--global-batch-size", "4"])
+RESIZED = (["--micro-batch-size", "2", "--global-batch-size", "8"],
+           ["--pipeline-model-parallel-size", "2", "--micro-batch-size", "2",
+            "--global-batch-size", "4"])
+
+
+def _start_sized(out, per_worker, ranks, extra=()):
+    port = str(free_port())
+    return [(start(n, [str(out), *SHARED, *flags, *extra, "--master-addr", "127.0.0.1",
+                       "--master-port", port, "--diloco-worker-index", str(w)],
+                   out / f"w{w}.log", None, DRIVER), out / f"w{w}.log")
+            for w, (flags, n) in enumerate(zip(per_worker, ranks))]
+
+
+@pytest.mark.timeout(600)
+def test_workers_of_different_sizes_match_the_reference(tmp_path):
+    launches, reference = [], None
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    try:
+        reference = start_reference(
+            [*SHARED, *SIZED[0]], tmp_path, "2,1",
+            {"REFERENCE_WORKER_ARGS": json.dumps([[*SHARED, *f] for f in SIZED])})
+        launches = _start_sized(tmp_path, SIZED, (2, 1),
+                                ["--save", str(tmp_path / "ckpt"), "--save-interval", "6"])
+        for proc, log in launches:
+            assert proc.wait(timeout=400) == 0, log.read_text()[-5000:]
+        (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").write_text("6\n")
+        launches = _start_sized(resumed, RESIZED, (1, 2), ["--load", str(tmp_path / "ckpt")])
+        for proc, log in launches:
+            assert proc.wait(timeout=400) == 0, log.read_text()[-5000:]
+        ref = reference_result(reference, tmp_path)
+    finally:
+        for proc in [p for p, _ in launches] + [reference]:
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+    assert "by 1 layout-free lane(s) per fragment" in (tmp_path / "w0.log").read_text()
+    for out in (tmp_path, resumed):
+        got = [dumps(out, w) for w in range(2)]
+        for w in range(2):
+            for kind, expected in (("local", ref["local"][w]), ("global", ref["globals"][w])):
+                worst, whole = relative(got[w][kind], expected)
+                print(out.name, w, kind, f"worst {worst:.2e} whole {whole:.2e}")
+                assert whole <= 1e-6 and worst <= 5e-5, (out.name, w, kind, worst, whole)
+        assert all(torch.equal(got[0]["global"][n], got[1]["global"][n]) for n in ref["global"])
+    got = dumps(tmp_path, 0)
+    assert got["cross_worker_bytes"] == lane_bytes(ref["global"], SHARED, lanes=1)
+    meta = json.loads((tmp_path / "ckpt" / "iter_0000006" / "checkpoint.json").read_text())
+    assert [p["fragment"] for p in meta["pending"]] == [1], meta["pending"]

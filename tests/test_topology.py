@@ -71,7 +71,7 @@ def test_coords_and_rank_round_trip(layout):
         c = layout.coords(rank)
         assert c["worker"] == _worker(layout, rank)
         assert c["local"] == rank % layout.ranks_per_worker
-        assert all(0 <= c[a] < layout.sizes()[a] for a in IN_WORKER_AXES)
+        assert all(0 <= c[a] < layout.axis_sizes()[a] for a in IN_WORKER_AXES)
         assert layout.rank(c["worker"], tp=c["tp"], sp=c["sp"], dp=c["dp"], pp=c["pp"]) == rank
         seen.add((c["worker"], *_in_worker_coords(layout, rank)))
     assert len(seen) == layout.world_size  # coordinates are a bijection
@@ -117,7 +117,7 @@ def test_each_group_kind_partitions_the_world(layout):
 
 def test_groups_vary_along_their_axes_only(layout):
     groups = layout.all_groups()
-    sizes = layout.sizes()
+    sizes = layout.axis_sizes()
     for name, axes in VARYING.items():
         for group in groups[name]:
             assert len(group) == math.prod(sizes[a] for a in axes), (name, group)
@@ -155,6 +155,54 @@ def test_cross_worker_groups_join_the_same_coordinates_of_every_worker(layout):
     for group in groups:
         assert [_worker(layout, r) for r in group] == list(range(layout.workers))
         assert len({_in_worker_coords(layout, r) for r in group}) == 1
+
+
+def test_control_groups_equal_the_data_groups_when_workers_have_one_size(layout):
+    groups = layout.all_groups()
+    assert groups["cross_worker_control"] == groups["cross_worker"]
+    assert all(layout.proxied(c) == [c] for c in range(layout.ranks_per_worker))
+
+
+@pytest.mark.parametrize("sizes", [(2, 1), (4, 2, 1), (1, 3), (4, 6)])
+def test_workers_of_their_own_sizes(sizes):
+    """Contiguous blocks; data groups over the lanes every worker has; one control group per
+    coordinate of the largest worker, with exactly one member of each worker, whose rank
+    stands there (its own coordinate, or its coordinate modulo its size); each rank is in the
+    control groups ``proxied`` names, its own first."""
+    world, M = sum(sizes), len(sizes)
+    layouts = [RankLayout(world, M, sizes=sizes, worker=w) for w in range(M)]
+    starts = [sum(sizes[:w]) for w in range(M)]
+    for w, layout in enumerate(layouts):
+        assert layout.ranks_per_worker == sizes[w] and layout.offset(w) == starts[w]
+        for local in range(sizes[w]):
+            rank = starts[w] + local
+            assert layout.coords(rank)["worker"] == w and layout.coords(rank)["local"] == local
+            assert layout.rank(w, dp=local) == rank
+    layout = layouts[0]
+    assert layout.lanes == min(sizes) and layout.coordinates == max(sizes)
+    data = layout.cross_worker_groups()
+    assert data == [[starts[w] + c for w in range(M)] for c in range(min(sizes))]
+    control = layout.control_groups()
+    assert len(control) == max(sizes)
+    for c, group in enumerate(control):
+        assert [layout.coords(r)["worker"] for r in group] == list(range(M))
+        assert [layout.coords(r)["local"] for r in group] == [c % n for n in sizes]
+    for w, lw in enumerate(layouts):
+        for local in range(sizes[w]):
+            stands = lw.proxied(local)
+            assert stands[0] == local
+            assert stands == [c for c, g in enumerate(control) if starts[w] + local in g]
+    # each worker's own groups only: the others are cut their own way
+    worker_groups = layouts[1].all_groups()["worker"]
+    assert worker_groups == [list(range(starts[1], starts[1] + sizes[1]))]
+
+
+def test_worker_sizes_that_do_not_tile_are_refused():
+    with pytest.raises(ValueError, match=r"worker sizes \[2, 1\] do not make 2 workers of 4"):
+        RankLayout(4, 2, sizes=(2, 1))
+    with pytest.raises(ValueError, match=r"world size 3 is not divisible by "
+                                         r"--tensor-model-parallel-size \(2\)"):
+        RankLayout(4, 2, tp=2, sizes=(1, 3), worker=1)
 
 
 def test_data_shard_is_per_worker_and_dp_rank(layout):

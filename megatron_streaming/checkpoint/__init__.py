@@ -64,10 +64,10 @@ class Checkpointer:
     def __init__(self, rank: int, failed_ranks: Callable[[bool], List[int]],
                  gather: Callable[[object], list], world: int = 1, worker: int = 0,
                  gather_workers: Callable[[object], list] = lambda obj: [obj],
-                 leads: Optional[Callable[[], bool]] = None):
+                 leads: Optional[Callable[[], bool]] = None, local: Optional[int] = None):
         self.rank = rank  # global
-        self.world = world  # ranks per worker
-        self.local = rank % world  # rank within the worker
+        self.world = world  # ranks per worker (this worker's)
+        self.local = rank % world if local is None else local  # rank within the worker
         self.worker = worker
         self.failed_ranks = failed_ranks
         self.gather = gather

@@ -104,7 +104,7 @@ def canonical_routes(cfg: Config, topology: Topology, groups):
     group = topology.groups["worker"]
     return build_routes(
         groups, [g.sources for g in groups], group, device_of(group),
-        topology.coords["local"], topology.layout.ranks_per_worker, plan.fragment_of,
+        topology.coords["local"], topology.layout.lanes, plan.fragment_of,
         model_name_function(cfg, topology), tp_rank=topology.tp_rank,
         tp_size=topology.layout.tp, gated=cfg.model.swiglu)
 
@@ -138,6 +138,7 @@ def build_sync(cfg: Config, topology: Topology, engine,
         sync = StreamingSync(groups, *args)
     warm_up(transport.codec, max((transport.padded_numel(n) for n in sizes), default=0),
             transport.codec_device)
+    sync.workers = topology.cross.workers or transport.workers  # (a newcomer: none yet)
     if job is not None:
         sync.share = token_share(cfg, job, topology)
     return sync

@@ -9,11 +9,12 @@ does not depend on the layout, and back after the exchange:
   (``weights.local_spec_name`` of ``weights.global_name``; a last stage's tied output layer is
   the embedding), each the full (TP=1) tensor, row-major; the same on every worker since the
   model is;
-* **lanes**: the canonical vector cut in R nearly equal contiguous pieces, R the ranks per
-  worker; local rank l holds lane l and exchanges it across workers over its cross-worker
-  group (which pairs the local ranks l of all workers), with the transport, codec and bytes of
-  the homogeneous exchange: the cross-worker bytes are the same (fewer where ranks hold
-  replicas, which travel once here);
+* **lanes**: the canonical vector cut in L nearly equal contiguous pieces, L the ranks of the
+  smallest worker (R, the ranks per worker, when all have as many); local rank l < L holds
+  lane l and exchanges it across workers over its cross-worker group (which pairs the local
+  ranks l of all workers), with the transport, codec and bytes of the homogeneous exchange:
+  the cross-worker bytes are the same (fewer where ranks hold replicas, which travel once
+  here); the ranks of a larger worker beyond L hold no lane;
 * **routes** (``Route``, one per fragment, set up once, collective over the worker): where
   each element this rank holds sits in the canonical vector. An element held by several ranks
   (replicas across DP without ZeRO, across TP for a norm, a tied embedding on two stages) is
@@ -53,9 +54,13 @@ class CanonicalOrder:
             self.offsets[name] = (p, self.numel.get(p, 0))
             self.numel[p] = self.numel.get(p, 0) + sizes[name]
 
-    def lane_bounds(self, fragment: int, lanes: int) -> List[int]:
+    def lane_bounds(self, fragment: int, lanes: int, holders: int = 0) -> List[int]:
+        """Where each of ``holders`` local ranks' lane starts, and the end: ``lanes`` nearly
+        equal pieces on the first ranks, none on the ranks beyond (a worker larger than the
+        smallest)."""
         n = self.numel.get(fragment, 0)
-        return [lane * n // lanes for lane in range(lanes + 1)]
+        bounds = [lane * n // lanes for lane in range(lanes + 1)]
+        return bounds + [n] * (max(holders, lanes) - lanes)
 
 
 def parameter_positions(param: torch.Tensor, first: int, count: int, tp_rank: int,
@@ -195,7 +200,8 @@ def build_routes(groups, sources, worker_group, device, rank: int, lanes: int,
                 pieces.append(offset + parameter_positions(param, first, tensor.numel(),
                                                            tp_rank, tp_size, fc1))
         positions = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)
-        routes[p] = Route(worker_group, device, positions, order.lane_bounds(p, lanes), rank)
+        routes[p] = Route(worker_group, device, positions,
+                          order.lane_bounds(p, lanes, len(gathered)), rank)
     return routes
 
 
@@ -409,9 +415,10 @@ class CanonicalSync(StreamingSync):
                     torch.zeros(0)
                 lane = route.to_lane(local)
                 on_wire = lane.to(cross.data_device)
-                dist.broadcast(on_wire, group_src=src, group=cross.data_group)
-                cross.count_control(on_wire.numel() * on_wire.element_size()
-                                    * (cross.workers - 1))
+                if cross.data_group is not None:  # else a rank beyond the lanes: none here
+                    dist.broadcast(on_wire, group_src=src, group=cross.data_group)
+                    cross.count_control(on_wire.numel() * on_wire.element_size()
+                                        * (cross.workers - 1))
                 back, start = route.from_lane(on_wire.to(lane.device)), 0
                 for g in groups:
                     tensors[g.index].copy_(back[start:start + g.numel])

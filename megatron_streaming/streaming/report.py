@@ -62,10 +62,10 @@ def worker_scalars(sync: StreamingSync, worker_group,
     out["streaming/drift"] = _ratio(sums[:P, 4].sum(), sums[:P, 5].sum())
     out["streaming/worker_bytes_sent"] = float(sums[:P, 1].sum())
     out["streaming/skipped_fragments"] = float(sums[:P, 3].sum())
-    # transport.workers is M, the size of this rank's cross-worker group.
-    out["streaming/cross_worker_bytes"] = float(sums[P, 0]) * sync.transport.workers
+    # sync.workers is M (with workers of one size, the size of this rank's data group).
+    out["streaming/cross_worker_bytes"] = float(sums[P, 0]) * sync.workers
     # Control (stop flag, checkpoint agreement, door, heartbeats): this worker's, times M.
-    out["streaming/cross_worker_control_bytes"] = float(sums[P, 1]) * sync.transport.workers
+    out["streaming/cross_worker_control_bytes"] = float(sums[P, 1]) * sync.workers
     return out
 
 

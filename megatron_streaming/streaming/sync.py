@@ -138,6 +138,9 @@ class StreamingSync:
         # This worker's factor on its outer gradients (``workers.JobShape.share``): the plain
         # mean over the workers then weighs each by its tokens in the round.
         self.share = 1.0
+        # Workers in the mean: the transport's, except on a rank beyond the lanes of workers
+        # of different sizes, whose transport has none across (``builder`` sets it).
+        self.workers = transport.workers
 
     def _event(self, kind: str, g: ShardGroup) -> None:
         if self.events is not None:
@@ -268,7 +271,7 @@ class StreamingSync:
     def _eager_step(self, g: ShardGroup, delta: Optional[torch.Tensor]) -> None:
         """The eager outer step at a send of ``delta`` (None: ``finish``, nothing new)."""
         theta_g = self.theta_g[g.index]
-        workers = self.transport.workers
+        workers = self.workers
         mean = None
         if g.index in self.merged_early:  # finish() applied the previous exchange already
             self.merged_early.discard(g.index)
@@ -396,6 +399,7 @@ class StreamingSync:
         follows the number of workers)."""
         old = self.transport
         self.transport = cross.make_transport(old.codec, old.timeout, old.codec_device)
+        self.workers = cross.workers or self.transport.workers
         for i, f in enumerate(self.feedback):
             if f is not None:
                 n = self.groups[i].numel
