@@ -66,31 +66,33 @@ def test_plan_prints_sbatch_lines_that_pretrain_gpt_accepts(capsys):
     assert "Sync over the link (10 Gbit/s, RTT 80 ms): --diloco-inner-steps" in out
     assert "bash launch/rendezvous.sh --port 29500" in out
     assert "Candidates on h100-east" in out and "chosen" in out
-    # 64 H100s and 32 A100s: three workers of 32 devices, two on the H100 cluster (none idle).
-    assert "Plan: 3 workers of 32 devices each (2 on h100-east, 1 on a100-west)" in out
+    # 64 H100s and 32 A100s: a worker of each whole cluster (none idle); three workers of 32
+    # would step no faster and cost the loss of a third worker.
+    assert "Plan: 2 workers of 64 / 32 devices (1 on h100-east, 1 on a100-west)" in out
     assert "devices idle" not in out
-    assert "  2 + 1 workers of 32 devices: slowest step" in out  # --explain: the cuts weighed
+    assert "  1 + 1 workers of 64 / 32 devices: slowest step" in out  # --explain: the cuts
+    assert "  2 + 1 workers of 32 devices: slowest step" in out
     lines = [shlex.split(line) for line in out.splitlines() if line.startswith("sbatch ")]
-    assert len(lines) == 3
+    assert len(lines) == 2
     batches = []
-    for worker, line in enumerate(lines):
+    for worker, (line, devices) in enumerate(zip(lines, (64, 32))):
         nodes = int(next(a for a in line if a.startswith("--nodes=")).split("=")[1])
         gpus = int(next(a for a in line if a.startswith("--gpus-per-node=")).split("=")[1])
-        assert nodes * gpus == 32
+        assert nodes * gpus == devices
         args = line[line.index("launch/slurm.sh") + 1:]
         cfg = parse_args(args)
-        validate(cfg, nodes * gpus * 3)  # the job's world: three workers of that size
-        assert cfg.streaming.diloco_worker_index == worker and cfg.streaming.diloco_workers == 3
+        validate(cfg, nodes * gpus * 2)  # the job as this launch first numbers it
+        assert cfg.streaming.diloco_worker_index == worker and cfg.streaming.diloco_workers == 2
         assert cfg.parallel.rendezvous_external and cfg.parallel.master_addr == "login01.example"
         batches.append(cfg.training.global_batch_size)
-    # The job's 512 shared by speed: each H100 worker takes a larger part than the A100 one,
-    # and the predicted steps of the three workers take about as long.
-    assert sum(batches) == 512 and batches[0] == batches[1] > 2 * batches[2], batches
+    # The job's 512 shared by speed: the H100 worker takes the larger part, and the
+    # predicted steps of the two workers take about as long.
+    assert sum(batches) == 512 and batches[0] > 4 * batches[1], batches
     steps = [float(m) for m in re.findall(r"GiB per device, ([0-9.]+) s per step", out)]
-    assert len(steps) == 3 and max(steps) / min(steps) < 1.05, steps
+    assert len(steps) == 2 and max(steps) / min(steps) < 1.05, steps
 
 
-def test_clusters_are_cut_into_workers_of_one_size():
+def test_clusters_are_cut_into_workers():
     from megatron_streaming.plan.clusters import Cluster
     from megatron_streaming.plan.search import sizes
 
@@ -98,12 +100,13 @@ def test_clusters_are_cut_into_workers_of_one_size():
         return Cluster(f"c{nodes}", nodes, 8, 80, 989, 450, 50)
 
     def cuts(*nodes, most=8):
-        return [(o.ranks_per_worker, o.counts) for o in sizes([cluster(n) for n in nodes], most)]
+        return [(o.ranks, o.counts) for o in sizes([cluster(n) for n in nodes], most)]
 
-    assert cuts(8, 4) == [(32, [2, 1]), (16, [4, 2])]
-    assert cuts(6, 4) == [(32, [1, 1]), (16, [3, 2])]  # 48 + 32: a cut that idles 16 or none
-    assert cuts(6, 4, most=2) == [(32, [1, 1])]  # the smallest cluster's size is always one
-    assert cuts(1, 1)[0] == (8, [1, 1])
+    # one worker per whole cluster, then workers of one size
+    assert cuts(8, 4) == [([64, 32], [1, 1]), ([32, 32], [2, 1]), ([16, 16], [4, 2])]
+    assert cuts(6, 4) == [([48, 32], [1, 1]), ([32, 32], [1, 1]), ([16, 16], [3, 2])]
+    assert cuts(6, 4, most=2) == [([48, 32], [1, 1]), ([32, 32], [1, 1])]
+    assert cuts(1, 1) == [([8, 8], [1, 1]), ([4, 4], [2, 2]), ([2, 2], [4, 4])]
 
 
 def test_plan_errors_name_the_file_and_the_field(tmp_path, capsys):

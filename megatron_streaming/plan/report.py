@@ -18,12 +18,14 @@ def format_plan(result: Plan, shape: ModelShape, link: Link, flags: List[str],
                 rendezvous: str, explain: bool = False) -> str:
     workers = result.workers
     host, _, port = rendezvous.rpartition(":")
-    devices = workers[0].best.layout.ranks
+    sizes = [w.best.layout.ranks for w in workers]
     per_cluster = {}
     for w in workers:
         per_cluster.setdefault(w.cluster, []).append(w)
     cut = ", ".join(f"{len(ws)} on {c.name}" for c, ws in per_cluster.items())
-    lines = [f"Plan: {len(workers)} workers of {devices} devices each ({cut}), "
+    each = f"of {sizes[0]} devices each" if len(set(sizes)) == 1 else \
+        f"of {' / '.join(str(d) for d in sizes)} devices"
+    lines = [f"Plan: {len(workers)} workers {each} ({cut}), "
              f"{shape.parameters() / 1e6:,.1f}M parameters, global batch "
              f"{sum(w.global_batch for w in workers)} shared by speed"]
     for i, w in enumerate(workers):
@@ -33,10 +35,10 @@ def format_plan(result: Plan, shape: ModelShape, link: Link, flags: List[str],
             f"{b.memory_gib:.1f} of {c.device_memory_gib:g} GiB per device, "
             f"{w.step_seconds:.2f} s per step, {b.tokens_per_s:,.0f} tokens/s")
     for c, ws in per_cluster.items():
-        idle = c.devices - devices * len(ws)
+        idle = c.devices - sum(w.best.layout.ranks for w in ws)
         if idle:
             lines.append(f"  {idle} of {c.name}'s {c.devices} devices idle (every worker has "
-                         f"{devices} devices)")
+                         f"{ws[0].best.layout.ranks} devices)")
     step = max(w.step_seconds for w in workers)
     lines += [
         f"Sync over the link ({link.bandwidth_gbit_per_s:g} Gbit/s, RTT {link.rtt_ms:g} ms): "
@@ -54,6 +56,7 @@ def format_plan(result: Plan, shape: ModelShape, link: Link, flags: List[str],
     ]
     for i, w in enumerate(workers):
         c, layout = w.cluster, w.best.layout
+        devices = layout.ranks
         nodes = -(-devices // c.devices_per_node)
         args = [*flags, *layout.flags(), "--global-batch-size", str(w.global_batch),
                 "--diloco-workers", str(len(workers)), "--diloco-worker-index", str(i),
@@ -67,9 +70,8 @@ def format_plan(result: Plan, shape: ModelShape, link: Link, flags: List[str],
         lines += ["", "Cuts into workers (the chosen first; more workers must be "
                   f"{MORE_WORKERS_FOR:.0%} faster to be chosen, each costs loss):"]
         for o in result.options:
-            counts = " + ".join(str(k) for k in o.counts)
             what = o.why_not or f"slowest step {o.step_seconds:.2f} s"
-            lines.append(f"  {counts} workers of {o.ranks_per_worker} devices: {what}")
+            lines.append(f"  {o.describe()}: {what}")
         shown_clusters = set()
         for w in workers:
             if w.cluster in shown_clusters:

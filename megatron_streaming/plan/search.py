@@ -12,12 +12,13 @@ kept free); the fastest (tokens per second of the worker) wins; speeds within 0.
 less memory, then fewer ranks per replica break the tie.
 
 Each worker runs its own cluster's best layout (workers of different layouts exchange by the
-layout-free lanes, ``streaming.canonical``), all on the same number of devices R (ranks per
-worker are one number for the job). A cluster of n devices runs n // R workers, so a larger
-cluster is not left idle: 64 H100s beside 32 A100s make three workers of 32 (``sizes``). R is
-the smallest cluster's size or a divisor of every cluster's; the plan takes the fastest step,
-and among steps within ``MORE_WORKERS_FOR`` of it the fewest workers (each more DiLoCo
-worker costs loss, docs/RESULTS.md), at most ``max_workers``. The global batch is then shared
+layout-free lanes, ``streaming.canonical``). The cuts weighed (``sizes``): one worker per
+cluster on all its devices (workers of their own sizes: 64 H100s beside 32 A100s make a
+worker of 64 and one of 32), or workers of one size R on every cluster, R the smallest
+cluster's size or a divisor of every cluster's, a cluster of n devices running n // R of them
+(three workers of 32 there). The plan takes the fastest step, and among steps within
+``MORE_WORKERS_FOR`` of it the fewest workers (each more DiLoCo worker costs loss,
+docs/RESULTS.md), at most ``max_workers``. The global batch is then shared
 out in proportion to each worker's speed, so that their steps take about as long
 (``balance``): the slower cluster gets the smaller batch, and the outer mean weighs each
 worker by its tokens (``--diloco-weighting tokens``). The sync settings follow from the
@@ -55,12 +56,19 @@ class WorkerPlan:
 
 @dataclass
 class Option:
-    """One way of cutting the clusters into workers: R devices each, ``counts`` per cluster."""
-    ranks_per_worker: int
+    """One way of cutting the clusters into workers: ``counts[i]`` workers of ``ranks[i]``
+    devices on cluster i."""
+    ranks: List[int]
     counts: List[int]
     step_seconds: float = 0.0  # the slowest worker's, batches shared by speed
     why_not: str = ""
     workers: List["WorkerPlan"] = field(default_factory=list)
+
+    def describe(self) -> str:
+        counts = " + ".join(str(k) for k in self.counts)
+        if len(set(self.ranks)) == 1:
+            return f"{counts} workers of {self.ranks[0]} devices"
+        return f"{counts} workers of {' / '.join(str(r) for r in self.ranks)} devices"
 
 
 @dataclass
@@ -144,19 +152,21 @@ MORE_WORKERS_FOR = 0.05  # a cut into more workers must make the step this much 
 
 
 def sizes(clusters: Sequence[Cluster], max_workers: int) -> List[Option]:
-    """The ways to cut the clusters into workers of one size R: the smallest cluster's
-    devices, or a divisor of every cluster's; each cluster runs ``devices // R`` workers
-    (at most ``max_workers`` in all; the smallest cluster's cut is always one)."""
+    """The ways to cut the clusters into workers: one per cluster on all its devices (where
+    the clusters differ in size), and workers of one size R, the smallest cluster's devices
+    or a divisor of every cluster's, each cluster running ``devices // R`` of them (at most
+    ``max_workers`` in all; the smallest cluster's cut is always one)."""
     import math
     from functools import reduce
 
-    smallest = min(c.devices for c in clusters)
-    common = reduce(math.gcd, (c.devices for c in clusters))
-    out = []
+    devices = [c.devices for c in clusters]
+    smallest = min(devices)
+    common = reduce(math.gcd, devices)
+    out = [Option(devices, [1] * len(clusters))] if len(set(devices)) > 1 else []
     for r in sorted({smallest, *_divisors(common)}, reverse=True):
-        counts = [c.devices // r for c in clusters]
+        counts = [n // r for n in devices]
         if r == smallest or sum(counts) <= max_workers:
-            out.append(Option(r, counts))
+            out.append(Option([r] * len(clusters), counts))
     return out
 
 
@@ -170,10 +180,11 @@ def plan(shape: ModelShape, clusters: Sequence[Cluster], link: Link, global_batc
 
     options, memo, first_error = sizes(clusters, max_workers), {}, None
     for option in options:
-        cut = [c for c, k in zip(clusters, option.counts) for _ in range(k)]
+        cut = [(c, r) for c, k, r in zip(clusters, option.counts, option.ranks)
+               for _ in range(k)]
         try:
-            option.workers = balance(shape, cut, option.ranks_per_worker, global_batch,
-                                     training, headroom, check, memo)
+            option.workers = balance(shape, [c for c, _ in cut], [r for _, r in cut],
+                                     global_batch, training, headroom, check, memo)
         except UsageError as e:
             first_error = first_error or e
             option.why_not = str(e).splitlines()[0]
@@ -194,11 +205,12 @@ def plan(shape: ModelShape, clusters: Sequence[Cluster], link: Link, global_batc
                 fewer, ordered)
 
 
-def balance(shape: ModelShape, clusters: Sequence[Cluster], devices: int, global_batch: int,
-            training: Training, headroom: float, check=None,
+def balance(shape: ModelShape, clusters: Sequence[Cluster], devices: Sequence[int],
+            global_batch: int, training: Training, headroom: float, check=None,
             memo: Optional[dict] = None) -> List[WorkerPlan]:
-    """Each worker's best layout on its cluster (``clusters``: one per worker) and a batch
-    per worker in proportion to its speed, so that the workers' steps take about as long;
+    """Each worker's best layout on its cluster (``clusters``: one per worker, ``devices``:
+    its devices there) and a batch per worker in proportion to its speed, so that the
+    workers' steps take about as long;
     the batches add up to ``global_batch`` (each a multiple of its layout's micro-batch x
     DP). Two rounds: rank at an equal share, split by the speeds found, rank again at the
     split. ``memo``: rankings already made, by cluster, devices and batch."""
@@ -206,19 +218,19 @@ def balance(shape: ModelShape, clusters: Sequence[Cluster], devices: int, global
 
     memo = {} if memo is None else memo
 
-    def ranking(c: Cluster, b: int) -> List[Candidate]:
-        key = (c, devices, b)
+    def ranking(c: Cluster, d: int, b: int) -> List[Candidate]:
+        key = (c, d, b)
         if key not in memo:
-            memo[key] = rank(shape, c, devices, b, training, headroom, check)
+            memo[key] = rank(shape, c, d, b, training, headroom, check)
         return memo[key]
 
     M = len(clusters)
     batches = [global_batch // M] * M
     for _ in range(2):
-        ranked = [ranking(c, b) for c, b in zip(clusters, batches)]
-        for c, r, b in zip(clusters, ranked, batches):
+        ranked = [ranking(c, d, b) for c, d, b in zip(clusters, devices, batches)]
+        for c, d, r, b in zip(clusters, devices, ranked, batches):
             if not r or r[0].why_not:
-                raise UsageError(f"no layout of the model fits {c.name} ({devices} devices, "
+                raise UsageError(f"no layout of the model fits {c.name} ({d} devices, "
                                  f"batch {b}): --memory-headroom, --global-batch-size, or "
                                  "more devices")
         speeds = [r[0].tokens_per_s for r in ranked]
@@ -227,7 +239,7 @@ def balance(shape: ModelShape, clusters: Sequence[Cluster], devices: int, global
         if split == batches:
             break
         batches = split
-    ranked = [ranking(c, b) for c, b in zip(clusters, batches)]
+    ranked = [ranking(c, d, b) for c, d, b in zip(clusters, devices, batches)]
     out = []
     for c, r, b in zip(clusters, ranked, batches):
         if not r or r[0].why_not:
