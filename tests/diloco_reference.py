@@ -141,9 +141,13 @@ def inner_step(cfg, model, opt, iterators, iteration, micro_batches):
 
 
 def data_parallel_size(cfg, world):
-    return world // (cfg.streaming.diloco_workers * cfg.parallel.tensor_model_parallel_size
-                     * cfg.parallel.pipeline_model_parallel_size
-                     * cfg.parallel.ds_sequence_parallel_size)
+    """DP of ``cfg``'s layout; ``world``: the job's ranks, or each worker's (``cfg`` then
+    being worker 0's flags, and the other workers' own flags taken afterwards)."""
+    per_replica = cfg.parallel.tensor_model_parallel_size \
+        * cfg.parallel.pipeline_model_parallel_size * cfg.parallel.ds_sequence_parallel_size
+    if isinstance(world, tuple):
+        return max(1, world[0] // per_replica)
+    return world // (cfg.streaming.diloco_workers * per_replica)
 
 
 class Reference:
@@ -337,8 +341,7 @@ def main():
     world = world[0] if len(world) == 1 else world
     resume_at = int(os.environ.pop("REFERENCE_RESUME_AT", "0"))
     patches.apply()
-    ref = Reference(cfg, load_run_tokenizer(cfg),
-                    world if isinstance(world, int) else world[0] * len(world))
+    ref = Reference(cfg, load_run_tokenizer(cfg), world)
     per_worker = os.environ.pop("REFERENCE_WORKER_ARGS", "")
     if per_worker:  # each worker its own flags
         ref.configure_workers([parse_args(a) for a in json.loads(per_worker)], world)

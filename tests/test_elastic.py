@@ -2,7 +2,10 @@
 restarted, it rejoins the running job; both against the single-process reference that drops
 and re-adds it at the same points.
 
-Three one-rank workers, one launch each. Worker 1 leaves after step 29 having finished what it
+Three workers, one launch each: worker 0 on two ranks (TP=2), workers 1 and 2 on one (workers
+of different sizes: one lane per fragment, and the one-rank workers stand in for worker 0's
+second rank in the control groups, re-made at every membership change; the restarted worker
+finds its first global rank, 2, from the others' shapes). Worker 1 leaves after step 29 having finished what it
 started (``pretrain_with_faults``' LEAVE), so the step where the others notice is a function
 of the schedule and the reference can follow it exactly: sends after the loss fail and their
 merges are skipped, the exchanges not merged when the loss is noticed are dropped, and the
@@ -14,7 +17,7 @@ the steps after that one (three workers' bytes from then on). Beside it, a launc
 another join secret is refused at the door. The survivors' save after step 30, the first
 collective to miss worker 1, is skipped without stopping them.
 
-Worker 2 runs another layout (ZeRO-2, the others ZeRO-1: the same Adam over another flat
+Worker 2 runs another layout (ZeRO-2, worker 1 ZeRO-1: the same Adam over another flat
 partition; ZeRO-0's Adam rounds differently, and over 90 steps that alone comes near the
 tolerance) and half the batch: the workers exchange by the layout-free lanes
 (``streaming.canonical``), the mean weighs each by its tokens over the members of the
@@ -33,7 +36,9 @@ ELASTIC = [*BASE, "--num-layers", "2", "--diloco-workers", "3", "--diloco-min-wo
            "--diloco-inner-steps", "4", "--diloco-fragments", "2",
            "--diloco-overlap-steps", "1", "--diloco-timeout", "60", "--train-iters", "90",
            "--save-interval", "30"]
-OWN = {2: ["--zero-stage", "2", "--global-batch-size", "2"]}  # worker 2's own flags
+OWN = {0: ["--tensor-model-parallel-size", "2"],  # each worker's own flags
+       2: ["--zero-stage", "2", "--global-batch-size", "2"]}
+RANKS = (2, 1, 1)
 LEAVES_AFTER = 29  # worker 1; the others' save after step 30 is the first to miss it
 DRIVER = "tests/streaming_driver.py"
 
@@ -48,11 +53,15 @@ def test_a_lost_worker_is_dropped_then_rejoins_and_every_step_matches_the_refere
     common = [str(tmp_path), *flags]  # the driver's: its output directory first
     hold = tmp_path / "paced"  # the pace holds until worker 1 is back and the stray refused
     hold.touch()
-    paced = {"MEGATRON_STREAMING_SLOW_WORKER": f"0:0.3:{hold}"}
+    # 1 s a step: the 60 steps after the loss leave a loaded machine a minute to start the
+    # stray and the restarted worker (at 0.3 s worker 0 once finished, taking the store
+    # with it, before a stray slowed by other jobs on the cores reached it)
+    paced = {"MEGATRON_STREAMING_SLOW_WORKER": f"0:1.0:{hold}"}
     logs = {w: tmp_path / f"w{w}.log" for w in range(3)}
     procs = {}
     try:
-        procs[0] = start(1, [*common, "--diloco-worker-index", "0"], logs[0], paced, DRIVER)
+        procs[0] = start(RANKS[0], [*common, *OWN[0], "--diloco-worker-index", "0"], logs[0],
+                         paced, DRIVER)
         procs[1] = start(1, [*common, "--diloco-worker-index", "1"], logs[1],
                          {"MEGATRON_STREAMING_LEAVE_WORKER": f"1:{LEAVES_AFTER}"}, DRIVER)
         procs[2] = start(1, [*common, *OWN[2], "--diloco-worker-index", "2"], logs[2], None,
@@ -95,7 +104,7 @@ def test_a_lost_worker_is_dropped_then_rejoins_and_every_step_matches_the_refere
         ["worker0", "worker1", "worker2"]
     for d in (got[0], got[2]):  # a merge after the loss was skipped (its exchange failed)
         assert any(kind == "lost" for _, kind, _, _ in d["events"]), d["events"]
-    ref = reference(ELASTIC, tmp_path, 3, {
+    ref = reference(ELASTIC, tmp_path, ",".join(map(str, RANKS)), {
         "REFERENCE_DROP": f"1:{LEAVES_AFTER}:{noticed}", "REFERENCE_READD": f"1:{admitted}",
         "REFERENCE_WORKER_ARGS": json.dumps([[*ELASTIC, *OWN.get(w, [])] for w in range(3)])})
     # The engine's and the reference's fp32 summation orders differ (clip norms, ZeRO-2's
