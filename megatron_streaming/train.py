@@ -138,7 +138,8 @@ class Run:
             coords = layout.coords(rank)
             door = Door(store, coords["worker"], layout.workers, coords["local"],
                         datetime.timedelta(minutes=p.distributed_timeout_minutes))
-            self.rejoin = self._running_job(store, coords["worker"])
+            self.rejoin = self._running_job(store, coords["worker"], coords["local"],
+                                            layout.ranks_per_worker)
             if self.rejoin is None:
                 shapes = door.agree(fingerprint(cfg, layout, self.tokenizer), shape.settings())
             else:
@@ -185,25 +186,52 @@ class Run:
         log.info("layout: %s; patches: %s", self.topology.describe(),
                  ", ".join(self.patches) or "none")
 
-    def _running_job(self, store, worker: int):
+    def _running_job(self, store, worker: int, local: int, ranks: int):
         """The membership record of a running elastic job that this worker is outside of (a
         restarted worker rejoins it), else None. A launch whose index is still taken waits
-        until the others have noticed its predecessor is gone."""
-        import time
+        until the others have noticed its predecessor is gone.
 
-        from .door import PREFIX
+        The launch's first rank decides and the others take its decision: another rank
+        would see the claim its own first rank has just made as a predecessor's. They find
+        it by the launch's number among the launches of this worker with as many ranks,
+        counted by every rank's arrival (a restart arrives after its predecessor's ranks)."""
+        import datetime
+        import json
+
+        from .errors import JobFailure
         from .membership import Membership
 
         s, p = self.cfg.streaming, self.cfg.parallel
         if s.diloco_min_workers is None or s.diloco_min_workers >= s.diloco_workers:
             return None
         membership = Membership(store, s.diloco_workers, s.diloco_min_workers)
-        deadline = time.monotonic() + 60.0 * p.distributed_timeout_minutes
+        base = f"megatron_streaming/launch/worker{worker}/ranks{ranks}/"
+        decided = f"{base}{(store.add(base + 'arrivals', 1) - 1) // ranks}"
+        if local != 0:
+            store.wait([decided], datetime.timedelta(minutes=p.distributed_timeout_minutes))
+            decision = json.loads(store.get(decided))
+            if decision.get("failed"):
+                raise JobFailure(decision["failed"])
+            epoch = decision["rejoin"]
+            return None if epoch is None else membership.record(epoch)
+        try:
+            latest = self._decide_rejoin(store, worker, membership)
+        except JobFailure as e:
+            store.set(decided, json.dumps({"failed": str(e)}))
+            raise
+        store.set(decided, json.dumps({"rejoin": None if latest is None else latest.epoch}))
+        return latest
+
+    def _decide_rejoin(self, store, worker: int, membership):
+        import time
+
+        from .door import PREFIX
+        from .errors import JobFailure
+
+        deadline = time.monotonic() + 60.0 * self.cfg.parallel.distributed_timeout_minutes
         while True:
             latest = membership.latest()
             if latest.stopping:
-                from .errors import JobFailure
-
                 raise JobFailure(f"the job this rendezvous serves has stopped: "
                                  f"{latest.reason} (membership epoch {latest.epoch}); "
                                  "restart the rendezvous and every worker (with --load) for "
