@@ -51,11 +51,11 @@ def test_a_lost_worker_is_dropped_then_rejoins_and_every_step_matches_the_refere
     flags = [*ELASTIC, "--master-addr", "127.0.0.1", "--master-port", str(port), "--save",
              str(ckpt)]
     common = [str(tmp_path), *flags]  # the driver's: its output directory first
-    hold = tmp_path / "paced"  # the pace holds until worker 1 is back and the stray refused
-    hold.touch()
-    # 1 s a step: the 60 steps after the loss leave a loaded machine a minute to start the
-    # stray and the restarted worker (at 0.3 s worker 0 once finished, taking the store
-    # with it, before a stray slowed by other jobs on the cores reached it)
+    # Worker 0 is paced from worker 1's loss until worker 1 is back and the stray refused:
+    # 1 s a step, so that its last 50-odd steps leave a loaded machine about a minute to
+    # start the stray and the restarted worker (at 0.3 s worker 0 once finished, taking the
+    # store with it, before a stray slowed by other jobs on the cores reached it).
+    hold = tmp_path / "paced"
     paced = {"MEGATRON_STREAMING_SLOW_WORKER": f"0:1.0:{hold}"}
     logs = {w: tmp_path / f"w{w}.log" for w in range(3)}
     procs = {}
@@ -67,6 +67,7 @@ def test_a_lost_worker_is_dropped_then_rejoins_and_every_step_matches_the_refere
         procs[2] = start(1, [*common, *OWN[2], "--diloco-worker-index", "2"], logs[2], None,
                          DRIVER)
         assert procs[1].wait(timeout=180) == 0, logs[1].read_text()[-3000:]
+        hold.touch()
         wait_for_line(logs[0], r"membership epoch 1: workers \[0, 2\]", procs[0])
         # With it, a launch with another join secret: refused at the door, it takes no claim.
         stray = start(1, [*flags, "--diloco-worker-index", "1"], tmp_path / "stray.log",
