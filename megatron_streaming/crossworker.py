@@ -96,15 +96,15 @@ class CrossWorker:
             return [obj]
         import pickle
 
-        result = None
-        for group in (self.control_group, *self.proxy_groups):
+        mine = len(pickle.dumps(obj))
+        gathered = []
+        for group in (self.control_group, *self.proxy_groups):  # the same on each
             out = [None] * self.workers
             dist.all_gather_object(out, obj, group=group)
-            sizes = [len(pickle.dumps(o)) for o in out]
-            mine = len(pickle.dumps(obj))
-            self.count_control(mine * (self.workers - 1) + sum(sizes) - mine)
-            result = out if result is None else result
-        return result
+            self.count_control(mine * (self.workers - 1)
+                               + sum(len(pickle.dumps(o)) for o in out) - mine)
+            gathered.append(out)
+        return gathered[0]
 
     def barrier(self) -> None:
         if self.control_group is not None:

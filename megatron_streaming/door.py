@@ -204,8 +204,9 @@ def differences(records: List[dict], workers=None) -> List[str]:
 
 def _ranks(shape: Optional[dict]) -> int:
     """A worker's ranks, from its shape (``workers.WorkerShape.settings``)."""
-    shape = shape or {}
-    return shape.get("tp", 1) * shape.get("pp", 1) * shape.get("sp", 1) * shape.get("dp", 1)
+    from .workers import WorkerShape
+
+    return WorkerShape.from_settings(shape or {}).ranks
 
 
 def _proof(secret: str, key: str, launch: str) -> str:

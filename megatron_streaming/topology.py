@@ -152,11 +152,10 @@ class RankLayout:
         return [[self.offset(w) + c % sizes[w] for w in range(self.workers)]
                 for c in range(self.coordinates)]
 
-    def proxied(self, local: int, worker: Optional[int] = None) -> List[int]:
-        """The coordinates whose control group a worker's local rank ``local`` is in: its
-        own first, then those beyond its worker's size that it stands in for."""
-        size = self.worker_sizes[self.worker if worker is None else worker]
-        return list(range(local, self.coordinates, size))
+    def proxied(self, local: int) -> List[int]:
+        """The coordinates whose control group this worker's local rank ``local`` is in: its
+        own first, then those beyond this worker's size that it stands in for."""
+        return list(range(local, self.coordinates, self.ranks_per_worker))
 
     def all_groups(self) -> Dict[str, List[List[int]]]:
         """Every group by name, in a fixed order (the creation order on every rank)."""
