@@ -349,3 +349,16 @@ def test_unwritable_save_exits_before_process_groups(tmp_path):
     target = blocker / "ckpt"
     _fails_cleanly([*MOCK, "--save", str(target)], f"--save {target} is not writable",
                    "Not a directory", world_size=2)
+
+
+def test_launches_probing_one_save_directory_at_once_do_not_trip_each_other(tmp_path):
+    """Every launch numbers its ranks from 0 until the door, so two workers' rank 1 probe one
+    --save together; with one probe name per rank, one removed the other's file (ENOENT)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from megatron_streaming.checkpoint import check_writable
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda _: [check_writable(str(tmp_path), 1) for _ in range(200)],
+                      range(8)))
+    assert list(tmp_path.iterdir()) == []

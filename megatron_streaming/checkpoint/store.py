@@ -204,13 +204,19 @@ def _check_safe(root: str, directory: str) -> None:
 
 
 def check_writable(root: str, rank: int) -> None:
-    """Fail before training when --save cannot take a file (read-only, no permission)."""
-    probe = os.path.join(root, f".write_test_rank_{rank:05d}")
+    """Fail before training when --save cannot take a file (read-only, no permission). The
+    probe's name is the process's own: every worker's launch numbers its ranks from 0 until
+    the door has the others' shapes, so two launches' ranks of one number probe together."""
+    import tempfile
+
     try:
         os.makedirs(root, exist_ok=True)
-        with open(probe, "w") as f:
-            f.write("ok")
-        os.remove(probe)
+        fd, probe = tempfile.mkstemp(prefix=f".write_test_rank_{rank:05d}_", dir=root)
+        try:
+            os.write(fd, b"ok")
+        finally:
+            os.close(fd)
+            os.remove(probe)
     except OSError as e:
         raise CheckpointError(f"--save {root} is not writable: {e}") from None
 
