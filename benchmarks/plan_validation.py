@@ -1,12 +1,13 @@
 """The planner's memory and step-time models against measured runs on this machine (CPU).
 
-    .venv/bin/python benchmarks/plan_validation.py [--out docs/results/plan] [--iters 6]
+    .venv/bin/python benchmarks/plan_validation.py [--out docs/results/plan] [--iters 8]
 
 Every layout runs two ranks (one thread each, the machine's two cores), the same model
-(``MODEL``), real launches of pretrain_gpt.py (torchrun), six iterations (the resident peak
+(``MODEL``), real launches of pretrain_gpt.py (torchrun), eight iterations (the resident peak
 still grows over the first four steps here, as the allocator settles, then stays); measured:
 the peak resident memory of the busiest rank (``peak_rss_mib_per_rank`` of the summary) and
-the mean step time after the first. Predicted (``megatron_streaming.plan``):
+the mean step time after the first two (``SETTLING``). Every launch runs as a user's does,
+torch.compile on (``COMPILED``). Predicted (``megatron_streaming.plan``):
 
 * memory = the model's terms (weights, gradients, optimizer, outer state, activations,
   logits) + a runtime term measured per layout: the same layout with a tiny model (its own
@@ -16,11 +17,13 @@ the mean step time after the first. Predicted (``megatron_streaming.plan``):
   workers of the same model training side by side without syncing, ``--no-diloco-sync``:
   not one of the layouts below; a rank alone on the machine runs about 10 % faster, since
   the two share the memory bandwidth), the loopback bandwidth between two processes (a gloo
-  all-reduce of 64 MiB) and the memory bandwidth of one core while the other copies too
-  (the optimizer step's term), all measured here. The calibration runs right before each
-  row's timed launch (the machine's speed drifts by tens of percent over ten minutes), and
-  its own optimizer step (the model's term at the measured memory bandwidth) is taken out of
-  its step before the FLOP/s are read off it.
+  all-reduce of 64 MiB), the memory bandwidth of one core while the other copies too (the
+  optimizer step's term) and what a collective costs between two busy ranks beyond its
+  bytes (``collective_costs``: a latency and a share of the compute), all measured here.
+  The FLOP/s calibration runs right before each row's timed launch (the machine's speed
+  drifts by tens of percent over ten minutes), and its own optimizer step (the model's term
+  at the measured memory bandwidth) is taken out of its step before the FLOP/s are read off
+  it.
 
 Memory is measured in launches with glibc's ``MALLOC_MMAP_THRESHOLD_=131072`` (the runtime
 term's tiny-model launch too): blocks of 128 KiB and more are mapped and unmapped one by one,
@@ -81,10 +84,16 @@ def model_args(model_flags, layout: Layout, workers: int, iters: int, summary: s
     return ["--mock-data", *model_flags, *layout.flags(), "--global-batch-size",
             str(GLOBAL_BATCH), "--train-iters", str(iters), "--eval-iters", "0",
             "--log-interval", "1", "--lr", "1e-4", "--diloco-workers", str(workers),
-            *streaming, "--summary-json", summary]
+            *streaming, "--summary-json", summary, "--log-jsonl",
+            os.path.join(os.path.dirname(summary), "log.jsonl")]
 
 
 MMAP = {"MALLOC_MMAP_THRESHOLD_": "131072"}  # large blocks go back when freed
+# As a user runs it: torch.compile on (the tests' launches turn it off to start faster; the
+# sync's FP4 codec then runs eagerly, about 20x slower, which the first tables' streaming row
+# paid every exchange).
+COMPILED = {"TORCHDYNAMO_DISABLE": "0"}
+SETTLING = 2  # step time: the mean over the steps after the first two
 
 
 def launch(model_flags, layout: Layout, workers: int, iters: int, extra=(),
@@ -94,13 +103,17 @@ def launch(model_flags, layout: Layout, workers: int, iters: int, extra=(),
         nproc = layout.ranks * workers
         cmd = command(nproc, [*model_args(model_flags, layout, workers, iters, summary),
                               *extra])
-        proc = subprocess.run(cmd, cwd=REPO,
-                              env=env({"MASTER_PORT": str(free_port()), **(malloc or {})}),
+        proc = subprocess.run(cmd, cwd=REPO, env=env({"MASTER_PORT": str(free_port()),
+                                                       **COMPILED, **(malloc or {})}),
                               capture_output=True, text=True, timeout=1200)
         if proc.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
         with open(summary) as f:
-            return json.load(f)
+            out = json.load(f)
+        with open(os.path.join(tmp, "log.jsonl")) as f:
+            steps = [json.loads(line)["train/step_seconds"] for line in f]
+        out["step_s"] = statistics.mean(steps[SETTLING:]) if len(steps) > SETTLING else None
+        return out
 
 
 def shape_of(model_flags) -> ModelShape:
@@ -138,6 +151,43 @@ def loopback_bandwidth() -> float:
     return float(out.strip().splitlines()[-1])
 
 
+def collective_costs(rounds: int = 3) -> tuple:
+    """(seconds per collective, rank skew): two one-thread processes alternate a stretch of
+    matrix multiplies with a 1 KiB all-reduce, against the same stretches without it; the
+    cost per collective, read at stretches of about 10 and 160 ms, is taken as a latency plus
+    a share of the stretch (the slower rank's lead). Interleaved, medians of ``rounds``."""
+    code = (
+        "import statistics, time, torch, torch.distributed as dist\n"
+        "torch.set_num_threads(1)\n"
+        "dist.init_process_group('gloo')\n"
+        "a, b, x = torch.randn(512, 512), torch.randn(512, 2048), torch.ones(256)\n"
+        "def run(n, k, collective):\n"
+        "    dist.barrier(); t = time.perf_counter()\n"
+        "    for _ in range(n):\n"
+        "        for _ in range(k): a @ b\n"
+        "        if collective: dist.all_reduce(x)\n"
+        "    dist.barrier(); return (time.perf_counter() - t) / n\n"
+        "out = {1: [], 16: []}\n"
+        f"for _ in range({rounds}):\n"
+        "    for k, n in ((1, 60), (16, 8)):\n"
+        "        alone = run(n, k, False)\n"
+        "        out[k].append((alone, run(n, k, True) - alone))\n"
+        "if dist.get_rank() == 0:\n"
+        "    print(*[v for k in (1, 16) for v in (statistics.median(a for a, _ in out[k]),\n"
+        "                                         statistics.median(c for _, c in out[k]))])\n")
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+        f.write(code)
+    try:
+        out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                              "--nproc-per-node=2", f.name], env=env(), capture_output=True,
+                             text=True, timeout=600, check=True).stdout
+    finally:
+        os.unlink(f.name)
+    short, short_cost, long, long_cost = map(float, out.strip().splitlines()[-1].split())
+    skew = max(0.0, (long_cost - short_cost) / (long - short))
+    return max(0.0, short_cost - skew * short), skew
+
+
 def memory_bandwidth() -> float:
     """Bytes/s one process moves copying 256 MiB tensors while a second one does the same
     (read and written bytes both counted, as the optimizer-step term counts them)."""
@@ -160,7 +210,7 @@ def calibrate(shape, iters: int, memory: float) -> tuple:
     syncing, their optimizer step's modelled time taken out of the step."""
     layout = Layout(micro_batch=2)
     one = launch(MODEL, layout, 2, iters, ["--no-diloco-sync"])
-    step = one["seconds_per_iteration"]
+    step = one["step_s"]
     optimizer = optimizer_seconds(shape, layout, Training(global_batch=GLOBAL_BATCH,
                                                           streaming=False), memory)
     return 3 * forward_flops_per_token(shape) * GLOBAL_BATCH * shape.seq / (step - optimizer), \
@@ -170,13 +220,15 @@ def calibrate(shape, iters: int, memory: float) -> tuple:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="docs/results/plan")
-    ap.add_argument("--iters", type=int, default=6)
+    ap.add_argument("--iters", type=int, default=8)
     args = ap.parse_args(argv)
     shape, tiny = shape_of(MODEL), shape_of(TINY)
 
     started = time.perf_counter()
     bandwidth, memory = loopback_bandwidth(), memory_bandwidth()
-    print(f"loopback {bandwidth / 1e9:.2f} GB/s; memory {memory / 1e9:.2f} GB/s per core")
+    latency, skew = collective_costs()
+    print(f"loopback {bandwidth / 1e9:.2f} GB/s; memory {memory / 1e9:.2f} GB/s per core; "
+          f"a collective {latency * 1e3:.2f} ms + {skew:.1%} of the compute since the last")
     rows, calibrations = [], []
     for name, layout, workers in LAYOUTS:
         training = training_of(workers)
@@ -188,7 +240,8 @@ def main(argv=None) -> int:
         timed = launch(MODEL, layout, workers, args.iters)  # step time
         calibrations.append({"flops_per_rank": flops, "one_rank_step_s": calibration_step})
         fabric = Fabric(flops, bandwidth, bandwidth, devices_per_node=2,
-                        memory_bytes_per_s=memory)
+                        memory_bytes_per_s=memory, collective_seconds=latency,
+                        rank_skew=skew)
         predicted = estimate(shape, layout, training, runtime)
         times = step_time(shape, layout, training, fabric)
         peak = max(measured["peak_rss_mib_per_rank"]) * 2**20
@@ -200,8 +253,8 @@ def main(argv=None) -> int:
                "model_terms_measured_gib": (peak - runtime) / GIB,
                "components_gib": predicted.gib(),
                "predicted_step_s": times["total"],
-               "measured_step_s": timed["seconds_per_iteration"],
-               "time_error": times["total"] / timed["seconds_per_iteration"] - 1,
+               "measured_step_s": timed["step_s"],
+               "time_error": times["total"] / timed["step_s"] - 1,
                "time_components_s": times, "calibration": calibrations[-1]}
         rows.append(row)
         print(f"{name:24s} memory {row['predicted_gib']:.2f} vs {row['measured_gib']:.2f} GiB "
@@ -213,6 +266,7 @@ def main(argv=None) -> int:
     with open(os.path.join(args.out, "validation.json"), "w") as f:
         json.dump({"model": MODEL, "global_batch": GLOBAL_BATCH,
                    "calibration": {"loopback_bytes_per_s": bandwidth,
+                                   "collective_seconds": latency, "rank_skew": skew,
                                    "memory_bytes_per_s": memory, "per_row": calibrations},
                    "rows": rows, "seconds": time.perf_counter() - started}, f, indent=1)
     worst = max(abs(r["memory_error"]) for r in rows), max(abs(r["time_error"]) for r in rows)

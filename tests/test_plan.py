@@ -2,6 +2,7 @@
 formula, the memory model's terms moving the way the code's memory does, and a whole plan
 for the example clusters whose sbatch lines pretrain_gpt.py accepts as they are."""
 
+import dataclasses
 import re
 import shlex
 
@@ -122,6 +123,60 @@ def test_plan_errors_name_the_file_and_the_field(tmp_path, capsys):
                  "launch/clusters/link_10g_80ms.yaml", *MODEL]) == 2
     assert "no layout of the model fits small (1 devices, batch 256)" in \
         capsys.readouterr().err
+
+
+def test_step_time_counts_every_collective_and_its_bytes():
+    """Per layer and micro-batch: TP four all-reduces (six under a full recompute), Ulysses
+    query, key, value and context in and their gradients out (eight, twelve), PP a send and a
+    receive per boundary each way, ZeRO a reduce-scatter and an all-gather; each costs the
+    fabric's latency on top of its bytes. GQA (4 of 16 heads' keys and values) to check that
+    Ulysses moves key and value at the query groups' width."""
+    from megatron_streaming.plan.step_time import Fabric, step_time
+
+    cfg = parse_args([*MODEL, "--group-query-attention", "--num-query-groups", "4"])
+    shape = ModelShape.from_config(cfg.model, 32000)
+    t = Training("bf16", global_batch=16)
+
+    def seconds(latency, bandwidth, **kw):
+        fabric = Fabric(1e15, bandwidth, bandwidth, 8, 0.0, latency)
+        return step_time(shape, Layout(**kw), t, fabric)
+
+    layers = shape.layers
+    for kw, term, count in [
+            (dict(tp=2, micro_batch=2), "tensor parallel", 4 * layers * 8),
+            (dict(tp=2, micro_batch=2, recompute=True), "tensor parallel", 6 * layers * 8),
+            (dict(sp=2, micro_batch=2), "sequence parallel", 8 * layers * 8),
+            (dict(sp=2, micro_batch=2, recompute=True), "sequence parallel", 12 * layers * 8),
+            (dict(pp=2, micro_batch=2), "pipeline", 2 * 8),
+            (dict(pp=4, micro_batch=2), "pipeline", 4 * 8),
+            (dict(dp=2, micro_batch=2), "data parallel", 2)]:
+        with_latency, without = seconds(1e-3, 1e30, **kw), seconds(0.0, 1e30, **kw)
+        assert with_latency[term] - without[term] == pytest.approx(count * 1e-3), (kw, term)
+    # Bytes at 1 B/s, no latency: Ulysses' eight all-to-alls per layer and micro-batch send
+    # half of (2 x 16 query/context heads + 2 x 4 key/value groups) x 128 channels per token.
+    kv = shape.kv_channels
+    tokens = 2 * shape.seq / 2  # micro-batch 2, half the sequence per rank
+    sent = 2 * layers * 8 * 0.5 * tokens * (2 * 16 + 2 * 4) * kv * 2
+    assert seconds(0.0, 1.0, sp=2, micro_batch=2)["sequence parallel"] == pytest.approx(sent)
+    activation = 2 * shape.seq * shape.hidden * 2
+    assert seconds(0.0, 1.0, tp=2, micro_batch=2)["tensor parallel"] == \
+        pytest.approx(4 * layers * 8 * activation)  # ring 2 (t - 1) / t = 1 at t = 2
+
+
+def test_a_cut_into_more_workers_must_be_faster_by_a_share_per_worker():
+    from megatron_streaming.plan import search
+    from megatron_streaming.plan.search import Option
+
+    def option(ranks, counts, seconds):
+        return dataclasses.replace(Option(ranks, counts), step_seconds=seconds)
+
+    whole, three, six = option([64, 32], [1, 1], 0.38), option([32, 32], [2, 1], 0.37), \
+        option([16, 16], [4, 2], 0.30)
+    assert search.pick([whole, three, six]) is six  # 0.30 x 1.05^4 = 0.365 < 0.38
+    six = option([16, 16], [4, 2], 0.32)  # 0.389
+    assert search.pick([whole, three, six]) is whole  # three: 0.37 x 1.05 = 0.3885
+    three = option([32, 32], [2, 1], 0.36)  # 0.378
+    assert search.pick([whole, three, six]) is three
 
 
 def test_link_model_stalls_only_for_what_the_overlap_does_not_cover():

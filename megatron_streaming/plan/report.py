@@ -67,10 +67,15 @@ def format_plan(result: Plan, shape: ModelShape, link: Link, flags: List[str],
                   *shlex.split(c.sbatch), "launch/slurm.sh", *args]
         lines += [f"# worker {i}, on {c.name}:", shlex.join(sbatch)]
     if explain:
-        lines += ["", "Cuts into workers (the chosen first; more workers must be "
-                  f"{MORE_WORKERS_FOR:.0%} faster to be chosen, each costs loss):"]
+        lines += ["", "Cuts into workers (the chosen first; each worker more than the "
+                  f"fewest must make the step {MORE_WORKERS_FOR:.0%} faster, as each costs "
+                  "loss):"]
+        chosen = result.options[0].step_seconds
         for o in result.options:
             what = o.why_not or f"slowest step {o.step_seconds:.2f} s"
+            if not o.why_not and o is not result.options[0]:
+                change = 1 - o.step_seconds / chosen
+                what += f" ({abs(change):.1%} {'faster' if change > 0 else 'slower'})"
             lines.append(f"  {o.describe()}: {what}")
         shown_clusters = set()
         for w in workers:

@@ -16,9 +16,10 @@ layout-free lanes, ``streaming.canonical``). The cuts weighed (``sizes``): one w
 cluster on all its devices (workers of their own sizes: 64 H100s beside 32 A100s make a
 worker of 64 and one of 32), or workers of one size R on every cluster, R the smallest
 cluster's size or a divisor of every cluster's, a cluster of n devices running n // R of them
-(three workers of 32 there). The plan takes the fastest step, and among steps within
-``MORE_WORKERS_FOR`` of it the fewest workers (each more DiLoCo worker costs loss,
-docs/RESULTS.md), at most ``max_workers``. The global batch is then shared
+(three workers of 32 there). Each more DiLoCo worker costs loss (docs/RESULTS.md), so a cut
+must make the step ``MORE_WORKERS_FOR`` faster for every worker it adds to the fewest: the
+plan takes the cut of the least step time x ``(1 + MORE_WORKERS_FOR) ** (workers - fewest)``,
+at most ``max_workers``. The global batch is then shared
 out in proportion to each worker's speed, so that their steps take about as long
 (``balance``): the slower cluster gets the smaller batch, and the outer mean weighs each
 worker by its tokens (``--diloco-weighting tokens``). The sync settings follow from the
@@ -148,7 +149,7 @@ def _preference(c: Candidate):
             c.layout.tp * c.layout.pp * c.layout.sp, c.layout.recompute)
 
 
-MORE_WORKERS_FOR = 0.05  # a cut into more workers must make the step this much faster
+MORE_WORKERS_FOR = 0.05  # a cut must make the step this much faster per worker it adds
 
 
 def sizes(clusters: Sequence[Cluster], max_workers: int) -> List[Option]:
@@ -193,9 +194,7 @@ def plan(shape: ModelShape, clusters: Sequence[Cluster], link: Link, global_batc
     usable = [o for o in options if not o.why_not]
     if not usable:
         raise first_error
-    fastest = min(o.step_seconds for o in usable)
-    chosen = min((o for o in usable if o.step_seconds <= fastest * (1 + MORE_WORKERS_FOR)),
-                 key=lambda o: (sum(o.counts), o.step_seconds))
+    chosen = pick(usable)
     advice, exchange, util, peak, mean = _sync(shape, link, len(chosen.workers),
                                                chosen.step_seconds, train_iters, rule,
                                                link_share)
@@ -205,6 +204,16 @@ def plan(shape: ModelShape, clusters: Sequence[Cluster], link: Link, global_batc
                 fewer, ordered)
 
 
+def pick(options: Sequence[Option]) -> Option:
+    """The cut of the least step time x ``(1 + MORE_WORKERS_FOR) ** (workers - fewest)``."""
+    fewest = min(sum(o.counts) for o in options)
+    return min(options, key=lambda o: (
+        o.step_seconds * (1 + MORE_WORKERS_FOR) ** (sum(o.counts) - fewest), sum(o.counts)))
+
+
+BALANCE_ROUNDS = 6
+
+
 def balance(shape: ModelShape, clusters: Sequence[Cluster], devices: Sequence[int],
             global_batch: int, training: Training, headroom: float, check=None,
             memo: Optional[dict] = None) -> List[WorkerPlan]:
@@ -212,8 +221,10 @@ def balance(shape: ModelShape, clusters: Sequence[Cluster], devices: Sequence[in
     its devices there) and a batch per worker in proportion to its speed, so that the
     workers' steps take about as long;
     the batches add up to ``global_batch`` (each a multiple of its layout's micro-batch x
-    DP). Two rounds: rank at an equal share, split by the speeds found, rank again at the
-    split. ``memo``: rankings already made, by cluster, devices and batch."""
+    DP). Rounds: rank at an equal share, split by the speeds found, rank again at the split,
+    until the split stays (a step's fixed costs, the bubble and the collectives' latency, make
+    a worker's speed depend on its batch) or for ``BALANCE_ROUNDS``. ``memo``: rankings
+    already made, by cluster, devices and batch."""
     from ..errors import UsageError
 
     memo = {} if memo is None else memo
@@ -226,7 +237,7 @@ def balance(shape: ModelShape, clusters: Sequence[Cluster], devices: Sequence[in
 
     M = len(clusters)
     batches = [global_batch // M] * M
-    for _ in range(2):
+    for _ in range(BALANCE_ROUNDS):
         ranked = [ranking(c, d, b) for c, d, b in zip(clusters, devices, batches)]
         for c, d, r, b in zip(clusters, devices, ranked, batches):
             if not r or r[0].why_not:

@@ -7,14 +7,22 @@
 * Pipeline bubble (1F1B): the compute stretched by ``(pp - 1) / m`` for ``m`` micro-batches
   per data-parallel replica (Narayanan et al. 2021).
 * Tensor parallel: four all-reduces of ``b s h`` activations per layer per micro-batch (two
-  forward, two backward), ring cost ``2 (t - 1) / t`` of the bytes at the intra-node
-  bandwidth; not overlapped (Megatron-core's local layers wait for them). Every group's
-  bandwidth is the intra-node one when its ranks share a node (ranks are ordered TP, SP, DP,
-  PP, fastest first), the inter-node one otherwise.
-* Ulysses: four all-to-alls of the layer's activations per layer per micro-batch, each rank
-  sending ``(sp - 1) / sp`` of its part.
+  forward, two backward; two more under a full recompute, whose forward runs again), ring
+  cost ``2 (t - 1) / t`` of the bytes at the intra-node bandwidth; not overlapped
+  (Megatron-core's local layers wait for them). Every group's bandwidth is the intra-node
+  one when its ranks share a node (ranks are ordered TP, SP, DP, PP, fastest first), the
+  inter-node one otherwise.
+* Ulysses (DeepSpeed's ``DistributedAttention``): per layer per micro-batch, all-to-alls of
+  the query, key and value going in and of the context coming out, and the same four of
+  their gradients backward (four more forward under a full recompute), each rank sending
+  ``(sp - 1) / sp`` of its part; key and value are ``query_groups / heads`` of the query.
 * Pipeline: one activation forward and one gradient backward per stage boundary per
   micro-batch.
+* Every blocking collective also costs ``collective_seconds`` on top of its bytes (the
+  fabric's latency: microseconds with NCCL; milliseconds between gloo processes on busy CPU
+  cores), and a step whose ranks meet in collectives waits for the slowest of them:
+  ``rank_skew`` of the compute (the spread of the ranks' compute between two collectives;
+  measured, as ``benchmarks/plan_validation.py`` does, not assumed; 0 unless given).
 * Data parallel: the ZeRO reduce-scatter of the gradients and all-gather of the updated
   weights (a ring all-reduce's volume, ``2 (d - 1) / d`` of the rank's fp32 gradients), on
   the inter-node bandwidth when the data-parallel group spans nodes; counted as exposed
@@ -43,6 +51,8 @@ class Fabric:
     inter_node_bytes_per_s: float
     devices_per_node: int
     memory_bytes_per_s: float = 0.0  # the device's own memory; 0: no optimizer-step term
+    collective_seconds: float = 0.0  # each blocking collective's cost beyond its bytes
+    rank_skew: float = 0.0  # the wait for the slowest rank, a fraction of the compute
 
 
 OPTIMIZER_BYTES = 28  # AdamW in place: weight, gradient, two moments read; three written
@@ -86,22 +96,32 @@ def step_time(shape: ModelShape, layout: Layout, training: Training,
     activation = layout.micro_batch * shape.seq / layout.sp * shape.hidden * e
     layers = shape.layers / layout.pp
     out = {"compute": compute, "bubble": bubble}
+    if layout.ranks > 1 and fabric.rank_skew:
+        out["rank skew"] = fabric.rank_skew * compute
     intra = fabric.intra_node_bytes_per_s
 
     def bandwidth(span: int) -> float:  # a group of ranks within ``span`` consecutive ones
         return intra if span <= fabric.devices_per_node else fabric.inter_node_bytes_per_s
 
     # Rank order within a worker: TP fastest, then SP, DP, PP (``topology.IN_WORKER_AXES``).
+    latency = fabric.collective_seconds
+    per_layer = layers * micro_batches  # a collective per layer per micro-batch
     if layout.tp > 1:
         ring = 2 * (layout.tp - 1) / layout.tp
-        out["tensor parallel"] = 4 * layers * micro_batches * ring * activation / intra
+        count = (6 if layout.recompute else 4) * per_layer
+        out["tensor parallel"] = count * (ring * activation / intra + latency)
     if layout.sp > 1:
         share = (layout.sp - 1) / layout.sp
-        out["sequence parallel"] = 4 * layers * micro_batches * share * activation \
-            / bandwidth(layout.tp * layout.sp)
+        # query and context: the rank's heads; key and value: its query groups
+        heads = (2 * shape.heads + 2 * shape.query_groups) * shape.kv_channels / layout.tp
+        volume = layout.micro_batch * shape.seq / layout.sp * heads * e
+        rounds = 3 if layout.recompute else 2  # forward, backward (, forward again)
+        out["sequence parallel"] = rounds * per_layer * (
+            share * volume / bandwidth(layout.tp * layout.sp) + 4 * latency)
     if layout.pp > 1:
-        out["pipeline"] = 2 * micro_batches * activation / layout.tp \
-            / bandwidth(layout.ranks)
+        boundaries = min(2, layout.pp - 1)  # a middle stage sends and receives both ways
+        out["pipeline"] = 2 * boundaries * micro_batches * (
+            activation / layout.tp / bandwidth(layout.ranks) / boundaries + latency)
     if layout.dp > 1 or layout.sp > 1:
         from .memory import estimate_stage
 
@@ -109,7 +129,7 @@ def step_time(shape: ModelShape, layout: Layout, training: Training,
             / training.weight_bytes
         d = layout.dp * layout.sp
         out["data parallel"] = 2 * (d - 1) / d * 4 * params \
-            / bandwidth(layout.tp * layout.sp * layout.dp)
+            / bandwidth(layout.tp * layout.sp * layout.dp) + 2 * latency
     optimizer = optimizer_seconds(shape, layout, training, fabric.memory_bytes_per_s)
     if optimizer:
         out["optimizer"] = optimizer
