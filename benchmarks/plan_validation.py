@@ -128,6 +128,19 @@ def training_of(workers: int) -> Training:
                     overlap_steps=1)
 
 
+def _two_ranks(code: str) -> str:
+    """Runs ``code`` on two gloo ranks (torchrun); the last line rank 0 printed."""
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+        f.write(code)
+    try:
+        out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                              "--nproc-per-node=2", f.name], env=env(), capture_output=True,
+                             text=True, timeout=600, check=True).stdout
+    finally:
+        os.unlink(f.name)
+    return out.strip().splitlines()[-1]
+
+
 def loopback_bandwidth() -> float:
     """Bytes/s of a gloo all-reduce of 64 MiB between two processes here (algorithm
     bandwidth: the tensor's bytes over the time, as the ring model counts it)."""
@@ -140,15 +153,7 @@ def loopback_bandwidth() -> float:
         "for _ in range(5): dist.all_reduce(x)\n"
         "s = (time.perf_counter() - t) / 5\n"
         "if dist.get_rank() == 0: print(x.numel() * 4 * 2 * (2 - 1) / 2 / s)\n")
-    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
-        f.write(code)
-    try:
-        out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                              "--nproc-per-node=2", f.name], env=env(), capture_output=True,
-                             text=True, timeout=300, check=True).stdout
-    finally:
-        os.unlink(f.name)
-    return float(out.strip().splitlines()[-1])
+    return float(_two_ranks(code))
 
 
 def collective_costs(rounds: int = 3) -> tuple:
@@ -175,15 +180,7 @@ def collective_costs(rounds: int = 3) -> tuple:
         "if dist.get_rank() == 0:\n"
         "    print(*[v for k in (1, 16) for v in (statistics.median(a for a, _ in out[k]),\n"
         "                                         statistics.median(c for _, c in out[k]))])\n")
-    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
-        f.write(code)
-    try:
-        out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                              "--nproc-per-node=2", f.name], env=env(), capture_output=True,
-                             text=True, timeout=600, check=True).stdout
-    finally:
-        os.unlink(f.name)
-    short, short_cost, long, long_cost = map(float, out.strip().splitlines()[-1].split())
+    short, short_cost, long, long_cost = map(float, _two_ranks(code).split())
     skew = max(0.0, (long_cost - short_cost) / (long - short))
     return max(0.0, short_cost - skew * short), skew
 
