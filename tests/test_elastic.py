@@ -2,10 +2,12 @@
 restarted, it rejoins the running job; both against the single-process reference that drops
 and re-adds it at the same points.
 
-Three workers, one launch each: worker 0 on two ranks (TP=2), workers 1 and 2 on one (workers
-of different sizes: one lane per fragment, and the one-rank workers stand in for worker 0's
-second rank in the control groups, re-made at every membership change; the restarted worker
-finds its first global rank, 2, from the others' shapes). Worker 1 leaves after step 29 having finished what it
+Three workers, one launch each: worker 1 on two ranks (TP=2), workers 0 and 2 on one
+(workers of different sizes: one lane per fragment, and the one-rank workers stand in for
+worker 1's second rank in the control groups, re-made at every membership change). The
+worker lost and restarted is the two-rank one: its launch's first rank decides that it
+rejoins and its second rank takes that decision from the store; it finds its first global
+rank, 1, from the others' shapes. Worker 1 leaves after step 29 having finished what it
 started (``pretrain_with_faults``' LEAVE), so the step where the others notice is a function
 of the schedule and the reference can follow it exactly: sends after the loss fail and their
 merges are skipped, the exchanges not merged when the loss is noticed are dropped, and the
@@ -36,9 +38,9 @@ ELASTIC = [*BASE, "--num-layers", "2", "--diloco-workers", "3", "--diloco-min-wo
            "--diloco-inner-steps", "4", "--diloco-fragments", "2",
            "--diloco-overlap-steps", "1", "--diloco-timeout", "60", "--train-iters", "90",
            "--save-interval", "30"]
-OWN = {0: ["--tensor-model-parallel-size", "2"],  # each worker's own flags
+OWN = {1: ["--tensor-model-parallel-size", "2"],  # each worker's own flags
        2: ["--zero-stage", "2", "--global-batch-size", "2"]}
-RANKS = (2, 1, 1)
+RANKS = (1, 2, 1)
 LEAVES_AFTER = 29  # worker 1; the others' save after step 30 is the first to miss it
 DRIVER = "tests/streaming_driver.py"
 
@@ -60,12 +62,12 @@ def test_a_lost_worker_is_dropped_then_rejoins_and_every_step_matches_the_refere
     logs = {w: tmp_path / f"w{w}.log" for w in range(3)}
     procs = {}
     try:
-        procs[0] = start(RANKS[0], [*common, *OWN[0], "--diloco-worker-index", "0"], logs[0],
-                         paced, DRIVER)
-        procs[1] = start(1, [*common, "--diloco-worker-index", "1"], logs[1],
-                         {"MEGATRON_STREAMING_LEAVE_WORKER": f"1:{LEAVES_AFTER}"}, DRIVER)
-        procs[2] = start(1, [*common, *OWN[2], "--diloco-worker-index", "2"], logs[2], None,
+        procs[0] = start(RANKS[0], [*common, "--diloco-worker-index", "0"], logs[0], paced,
                          DRIVER)
+        procs[1] = start(RANKS[1], [*common, *OWN[1], "--diloco-worker-index", "1"], logs[1],
+                         {"MEGATRON_STREAMING_LEAVE_WORKER": f"1:{LEAVES_AFTER}"}, DRIVER)
+        procs[2] = start(RANKS[2], [*common, *OWN[2], "--diloco-worker-index", "2"], logs[2],
+                         None, DRIVER)
         assert procs[1].wait(timeout=180) == 0, logs[1].read_text()[-3000:]
         hold.touch()
         wait_for_line(logs[0], r"membership epoch 1: workers \[0, 2\]", procs[0])
@@ -73,7 +75,8 @@ def test_a_lost_worker_is_dropped_then_rejoins_and_every_step_matches_the_refere
         stray = start(1, [*flags, "--diloco-worker-index", "1"], tmp_path / "stray.log",
                       {"MEGATRON_STREAMING_AUTH_TOKEN": "not the job's"})
         logs[1] = tmp_path / "w1_again.log"
-        procs[1] = start(1, [*common, "--diloco-worker-index", "1"], logs[1], None, DRIVER)
+        procs[1] = start(RANKS[1], [*common, *OWN[1], "--diloco-worker-index", "1"], logs[1],
+                         None, DRIVER)
         assert stray.wait(timeout=120) == 2, (tmp_path / "stray.log").read_text()[-3000:]
         refused = (tmp_path / "stray.log").read_text()
         assert "pretrain_gpt.py: error: a worker rejoining the running job differs from it " \
