@@ -238,8 +238,7 @@ def main(argv=None) -> int:
         timed = launch(MODEL, layout, workers, args.iters)  # step time
         calibrations.append({"flops_per_rank": flops, "one_rank_step_s": calibration_step})
         fabric = Fabric(flops, bandwidth, bandwidth, devices_per_node=2,
-                        memory_bytes_per_s=memory, collective_seconds=latency,
-                        rank_skew=skew)
+                        memory_bytes_per_s=memory, collective_seconds=latency)
         predicted = estimate(shape, layout, training, runtime)
         times = step_time(shape, layout, training, fabric)
         peak = max(measured["peak_rss_mib_per_rank"]) * 2**20

@@ -13,7 +13,6 @@ A cluster file (``launch/clusters/*.yaml`` are examples with public specificatio
     runtime_gib: 4            # per rank before the model: CUDA context, NCCL, allocator
     memory_gb_per_s: 3350     # the device's memory bandwidth (the optimizer step's term)
     collective_latency_us: 20 # each blocking collective's cost beyond its bytes (nccl-tests)
-    rank_skew: 0              # the wait for the slowest rank, a fraction of the compute
 
 A link file::
 
@@ -44,7 +43,6 @@ class Cluster:
     runtime_gib: float = 4.0
     memory_gb_per_s: float = 0.0  # 0: the step-time model leaves the optimizer step out
     collective_latency_us: float = 0.0  # per blocking collective, on top of its bytes
-    rank_skew: float = 0.0  # the wait for the slowest rank, a fraction of the compute
     # The cluster's own flags for launch/slurm.sh (partition, account...), passed through.
     sbatch: str = ""
 
@@ -57,8 +55,7 @@ class Cluster:
 
         return Fabric(self.peak_tflops * 1e12 * self.mfu, self.intra_node_gb_per_s * 1e9,
                       self.inter_node_gb_per_s * 1e9, self.devices_per_node,
-                      self.memory_gb_per_s * 1e9, self.collective_latency_us * 1e-6,
-                      self.rank_skew)
+                      self.memory_gb_per_s * 1e9, self.collective_latency_us * 1e-6)
 
 
 @dataclass(frozen=True)

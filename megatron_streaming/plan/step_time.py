@@ -20,9 +20,8 @@
   micro-batch.
 * Every blocking collective also costs ``collective_seconds`` on top of its bytes (the
   fabric's latency: microseconds with NCCL; milliseconds between gloo processes on busy CPU
-  cores), and a step whose ranks meet in collectives waits for the slowest of them:
-  ``rank_skew`` of the compute (the spread of the ranks' compute between two collectives;
-  measured, as ``benchmarks/plan_validation.py`` does, not assumed; 0 unless given).
+  cores; ``benchmarks/plan_validation.py`` measures it, and finds no further wait for the
+  slower rank that grows with the compute between collectives).
 * Data parallel: the ZeRO reduce-scatter of the gradients and all-gather of the updated
   weights (a ring all-reduce's volume, ``2 (d - 1) / d`` of the rank's fp32 gradients), on
   the inter-node bandwidth when the data-parallel group spans nodes; counted as exposed
@@ -52,7 +51,6 @@ class Fabric:
     devices_per_node: int
     memory_bytes_per_s: float = 0.0  # the device's own memory; 0: no optimizer-step term
     collective_seconds: float = 0.0  # each blocking collective's cost beyond its bytes
-    rank_skew: float = 0.0  # the wait for the slowest rank, a fraction of the compute
 
 
 OPTIMIZER_BYTES = 28  # AdamW in place: weight, gradient, two moments read; three written
@@ -96,8 +94,6 @@ def step_time(shape: ModelShape, layout: Layout, training: Training,
     activation = layout.micro_batch * shape.seq / layout.sp * shape.hidden * e
     layers = shape.layers / layout.pp
     out = {"compute": compute, "bubble": bubble}
-    if layout.ranks > 1 and fabric.rank_skew:
-        out["rank skew"] = fabric.rank_skew * compute
     intra = fabric.intra_node_bytes_per_s
 
     def bandwidth(span: int) -> float:  # a group of ranks within ``span`` consecutive ones
