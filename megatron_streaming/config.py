@@ -396,6 +396,14 @@ class LoggingConfig:
     wandb_save_dir: Optional[str] = arg(
         None, "Where W&B keeps its local files (default: --save/wandb, else wandb's own).")
     wandb_entity: Optional[str] = arg(None, "The W&B entity (team) of the project.")
+    timing_log_level: int = arg(
+        0, "Per-phase step timers (Megatron's): 1 = forward-backward and optimizer, 2 = also "
+        "the Streaming DiLoCo hook inside the optimizer step; 0 = none. Reported per "
+        "iteration under each progress line and to TensorBoard (timers/<name>-time).",
+        choices=[0, 1, 2])
+    timing_log_option: str = arg(
+        "minmax", "How timers are reported over the worker's ranks: max, minmax or all.",
+        choices=["max", "minmax", "all"])
 
 
 @dataclass

@@ -180,6 +180,12 @@ class WorkerEngine:
 
         self.cfg, self.topology, self.model = cfg, topology, model
         from .schedules import BatchSchedule, LrSchedule
+        from .timers import StepTimers
+
+        log_cfg = cfg.logging
+        self.timers = StepTimers(log_cfg.timing_log_level, log_cfg.timing_log_option,
+                                 torch.cuda.synchronize if torch.cuda.is_available()
+                                 else lambda: None)
 
         # The batch (and so the micro-batch count) and the learning rate of every step.
         self.batches = BatchSchedule(cfg.training, cfg.model.seq_length, topology.layout.dp)
@@ -318,14 +324,18 @@ class WorkerEngine:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.engine.train()
-        outputs = self._run_schedule(data_iterator, False, self.batches.micro_batches(iteration))
-        grads.allreduce_tied_embedding_grads(self.model, self.topology)
-        for hook in self.step_hooks:
-            hook.before_step(iteration + 1)
-        skipped_before, scale = self.skipped_iterations, self.loss_scale()
-        self.engine.step()
-        for hook in self.step_hooks:
-            hook.after_step()
+        with self.timers.phase("forward-backward"):
+            outputs = self._run_schedule(data_iterator, False,
+                                         self.batches.micro_batches(iteration))
+            grads.allreduce_tied_embedding_grads(self.model, self.topology)
+        with self.timers.phase("optimizer"):
+            for hook in self.step_hooks:
+                hook.before_step(iteration + 1)
+            skipped_before, scale = self.skipped_iterations, self.loss_scale()
+            self.engine.step()
+            for hook in self.step_hooks:
+                hook.after_step()
+        self.timers.end_iteration()
         norm = self.engine.get_global_grad_norm()
         if norm is not None and self.sixteen_bit_without_zero and scale:
             norm = norm / scale  # FP16_UnfusedOptimizer reports the norm of scaled gradients

@@ -159,16 +159,18 @@ FLAGS: List[ForeignFlag] = [
                 "Python's garbage collector stays automatic", ONE),
     # --- logging ---------------------------------------------------------------------------
     *[ForeignFlag(flag, ACCEPTED, _LOG_ALWAYS) for flag in (
-        "--log-throughput", "--log-timers-to-tensorboard", "--log-learning-rate-to-tensorboard",
+        "--log-throughput", "--log-learning-rate-to-tensorboard",
         "--log-loss-scale-to-tensorboard")],
+    ForeignFlag("--log-timers-to-tensorboard", ACCEPTED,
+                "the timers go to TensorBoard (timers/<name>-time) whenever --timing-log-level "
+                "is 1 or 2"),
     *[ForeignFlag(flag, ACCEPTED, _NO_EFFECT_LOG) for flag in (
         "--log-batch-size-to-tensorboard", "--log-validation-ppl-to-tensorboard",
         "--log-memory-to-tensorboard", "--log-world-size-to-tensorboard",
         "--log-params-norm", "--log-num-zeros-in-grad", "--log-optimizer-states-to-tensorboard",
         "--log-progress")],
     *[ForeignFlag(flag, ACCEPTED, _NO_EFFECT_LOG, ONE) for flag in (
-        "--tensorboard-queue-size", "--tensorboard-log-interval", "--timing-log-level",
-        "--timing-log-option")],
+        "--tensorboard-queue-size", "--tensorboard-log-interval")],
     # --- our equivalent --------------------------------------------------------------------
     ForeignFlag("--use-distributed-optimizer", MAPPED,
                 "ZeRO stage 1 (--zero-stage 1) over the worker's data-parallel ranks",

@@ -341,6 +341,7 @@ class Run:
             started = time.perf_counter()
             result = self.engine.train_step(iterator, self.iteration)
             self.step_seconds.append(time.perf_counter() - started)
+            self.engine.timers.add("diloco-sync", self.sync.take_hook_seconds())
             self.iteration += 1
             self.liveness.iteration = self.iteration
             loss = result.loss
@@ -375,12 +376,15 @@ class Run:
         return loss
 
     def _log_step(self, result, throughput, progress_line) -> None:
-        """Called on every rank: the sync's scalars are reduced over the worker first."""
+        """Called on every rank: the sync's scalars and the timers are reduced over the worker
+        first."""
+        from . import timers
         from .streaming import report
 
         scalars = report.worker_scalars(self.sync, self.topology.groups["worker"],
                                         self.topology.cross.control_bytes)
         report.reset_interval_stats(self.sync)
+        times = self.engine.timers.report(self.topology.groups["worker"])
         if not self.sync.enabled and self.topology.layout.workers == 1:
             step_bytes = self._data_parallel_step_bytes()
             if step_bytes:
@@ -399,6 +403,9 @@ class Run:
                             "train/skipped_iterations": skipped})
         log.info(progress_line(self.iteration, self.cfg.training.train_iters, result.loss,
                                result.lr, result.grad_norm, rate, throughput.elapsed(), extra))
+        if times:
+            log.info(timers.format_report(times, self.engine.timers.option))
+            scalars.update(timers.scalars(times))
         self.writer.scalars(self.iteration, {
             "train/loss": result.loss, "train/lr": result.lr,
             "train/grad_norm": result.grad_norm, "train/tokens_per_s": rate,

@@ -1,11 +1,13 @@
 """Monitoring as a user sees it: TensorBoard's own reader on the event files of a streaming run
-and of a data-parallel run, and ``python -m megatron_streaming.plot`` drawn from them.
+and of a data-parallel run, and ``python -m megatron_streaming.plot`` drawn from them; the
+per-phase timers (--timing-log-level) in both, printed and in TensorBoard.
 
 One run of each (the expensive part) is shared by the tests of this module.
 """
 
 import json
 import math
+import re
 import subprocess
 import sys
 
@@ -20,8 +22,10 @@ ITERS, EVAL_INTERVAL, FRAGMENTS, WORKERS = 11, 4, 2, 2
 # on the last merge, so nothing is in flight at the end and the last logged cumulative count
 # is the whole run's (the summary's, which is taken after the in-flight ones finish).
 STREAMING = ["--diloco-workers", str(WORKERS), "--diloco-fragments", str(FRAGMENTS),
-             "--diloco-inner-steps", "4", "--diloco-overlap-steps", "1"]
-DATA_PARALLEL = ["--diloco-workers", "1"]
+             "--diloco-inner-steps", "4", "--diloco-overlap-steps", "1",
+             "--timing-log-level", "2"]
+DATA_PARALLEL = ["--diloco-workers", "1", "--timing-log-level", "1",
+                 "--timing-log-option", "all"]
 COMMON = [*TINY, "--train-iters", str(ITERS), "--eval-interval", str(EVAL_INTERVAL),
           "--eval-iters", "1"]
 
@@ -43,8 +47,9 @@ def f32(x: float) -> float:
 
 def launch(run_dir, nproc, args):
     summary = run_dir / "summary.json"
-    run(nproc, [*COMMON, *args, "--tensorboard-dir", str(run_dir / "tb"),
-                "--summary-json", str(summary)], timeout=420)
+    proc = run(nproc, [*COMMON, *args, "--tensorboard-dir", str(run_dir / "tb"),
+                       "--summary-json", str(summary)], timeout=420)
+    (run_dir / "output.txt").write_text(proc.stdout + proc.stderr)
     return json.loads(summary.read_text())
 
 
@@ -166,3 +171,58 @@ def test_plot_draws_both_runs_and_names_a_directory_without_events(runs, tmp_pat
     assert proc.returncode == 2
     assert str(empty) in proc.stderr and "no TensorBoard event files" in proc.stderr
     assert not (tmp_path / "never.png").exists()
+
+
+def check_timers(run_dir, tags, phases, block_head, row):
+    """Each phase's worker maximum per step in TensorBoard (ms), within the step's wall time;
+    and Megatron's block under every progress line."""
+    steps = values(tags, "train/step_seconds")
+    got = {name: values(tags, f"timers/{name}-time") for name in phases}
+    for name, ms in got.items():
+        assert all(0 < v for v in ms), (name, ms)
+    for fb, opt, wall in zip(got["forward-backward"], got["optimizer"], steps):
+        assert fb / 1e3 < 2 * wall and opt / 1e3 < 2 * wall  # another rank's: not above
+    assert not [t for t in tags if t.startswith("timers/") and t[7:-5] not in phases]
+    text = (run_dir / "output.txt").read_text()
+    assert text.count(block_head) == ITERS, text[-3000:]  # --log-interval 1
+    for name in phases:
+        assert len(re.findall(rf"^ +{name} \.+: {row}$", text, re.M)) == ITERS, name
+    return got
+
+
+@pytest.mark.timeout(900)
+def test_timers_report_each_phase_per_step_as_megatron_prints_them(runs):
+    run_dir, _ = runs["streaming"]  # --timing-log-level 2, minmax
+    got = check_timers(run_dir, scalars(run_dir), ["forward-backward", "optimizer",
+                                                   "diloco-sync"],
+                       "(min, max) time across ranks (ms):", r"\([0-9.]+, [0-9.]+\)")
+    # The hook runs inside the optimizer step, on every rank: never longer than the step.
+    assert all(s <= o for s, o in zip(got["diloco-sync"], got["optimizer"])), got
+    run_dir, _ = runs["data_parallel"]  # level 1, every rank listed
+    check_timers(run_dir, scalars(run_dir), ["forward-backward", "optimizer"],
+                 "times across ranks (ms):", r"0: [0-9.]+, 1: [0-9.]+")
+
+
+def test_timers_time_nothing_at_level_0_and_format_as_megatron():
+    from megatron_streaming import timers
+
+    off = timers.StepTimers(0)
+    with off.phase("forward-backward"):
+        pass
+    off.add("diloco-sync", 1.0)
+    off.end_iteration()
+    assert off.report(None) == {} and timers.format_report({}, "minmax") == ""
+    on = timers.StepTimers(1)
+    on.add("optimizer", 0.25)
+    on.add("diloco-sync", 9.0)  # a level-2 phase: not timed at level 1
+    on.end_iteration()
+    on.add("optimizer", 0.75)
+    on.end_iteration()
+    assert on.report(None) == {"forward-backward": [0.0], "optimizer": [0.5]}
+    assert on.report(None) == {"forward-backward": [0.0], "optimizer": [0.0]}  # restarted
+    times = {"optimizer": [0.5, 0.25]}
+    assert timers.format_report(times, "max").splitlines()[1] == \
+        "    optimizer " + "." * 30 + ": 500.00"
+    assert timers.format_report(times, "minmax").endswith(": (250.00, 500.00)")
+    assert timers.format_report(times, "all").endswith(": 0: 500.00, 1: 250.00")
+    assert timers.scalars(times) == {"timers/optimizer-time": 500.0}

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from .codec import ErrorFeedback
-from .sync import StreamingSync
+from .sync import StreamingSync, timed
 from .transport import ExchangeResult, Pending
 
 log = logging.getLogger("megatron_streaming")
@@ -249,6 +249,7 @@ class CanonicalSync(StreamingSync):
         if step_hooks is not None:
             step_hooks.append(self)
 
+    @timed
     def after_step(self) -> None:
         if self.paused:
             return

@@ -33,6 +33,7 @@ step everywhere (the transport agrees on it), so it never reaches ``theta_g``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -74,6 +75,19 @@ class ShardGroup:
         for t in self.tensors:
             t.copy_(flat[offset:offset + t.numel()].view_as(t))
             offset += t.numel()
+
+
+def timed(method):
+    """Adds the call's seconds to the sync's ``hook_seconds`` (its work on the training
+    thread, --timing-log-level 2)."""
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self.hook_seconds += time.perf_counter() - started
+    return wrapper
 
 
 @dataclass
@@ -141,6 +155,9 @@ class StreamingSync:
         # Workers in the mean: the transport's, except on a rank beyond the lanes of workers
         # of different sizes, whose transport has none across (``builder`` sets it).
         self.workers = transport.workers
+        # Seconds the training thread spent in the hook and after_step since the last
+        # take_hook_seconds (--timing-log-level 2's diloco-sync).
+        self.hook_seconds = 0.0
 
     def _event(self, kind: str, g: ShardGroup) -> None:
         if self.events is not None:
@@ -171,6 +188,7 @@ class StreamingSync:
         self.step = step
         self._done_this_step = set()
 
+    @timed
     def after_step(self) -> None:
         """Run what the hook did not (a step the optimizer skipped): the schedule must go on
         on every worker, or their collectives would pair up wrongly."""
@@ -181,6 +199,7 @@ class StreamingSync:
             self.push_to_model()
         self._stale = False
 
+    @timed
     def _on_inner_step(self, optimizer, args, kwargs) -> None:
         # Under ZeRO the optimizer's groups are narrowed to the one being stepped.
         stepped = {group["sync_index"] for group in optimizer.param_groups}
@@ -191,6 +210,11 @@ class StreamingSync:
                     self._process(g)
         finally:
             self._stepping = None
+
+    def take_hook_seconds(self) -> float:
+        """The training thread's seconds in the sync's step work since the last call."""
+        seconds, self.hook_seconds = self.hook_seconds, 0.0
+        return seconds
 
     def _process(self, g: ShardGroup) -> None:
         self._done_this_step.add(g.index)
@@ -441,6 +465,9 @@ class NoSync:
 
     def finish(self) -> int:
         return 0
+
+    def take_hook_seconds(self) -> float:
+        return 0.0
 
     def abandon(self) -> None:
         pass
