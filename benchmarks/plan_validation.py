@@ -13,17 +13,19 @@ torch.compile on (``COMPILED``). Predicted (``megatron_streaming.plan``):
   logits) + a runtime term measured per layout: the same layout with a tiny model (its own
   small model terms subtracted), so that the interpreter, the libraries and the process
   groups are not counted as a model term;
-* step time from the sustained FLOP/s of one rank while every core is busy (two one-rank
-  workers of the same model training side by side without syncing, ``--no-diloco-sync``:
-  not one of the layouts below; a rank alone on the machine runs about 10 % faster, since
-  the two share the memory bandwidth), the loopback bandwidth between two processes (a gloo
-  all-reduce of 64 MiB), the memory bandwidth of one core while the other copies too (the
-  optimizer step's term) and what a collective costs between two busy ranks beyond its
-  bytes (``collective_costs``: a latency and a share of the compute), all measured here.
-  The FLOP/s calibration runs right before each row's timed launch (the machine's speed
-  drifts by tens of percent over ten minutes), and its own optimizer step (the model's term
-  at the measured memory bandwidth) is taken out of its step before the FLOP/s are read off
-  it.
+* step time from the sustained FLOP/s of one rank while every core is busy and the memory
+  speed its optimizer step reaches (two one-rank workers of the same model training side by
+  side without syncing, ``--no-diloco-sync``: not one of the layouts below; a rank alone on
+  the machine runs about 10 % faster, since the two share the memory bandwidth; the FLOP/s
+  from their forward-backward time, the optimizer's bytes per second from their optimizer
+  time, both read off Megatron's timers, ``--timing-log-level 1``), the loopback bandwidth
+  between two processes (a gloo all-reduce of 64 MiB) and what a collective costs between
+  two busy ranks beyond its bytes (``collective_costs``), all measured here. The
+  calibration runs right before each row's timed launch (the machine's speed drifts by
+  tens of percent over ten minutes). Each row also compares the two timers on their own:
+  the model's optimizer and (ZeRO-0/1, whose step reduces the gradients) data-parallel
+  terms against the optimizer phase, the rest against forward-backward. A plain copy's
+  speed (``memory_bandwidth``) is printed beside the optimizer's for comparison.
 
 Memory is measured in launches with glibc's ``MALLOC_MMAP_THRESHOLD_=131072`` (the runtime
 term's tiny-model launch too): blocks of 128 KiB and more are mapped and unmapped one by one,
@@ -84,7 +86,7 @@ def model_args(model_flags, layout: Layout, workers: int, iters: int, summary: s
     return ["--mock-data", *model_flags, *layout.flags(), "--global-batch-size",
             str(GLOBAL_BATCH), "--train-iters", str(iters), "--eval-iters", "0",
             "--log-interval", "1", "--lr", "1e-4", "--diloco-workers", str(workers),
-            *streaming, "--summary-json", summary, "--log-jsonl",
+            "--timing-log-level", "1", *streaming, "--summary-json", summary, "--log-jsonl",
             os.path.join(os.path.dirname(summary), "log.jsonl")]
 
 
@@ -111,8 +113,12 @@ def launch(model_flags, layout: Layout, workers: int, iters: int, extra=(),
         with open(summary) as f:
             out = json.load(f)
         with open(os.path.join(tmp, "log.jsonl")) as f:
-            steps = [json.loads(line)["train/step_seconds"] for line in f]
-        out["step_s"] = statistics.mean(steps[SETTLING:]) if len(steps) > SETTLING else None
+            lines = [json.loads(line) for line in f]
+        lines = [r for r in lines if "train/step_seconds" in r][SETTLING:]
+        for key, tag, scale in (("step_s", "train/step_seconds", 1.0),
+                                ("forward_backward_s", "timers/forward-backward-time", 1e-3),
+                                ("optimizer_s", "timers/optimizer-time", 1e-3)):
+            out[key] = statistics.mean(r[tag] * scale for r in lines) if lines else None
         return out
 
 
@@ -203,46 +209,78 @@ def memory_bandwidth() -> float:
     return min(rates)
 
 
-def calibrate(shape, iters: int, memory: float) -> tuple:
-    """(FLOP/s per rank, the calibration's s/step): two one-rank workers side by side, not
-    syncing, their optimizer step's modelled time taken out of the step."""
+def calibrate(shape, iters: int) -> dict:
+    """Two one-rank workers side by side, not syncing (ZeRO-1 over one rank): the FLOP/s of
+    a rank from their forward-backward time, and the memory speed their optimizer step
+    reaches (the optimizer term's bytes over its measured time: DeepSpeed's flat-partition
+    path and torch's single-tensor AdamW on one core, not a plain copy's speed)."""
     layout = Layout(micro_batch=2)
     one = launch(MODEL, layout, 2, iters, ["--no-diloco-sync"])
-    step = one["step_s"]
-    optimizer = optimizer_seconds(shape, layout, Training(global_batch=GLOBAL_BATCH,
-                                                          streaming=False), memory)
-    return 3 * forward_flops_per_token(shape) * GLOBAL_BATCH * shape.seq / (step - optimizer), \
-        step
+    optimizer_bytes = optimizer_seconds(shape, layout, Training(global_batch=GLOBAL_BATCH,
+                                                                streaming=False), 1.0)
+    return {"flops_per_rank": 3 * forward_flops_per_token(shape) * GLOBAL_BATCH * shape.seq
+            / one["forward_backward_s"],
+            "optimizer_bytes_per_s": optimizer_bytes / one["optimizer_s"],
+            "one_rank_step_s": one["step_s"], "forward_backward_s": one["forward_backward_s"],
+            "optimizer_s": one["optimizer_s"]}
+
+
+# The model's components on each side of Megatron's timers: the optimizer phase is
+# DeepSpeed's step, which reduces the gradients itself except under ZeRO-2 (reduced in the
+# backward's hooks).
+STEP_SIDE = ("optimizer",)
+
+
+def split(times: dict, layout: Layout) -> tuple:
+    """(forward-backward, optimizer) seconds of the model's components."""
+    step_side = STEP_SIDE + (("data parallel",) if layout.zero_stage < 2 else ())
+    opt = sum(v for k, v in times.items() if k in step_side)
+    return times["total"] - opt, opt
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="docs/results/plan")
     ap.add_argument("--iters", type=int, default=8)
+    ap.add_argument("--layouts", nargs="+", metavar="NAME",
+                    help="only the layouts whose names start with these")
+    ap.add_argument("--step-time-only", action="store_true",
+                    help="skip the memory launches (half the time)")
     args = ap.parse_args(argv)
     shape, tiny = shape_of(MODEL), shape_of(TINY)
 
     started = time.perf_counter()
     bandwidth, memory = loopback_bandwidth(), memory_bandwidth()
     latency, skew = collective_costs()
-    print(f"loopback {bandwidth / 1e9:.2f} GB/s; memory {memory / 1e9:.2f} GB/s per core; "
+    print(f"loopback {bandwidth / 1e9:.2f} GB/s; copy {memory / 1e9:.2f} GB/s per core; "
           f"a collective {latency * 1e3:.2f} ms + {skew:.1%} of the compute since the last")
     rows, calibrations = [], []
     for name, layout, workers in LAYOUTS:
+        if args.layouts and not name.startswith(tuple(args.layouts)):
+            continue
         training = training_of(workers)
-        small = launch(TINY, layout, workers, 2, malloc=MMAP)
-        runtime = max(small["peak_rss_mib_per_rank"]) * 2**20 \
-            - estimate(tiny, layout, training).total
-        measured = launch(MODEL, layout, workers, args.iters, malloc=MMAP)  # memory
-        flops, calibration_step = calibrate(shape, args.iters, memory)  # right before
+        if args.step_time_only:
+            runtime, measured = 0.0, {"peak_rss_mib_per_rank": [float("nan")]}
+        else:
+            small = launch(TINY, layout, workers, 2, malloc=MMAP)
+            runtime = max(small["peak_rss_mib_per_rank"]) * 2**20 \
+                - estimate(tiny, layout, training).total
+            measured = launch(MODEL, layout, workers, args.iters, malloc=MMAP)  # memory
+        calibration = calibrate(shape, args.iters)  # right before
         timed = launch(MODEL, layout, workers, args.iters)  # step time
-        calibrations.append({"flops_per_rank": flops, "one_rank_step_s": calibration_step})
+        calibrations.append(calibration)
+        flops = calibration["flops_per_rank"]
         fabric = Fabric(flops, bandwidth, bandwidth, devices_per_node=2,
-                        memory_bytes_per_s=memory, collective_seconds=latency)
+                        memory_bytes_per_s=calibration["optimizer_bytes_per_s"],
+                        collective_seconds=latency)
         predicted = estimate(shape, layout, training, runtime)
         times = step_time(shape, layout, training, fabric)
+        fb, opt = split(times, layout)
         peak = max(measured["peak_rss_mib_per_rank"]) * 2**20
         row = {"layout": name, "flags": layout.flags(), "workers": workers,
+               "predicted_forward_backward_s": fb, "predicted_optimizer_s": opt,
+               "measured_forward_backward_s": timed["forward_backward_s"],
+               "measured_optimizer_s": timed["optimizer_s"],
                "runtime_gib": runtime / GIB,
                "predicted_gib": predicted.total / GIB, "measured_gib": peak / GIB,
                "memory_error": predicted.total / peak - 1,
@@ -257,14 +295,16 @@ def main(argv=None) -> int:
         print(f"{name:24s} memory {row['predicted_gib']:.2f} vs {row['measured_gib']:.2f} GiB "
               f"({row['memory_error']:+.1%}; model terms {row['model_terms_predicted_gib']:.2f}"
               f" vs {row['model_terms_measured_gib']:.2f}), step {row['predicted_step_s']:.2f} "
-              f"vs {row['measured_step_s']:.2f} s ({row['time_error']:+.1%}; calibration "
-              f"{flops / 1e9:.1f} GFLOP/s)", flush=True)
+              f"vs {row['measured_step_s']:.2f} s ({row['time_error']:+.1%}; forward-backward "
+              f"{fb:.2f} vs {timed['forward_backward_s']:.2f}, optimizer {opt:.2f} vs "
+              f"{timed['optimizer_s']:.2f}; calibration {flops / 1e9:.1f} GFLOP/s, optimizer "
+              f"{calibration['optimizer_bytes_per_s'] / 1e9:.2f} GB/s)", flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "validation.json"), "w") as f:
         json.dump({"model": MODEL, "global_batch": GLOBAL_BATCH,
                    "calibration": {"loopback_bytes_per_s": bandwidth,
                                    "collective_seconds": latency, "rank_skew": skew,
-                                   "memory_bytes_per_s": memory, "per_row": calibrations},
+                                   "copy_bytes_per_s": memory, "per_row": calibrations},
                    "rows": rows, "seconds": time.perf_counter() - started}, f, indent=1)
     worst = max(abs(r["memory_error"]) for r in rows), max(abs(r["time_error"]) for r in rows)
     print(f"worst: memory {worst[0]:.1%}, step time {worst[1]:.1%}; median step time error "
