@@ -238,6 +238,87 @@ def split(times: dict, layout: Layout) -> tuple:
     return times["total"] - opt, opt
 
 
+def predict(name: str, layout: Layout, workers: int, runtime: float, peak: float,
+            timed: dict, calibration: dict, loopback: float, latency: float) -> dict:
+    """One row: the models' predictions for a layout against what its launches measured."""
+    shape, training = shape_of(MODEL), training_of(workers)
+    flops = calibration["flops_per_rank"]
+    fabric = Fabric(flops, loopback, loopback, devices_per_node=2,
+                    memory_bytes_per_s=calibration["optimizer_bytes_per_s"],
+                    collective_seconds=latency)
+    predicted = estimate(shape, layout, training, runtime)
+    times = step_time(shape, layout, training, fabric)
+    fb, opt = split(times, layout)
+    row = {"layout": name, "flags": layout.flags(), "workers": workers,
+           "runtime_gib": runtime / GIB,
+           "predicted_gib": predicted.total / GIB, "measured_gib": peak / GIB,
+           "memory_error": predicted.total / peak - 1,
+           "model_terms_predicted_gib": (predicted.total - runtime) / GIB,
+           "model_terms_measured_gib": (peak - runtime) / GIB,
+           "components_gib": predicted.gib(),
+           "predicted_step_s": times["total"], "measured_step_s": timed["step_s"],
+           "time_error": times["total"] / timed["step_s"] - 1,
+           "predicted_forward_backward_s": fb, "predicted_optimizer_s": opt,
+           "measured_forward_backward_s": timed["forward_backward_s"],
+           "measured_optimizer_s": timed["optimizer_s"],
+           "time_components_s": times, "calibration": calibration}
+    print(f"{name:24s} memory {row['predicted_gib']:.2f} vs {row['measured_gib']:.2f} GiB "
+          f"({row['memory_error']:+.1%}), step {row['predicted_step_s']:.2f} vs "
+          f"{row['measured_step_s']:.2f} s ({row['time_error']:+.1%}; forward-backward "
+          f"{fb:.2f} vs {timed['forward_backward_s']:.2f}, optimizer {opt:.2f} vs "
+          f"{timed['optimizer_s']:.2f}; calibration {flops / 1e9:.1f} GFLOP/s, optimizer "
+          f"{calibration['optimizer_bytes_per_s'] / 1e9:.2f} GB/s)", flush=True)
+    return row
+
+
+def measure(args) -> dict:
+    """Every launch: the machine's constants, then per layout its memory, its calibration
+    right before its timed launch, and that launch."""
+    tiny = shape_of(TINY)
+    bandwidth, memory = loopback_bandwidth(), memory_bandwidth()
+    latency, skew = collective_costs()
+    print(f"loopback {bandwidth / 1e9:.2f} GB/s; copy {memory / 1e9:.2f} GB/s per core; "
+          f"a collective {latency * 1e3:.2f} ms + {skew:.1%} of the compute since the last")
+    rows = []
+    for name, layout, workers in LAYOUTS:
+        if args.layouts and not name.startswith(tuple(args.layouts)):
+            continue
+        training = training_of(workers)
+        if args.step_time_only:
+            runtime, peak = 0.0, float("nan")
+        else:
+            small = launch(TINY, layout, workers, 2, malloc=MMAP)
+            runtime = max(small["peak_rss_mib_per_rank"]) * 2**20 \
+                - estimate(tiny, layout, training).total
+            measured = launch(MODEL, layout, workers, args.iters, malloc=MMAP)  # memory
+            peak = max(measured["peak_rss_mib_per_rank"]) * 2**20
+        calibration = calibrate(shape_of(MODEL), args.iters)  # right before
+        timed = launch(MODEL, layout, workers, args.iters)  # step time
+        rows.append(predict(name, layout, workers, runtime, peak, timed, calibration,
+                            bandwidth, latency))
+    return {"model": MODEL, "global_batch": GLOBAL_BATCH,
+            "calibration": {"loopback_bytes_per_s": bandwidth, "collective_seconds": latency,
+                            "rank_skew": skew, "copy_bytes_per_s": memory},
+            "rows": rows}
+
+
+def predict_again(path: str) -> dict:
+    """The stored measurements of an earlier run under the models as they are now."""
+    with open(path) as f:
+        old = json.load(f)
+    c, layouts = old["calibration"], {name: (layout, w) for name, layout, w in LAYOUTS}
+    rows = []
+    for r in old["rows"]:
+        layout, workers = layouts[r["layout"]]
+        timed = {"step_s": r["measured_step_s"],
+                 "forward_backward_s": r["measured_forward_backward_s"],
+                 "optimizer_s": r["measured_optimizer_s"]}
+        rows.append(predict(r["layout"], layout, workers, r["runtime_gib"] * GIB,
+                            r["measured_gib"] * GIB, timed, r["calibration"],
+                            c["loopback_bytes_per_s"], c["collective_seconds"]))
+    return {**old, "rows": rows, "predicted_again_from": path}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="docs/results/plan")
@@ -246,66 +327,17 @@ def main(argv=None) -> int:
                     help="only the layouts whose names start with these")
     ap.add_argument("--step-time-only", action="store_true",
                     help="skip the memory launches (half the time)")
+    ap.add_argument("--predict-again", metavar="JSON",
+                    help="launch nothing: the measurements of this earlier validation.json "
+                         "under the current models")
     args = ap.parse_args(argv)
-    shape, tiny = shape_of(MODEL), shape_of(TINY)
-
     started = time.perf_counter()
-    bandwidth, memory = loopback_bandwidth(), memory_bandwidth()
-    latency, skew = collective_costs()
-    print(f"loopback {bandwidth / 1e9:.2f} GB/s; copy {memory / 1e9:.2f} GB/s per core; "
-          f"a collective {latency * 1e3:.2f} ms + {skew:.1%} of the compute since the last")
-    rows, calibrations = [], []
-    for name, layout, workers in LAYOUTS:
-        if args.layouts and not name.startswith(tuple(args.layouts)):
-            continue
-        training = training_of(workers)
-        if args.step_time_only:
-            runtime, measured = 0.0, {"peak_rss_mib_per_rank": [float("nan")]}
-        else:
-            small = launch(TINY, layout, workers, 2, malloc=MMAP)
-            runtime = max(small["peak_rss_mib_per_rank"]) * 2**20 \
-                - estimate(tiny, layout, training).total
-            measured = launch(MODEL, layout, workers, args.iters, malloc=MMAP)  # memory
-        calibration = calibrate(shape, args.iters)  # right before
-        timed = launch(MODEL, layout, workers, args.iters)  # step time
-        calibrations.append(calibration)
-        flops = calibration["flops_per_rank"]
-        fabric = Fabric(flops, bandwidth, bandwidth, devices_per_node=2,
-                        memory_bytes_per_s=calibration["optimizer_bytes_per_s"],
-                        collective_seconds=latency)
-        predicted = estimate(shape, layout, training, runtime)
-        times = step_time(shape, layout, training, fabric)
-        fb, opt = split(times, layout)
-        peak = max(measured["peak_rss_mib_per_rank"]) * 2**20
-        row = {"layout": name, "flags": layout.flags(), "workers": workers,
-               "predicted_forward_backward_s": fb, "predicted_optimizer_s": opt,
-               "measured_forward_backward_s": timed["forward_backward_s"],
-               "measured_optimizer_s": timed["optimizer_s"],
-               "runtime_gib": runtime / GIB,
-               "predicted_gib": predicted.total / GIB, "measured_gib": peak / GIB,
-               "memory_error": predicted.total / peak - 1,
-               "model_terms_predicted_gib": (predicted.total - runtime) / GIB,
-               "model_terms_measured_gib": (peak - runtime) / GIB,
-               "components_gib": predicted.gib(),
-               "predicted_step_s": times["total"],
-               "measured_step_s": timed["step_s"],
-               "time_error": times["total"] / timed["step_s"] - 1,
-               "time_components_s": times, "calibration": calibrations[-1]}
-        rows.append(row)
-        print(f"{name:24s} memory {row['predicted_gib']:.2f} vs {row['measured_gib']:.2f} GiB "
-              f"({row['memory_error']:+.1%}; model terms {row['model_terms_predicted_gib']:.2f}"
-              f" vs {row['model_terms_measured_gib']:.2f}), step {row['predicted_step_s']:.2f} "
-              f"vs {row['measured_step_s']:.2f} s ({row['time_error']:+.1%}; forward-backward "
-              f"{fb:.2f} vs {timed['forward_backward_s']:.2f}, optimizer {opt:.2f} vs "
-              f"{timed['optimizer_s']:.2f}; calibration {flops / 1e9:.1f} GFLOP/s, optimizer "
-              f"{calibration['optimizer_bytes_per_s'] / 1e9:.2f} GB/s)", flush=True)
+    result = predict_again(args.predict_again) if args.predict_again else measure(args)
+    result["seconds"] = time.perf_counter() - started
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "validation.json"), "w") as f:
-        json.dump({"model": MODEL, "global_batch": GLOBAL_BATCH,
-                   "calibration": {"loopback_bytes_per_s": bandwidth,
-                                   "collective_seconds": latency, "rank_skew": skew,
-                                   "copy_bytes_per_s": memory, "per_row": calibrations},
-                   "rows": rows, "seconds": time.perf_counter() - started}, f, indent=1)
+        json.dump(result, f, indent=1)
+    rows = result["rows"]
     worst = max(abs(r["memory_error"]) for r in rows), max(abs(r["time_error"]) for r in rows)
     print(f"worst: memory {worst[0]:.1%}, step time {worst[1]:.1%}; median step time error "
           f"{statistics.median(abs(r['time_error']) for r in rows):.1%}")
