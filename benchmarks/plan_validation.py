@@ -57,7 +57,7 @@ from harness import command, env, free_port  # noqa: E402
 
 from megatron_streaming.plan.memory import GIB, Layout, ModelShape, Training, estimate  # noqa
 from megatron_streaming.plan.step_time import (  # noqa: E402
-    Fabric, forward_flops_per_token, optimizer_seconds, step_time)
+    Fabric, forward_flops_per_token, optimizer_bytes, step_time)
 
 MODEL = ["--num-layers", "8", "--hidden-size", "512", "--num-attention-heads", "8",
          "--seq-length", "256", "--vocab-size", "8192", "--hidden-dropout", "0.1",
@@ -96,6 +96,7 @@ MMAP = {"MALLOC_MMAP_THRESHOLD_": "131072"}  # large blocks go back when freed
 # paid every exchange).
 COMPILED = {"TORCHDYNAMO_DISABLE": "0"}
 SETTLING = 2  # step time: the mean over the steps after the first two
+FUSED = False  # on CPU the engine's AdamW takes torch's single-tensor path
 
 
 def launch(model_flags, layout: Layout, workers: int, iters: int, extra=(),
@@ -209,20 +210,26 @@ def memory_bandwidth() -> float:
     return min(rates)
 
 
-def calibrate(shape, iters: int) -> dict:
-    """Two one-rank workers side by side, not syncing (ZeRO-1 over one rank): the FLOP/s of
-    a rank from their forward-backward time, and the memory speed their optimizer step
-    reaches (the optimizer term's bytes over its measured time: DeepSpeed's flat-partition
-    path and torch's single-tensor AdamW on one core, not a plain copy's speed)."""
-    layout = Layout(micro_batch=2)
-    one = launch(MODEL, layout, 2, iters, ["--no-diloco-sync"])
-    optimizer_bytes = optimizer_seconds(shape, layout, Training(global_batch=GLOBAL_BATCH,
-                                                                streaming=False), 1.0)
-    return {"flops_per_rank": 3 * forward_flops_per_token(shape) * GLOBAL_BATCH * shape.seq
-            / one["forward_backward_s"],
-            "optimizer_bytes_per_s": optimizer_bytes / one["optimizer_s"],
-            "one_rank_step_s": one["step_s"], "forward_backward_s": one["forward_backward_s"],
+CALIBRATION = Layout(micro_batch=2)
+
+
+def calibrate(iters: int) -> dict:
+    """Two one-rank workers side by side, not syncing (ZeRO-1 over one rank): their
+    forward-backward and optimizer times (``constants`` reads the model's speeds off them)."""
+    one = launch(MODEL, CALIBRATION, 2, iters, ["--no-diloco-sync"])
+    return {"one_rank_step_s": one["step_s"], "forward_backward_s": one["forward_backward_s"],
             "optimizer_s": one["optimizer_s"]}
+
+
+def constants(shape, calibration: dict) -> tuple:
+    """(FLOP/s of a rank, bytes/s of its optimizer step) under the current models: the
+    calibration's FLOPs over its forward-backward time, the optimizer term's bytes over its
+    optimizer time (DeepSpeed's flat-partition path and torch's single-tensor AdamW on one
+    core, not a plain copy's speed)."""
+    flops = 3 * forward_flops_per_token(shape) * GLOBAL_BATCH * shape.seq
+    moved = optimizer_bytes(shape, CALIBRATION, Training(global_batch=GLOBAL_BATCH,
+                                                         streaming=False), FUSED)
+    return flops / calibration["forward_backward_s"], moved / calibration["optimizer_s"]
 
 
 # The model's components on each side of Megatron's timers: the optimizer phase is
@@ -242,10 +249,9 @@ def predict(name: str, layout: Layout, workers: int, runtime: float, peak: float
             timed: dict, calibration: dict, loopback: float, latency: float) -> dict:
     """One row: the models' predictions for a layout against what its launches measured."""
     shape, training = shape_of(MODEL), training_of(workers)
-    flops = calibration["flops_per_rank"]
-    fabric = Fabric(flops, loopback, loopback, devices_per_node=2,
-                    memory_bytes_per_s=calibration["optimizer_bytes_per_s"],
-                    collective_seconds=latency)
+    flops, speed = constants(shape, calibration)
+    fabric = Fabric(flops, loopback, loopback, devices_per_node=2, memory_bytes_per_s=speed,
+                    collective_seconds=latency, fused_optimizer=FUSED)
     predicted = estimate(shape, layout, training, runtime)
     times = step_time(shape, layout, training, fabric)
     fb, opt = split(times, layout)
@@ -261,13 +267,15 @@ def predict(name: str, layout: Layout, workers: int, runtime: float, peak: float
            "predicted_forward_backward_s": fb, "predicted_optimizer_s": opt,
            "measured_forward_backward_s": timed["forward_backward_s"],
            "measured_optimizer_s": timed["optimizer_s"],
-           "time_components_s": times, "calibration": calibration}
+           "time_components_s": times,
+           "calibration": {**calibration, "flops_per_rank": flops,
+                           "optimizer_bytes_per_s": speed}}
     print(f"{name:24s} memory {row['predicted_gib']:.2f} vs {row['measured_gib']:.2f} GiB "
           f"({row['memory_error']:+.1%}), step {row['predicted_step_s']:.2f} vs "
           f"{row['measured_step_s']:.2f} s ({row['time_error']:+.1%}; forward-backward "
           f"{fb:.2f} vs {timed['forward_backward_s']:.2f}, optimizer {opt:.2f} vs "
           f"{timed['optimizer_s']:.2f}; calibration {flops / 1e9:.1f} GFLOP/s, optimizer "
-          f"{calibration['optimizer_bytes_per_s'] / 1e9:.2f} GB/s)", flush=True)
+          f"{speed / 1e9:.2f} GB/s)", flush=True)
     return row
 
 
@@ -292,7 +300,7 @@ def measure(args) -> dict:
                 - estimate(tiny, layout, training).total
             measured = launch(MODEL, layout, workers, args.iters, malloc=MMAP)  # memory
             peak = max(measured["peak_rss_mib_per_rank"]) * 2**20
-        calibration = calibrate(shape_of(MODEL), args.iters)  # right before
+        calibration = calibrate(args.iters)  # right before
         timed = launch(MODEL, layout, workers, args.iters)  # step time
         rows.append(predict(name, layout, workers, runtime, peak, timed, calibration,
                             bandwidth, latency))

@@ -163,6 +163,29 @@ def test_step_time_counts_every_collective_and_its_bytes():
         pytest.approx(4 * layers * 8 * activation)  # ring 2 (t - 1) / t = 1 at t = 2
 
 
+def test_optimizer_bytes_follow_the_code_path_of_each_layout():
+    """Fused AdamW moves 28 bytes an element, torch's single-tensor path 80; DeepSpeed's
+    ZeRO-1/2 adds 28 per partition element and 20 per element of the rank's gradient; ZeRO-0
+    in fp32 steps the module in place after a bucketed all-reduce (16, with data-parallel
+    ranks only)."""
+    from megatron_streaming.plan.step_time import optimizer_bytes
+
+    shape = ModelShape.from_config(parse_args(MODEL).model, 32000)
+    fp32, bf16 = Training("fp32", global_batch=16), Training("bf16", global_batch=16)
+    n = shape.stage_parameters(1, 1, 0)
+    assert optimizer_bytes(shape, Layout(dp=1, zero_stage=0), fp32) == pytest.approx(28 * n)
+    assert optimizer_bytes(shape, Layout(dp=2, zero_stage=0), fp32, fused=False) == \
+        pytest.approx((80 + 16) * n)
+    for stage in (1, 2):
+        assert optimizer_bytes(shape, Layout(dp=4, zero_stage=stage), bf16) == \
+            pytest.approx((28 + 28) * n / 4 + 20 * n)
+    assert optimizer_bytes(shape, Layout(dp=2, zero_stage=0), bf16, fused=False) == \
+        pytest.approx((80 + 28 + 20) * n)  # 16-bit without ZeRO: DeepSpeed's flat copy
+    half = shape.stage_parameters(1, 2, 0)  # the first of two stages
+    assert optimizer_bytes(shape, Layout(pp=2, dp=2, zero_stage=1), bf16) == \
+        pytest.approx(56 * half / 2 + 20 * half)
+
+
 def test_a_cut_into_more_workers_must_be_faster_by_a_share_per_worker():
     from megatron_streaming.plan import search
     from megatron_streaming.plan.search import Option

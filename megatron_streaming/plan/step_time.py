@@ -26,12 +26,20 @@
   weights (a ring all-reduce's volume, ``2 (d - 1) / d`` of the rank's fp32 gradients), on
   the inter-node bandwidth when the data-parallel group spans nodes; counted as exposed
   (DeepSpeed's overlap hides part of it on GPUs; the model stays on the safe side).
-* Optimizer step: AdamW over the rank's partition is memory-bound: ``OPTIMIZER_BYTES`` per
-  element (the weight, gradient and two moments read, three written; DeepSpeed's ZeRO and
-  fp16/bf16 paths also flatten the gradient partition and copy the updated partition back
-  into the weights) at the device's memory bandwidth (given in the cluster description;
-  without it the term is left out). It does not shrink with the batch, which the compute
-  does: a layout of more data-parallel ranks pays it on a smaller share of the work.
+* Optimizer step: memory-bound, its bytes counted in the code it runs, at the device's
+  memory bandwidth (given in the cluster description; without it the term is left out).
+  AdamW over the rank's partition: ``FUSED_ADAMW_BYTES`` per element with torch's fused
+  kernel (GPUs: the weight, gradient and two moments read, three written, once), or
+  ``UNFUSED_ADAMW_BYTES`` with its single-tensor path (CPU: a pass per operation, the
+  temporaries included). DeepSpeed's ZeRO-1/2 and 16-bit paths add ``ZERO_PARTITION_BYTES``
+  per partition element (the partition's gradient copied out of the bucket and flattened,
+  its norm, the updated partition copied back into the weights) and ``ZERO_BUCKET_BYTES``
+  per element of the rank's whole gradient (made contiguous and copied into the reduce
+  bucket, the gathered weights written). ZeRO-0 in fp32 steps the module's own parameters
+  (no partition copies) after DeepSpeed's bucketed all-reduce, which flattens the gradients
+  and copies them back (``ALLREDUCE_BUCKET_BYTES`` per element, with data-parallel ranks).
+  None of it shrinks with the batch, which the compute does: a layout of more data-parallel
+  ranks pays it on a smaller share of the work.
 """
 
 from __future__ import annotations
@@ -51,20 +59,36 @@ class Fabric:
     devices_per_node: int
     memory_bytes_per_s: float = 0.0  # the device's own memory; 0: no optimizer-step term
     collective_seconds: float = 0.0  # each blocking collective's cost beyond its bytes
+    fused_optimizer: bool = True  # torch's fused AdamW (GPUs); False: its single-tensor path
 
 
-OPTIMIZER_BYTES = 28  # AdamW in place: weight, gradient, two moments read; three written
-FLAT_COPY_BYTES = 16  # DeepSpeed's flat gradient partition and the copy back to the weights
+FUSED_ADAMW_BYTES = 28  # one kernel: weight, gradient, two moments read; three written
+# torch's _single_tensor_adamw: weight decay (8), first moment lerp (12), second moment mul and
+# addcmul (8 + 12), the denominator's sqrt, division and eps into temporaries (24), addcdiv (16)
+UNFUSED_ADAMW_BYTES = 80
+ZERO_PARTITION_BYTES = 28  # out of the bucket (8), flattened (8), norm (4), copied back (8)
+ZERO_BUCKET_BYTES = 20  # contiguous (8) and into the reduce bucket (8), gathered weights (4)
+ALLREDUCE_BUCKET_BYTES = 16  # ZeRO-0's all-reduce: flattened into buckets, copied back
+
+
+def optimizer_bytes(shape: ModelShape, layout: Layout, training: Training,
+                    fused: bool = True) -> float:
+    """Bytes the busiest rank's optimizer step moves (the first stage's parameters)."""
+    params = shape.stage_parameters(layout.tp, layout.pp, 0)
+    partition = zero_partition(params, layout)
+    adamw = FUSED_ADAMW_BYTES if fused else UNFUSED_ADAMW_BYTES
+    if steps_in_place(layout, training):
+        reduced = layout.dp * layout.sp > 1
+        return params * (adamw + (ALLREDUCE_BUCKET_BYTES if reduced else 0))
+    return partition * (adamw + ZERO_PARTITION_BYTES) + params * ZERO_BUCKET_BYTES
 
 
 def optimizer_seconds(shape: ModelShape, layout: Layout, training: Training,
-                      memory_bytes_per_s: float) -> float:
-    """The optimizer step of the busiest rank (the first stage's partition)."""
+                      memory_bytes_per_s: float, fused: bool = True) -> float:
+    """The optimizer step of the busiest rank."""
     if not memory_bytes_per_s:
         return 0.0
-    partition = zero_partition(shape.stage_parameters(layout.tp, layout.pp, 0), layout)
-    flat = 0 if steps_in_place(layout, training) else FLAT_COPY_BYTES
-    return partition * (OPTIMIZER_BYTES + flat) / memory_bytes_per_s
+    return optimizer_bytes(shape, layout, training, fused) / memory_bytes_per_s
 
 
 def forward_flops_per_token(shape: ModelShape) -> float:
@@ -126,11 +150,13 @@ def step_time(shape: ModelShape, layout: Layout, training: Training,
         d = layout.dp * layout.sp
         out["data parallel"] = 2 * (d - 1) / d * 4 * params \
             / bandwidth(layout.tp * layout.sp * layout.dp) + 2 * latency
-    optimizer = optimizer_seconds(shape, layout, training, fabric.memory_bytes_per_s)
+    optimizer = optimizer_seconds(shape, layout, training, fabric.memory_bytes_per_s,
+                                  fabric.fused_optimizer)
     if optimizer:
         out["optimizer"] = optimizer
     out["total"] = sum(out.values())
     return out
 
 
-__all__ = ["Fabric", "forward_flops_per_token", "optimizer_seconds", "step_time"]
+__all__ = ["Fabric", "forward_flops_per_token", "optimizer_bytes", "optimizer_seconds",
+           "step_time"]
