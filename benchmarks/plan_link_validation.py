@@ -55,6 +55,7 @@ def main(argv=None) -> int:
                     continue
                 h, p, tau, eager, bits = method_of(spec["flags"])
                 m = methods[name]
+                # one-rank workers: one connection, Linux's default slow start after idle
                 exchange = exchange_seconds(m["parameters"], bits, 2, p,
                                             cell["measured_mbit"] / 1e3,
                                             cell.get("measured_rtt_ms", float(rtt)))

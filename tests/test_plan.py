@@ -206,9 +206,18 @@ def test_link_model_stalls_only_for_what_the_overlap_does_not_cover():
     from megatron_streaming.plan.search import exchange_seconds, link_utilisation
 
     # 1M parameters, FP4, 2 workers, P=4 at 10 Gbit/s and 100 ms: bytes are nothing, the two
-    # round trips are 0.2 s.
-    ex = exchange_seconds(1e6, 4.25, 2, 4, 10, 100)
+    # round trips are 0.2 s, with a window that stayed open.
+    ex = exchange_seconds(1e6, 4.25, 2, 4, 10, 100, slow_start=False)
     assert ex == pytest.approx(1e6 / 4 * 4.25 / 10e9 + 0.2)
+    # From TCP's initial window (14,480 bytes) each collective's 66,406 bytes take two more
+    # round trips (14,480 + 28,960 sent, then the rest fits), the all-gather one more (57,920
+    # is still short of its 66,406): three.
+    assert exchange_seconds(1e6, 4.25, 2, 4, 10, 100) == pytest.approx(ex + 0.3)
+    # Over 8 connections each carries 8,301 bytes a collective: no extra round trip.
+    assert exchange_seconds(1e6, 4.25, 2, 4, 10, 100, connections=8) == pytest.approx(ex)
+    # A short link: the window soon holds the bandwidth-delay product (1.25 MB at 1 ms).
+    assert exchange_seconds(1e9, 4.25, 2, 1, 10, 1) == pytest.approx(
+        1e9 * 4.25 / 10e9 + 0.002 + 7 * 0.001)  # 14,480 x 2^7 > 1.25e6
     assert link_utilisation(0.5, ex, 40, 4, 1) == 1.0  # tau=1 covers 0.5 s
     # 0.1 s steps: tau=1 leaves ex - 0.1 s per exchange, one exchange every 10 steps.
     assert link_utilisation(0.1, ex, 40, 4, 1) == pytest.approx(0.1 / (0.1 + (ex - 0.1) / 10))

@@ -62,6 +62,9 @@ class Cluster:
 class Link:
     bandwidth_gbit_per_s: float
     rtt_ms: float = 0.0
+    # Linux's default (net.ipv4.tcp_slow_start_after_idle=1): every exchange after an idle
+    # gap starts from TCP's initial window; false where the hosts set it to 0.
+    slow_start_after_idle: bool = True
 
     @property
     def bytes_per_s(self) -> float:

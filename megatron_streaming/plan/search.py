@@ -197,7 +197,7 @@ def plan(shape: ModelShape, clusters: Sequence[Cluster], link: Link, global_batc
     chosen = pick(usable)
     advice, exchange, util, peak, mean = _sync(shape, link, len(chosen.workers),
                                                chosen.step_seconds, train_iters, rule,
-                                               link_share)
+                                               link_share, min(chosen.ranks))
     fewer = advice.inner_steps * 16 / FP4_BITS
     ordered = [chosen, *[o for o in options if o is not chosen]]
     return Plan(chosen.workers, advice.flags(), advice.reasons, exchange, util, peak, mean,
@@ -287,17 +287,48 @@ def link_utilisation(step: float, exchange: float, inner_steps: int, fragments: 
     return step / (step + stall * fragments / inner_steps)
 
 
+# Linux's initial congestion window: ten segments (RFC 6928) of 1448 bytes (a 1500-byte MTU
+# less the IP, TCP and timestamp headers).
+INITIAL_WINDOW_BYTES = 10 * 1448
+
+
+def slow_start_round_trips(nbytes: float, window_cap: float, window: float) -> tuple:
+    """(round trips, window after): what TCP's slow start adds to a burst of ``nbytes`` sent
+    from ``window``: the window doubles each round trip until it holds the rest of the burst
+    or ``window_cap`` (the connection's share of the bandwidth-delay product)."""
+    trips, sent = 0, 0.0
+    while sent + window < nbytes and window < window_cap:
+        sent += window
+        window *= 2
+        trips += 1
+    return trips, window
+
+
 def exchange_seconds(parameters: float, bits: float, workers: int, fragments: int,
-                     gbit_per_s: float, rtt_ms: float) -> float:
+                     gbit_per_s: float, rtt_ms: float, connections: int = 1,
+                     slow_start: bool = True) -> float:
     """One fragment's exchange: its outer gradients at ``bits`` per value through the
     reduce-scatter and all-gather (``2 (M-1) / M`` of the fragment each way) over the link,
-    and two round trips (one per collective)."""
+    and two round trips (one per collective). With ``slow_start`` (Linux's default,
+    ``net.ipv4.tcp_slow_start_after_idle=1``) each of the ``connections`` (the lanes, one per
+    rank of the smaller worker, sharing the link) restarts from the initial window after the
+    idle gap between exchanges, longer than its retransmission timeout: the reduce-scatter
+    pays a round trip per doubling until the window holds its share, the all-gather goes on
+    from the window the reduce-scatter left."""
     ring = 2 * (workers - 1) / workers
-    return parameters / fragments * bits * ring / (gbit_per_s * 1e9) + 2 * rtt_ms / 1e3
+    nbytes = parameters / fragments * bits * ring / 8
+    rate, rtt = gbit_per_s * 1e9 / 8, rtt_ms / 1e3
+    seconds = nbytes / rate + 2 * rtt
+    if slow_start and rtt > 0:
+        share, cap = nbytes / 2 / connections, rate * rtt / connections
+        first, window = slow_start_round_trips(share, cap, INITIAL_WINDOW_BYTES)
+        second, _ = slow_start_round_trips(share, cap, window)
+        seconds += (first + second) * rtt
+    return seconds
 
 
 def _sync(shape: ModelShape, link: Link, workers: int, step: float, train_iters: int, rule,
-          link_share: float):
+          link_share: float, connections: int = 1):
     """H, P, tau and the wire format for the link (``rule.advise``: H as small as the link
     allows, here: the FP4 outer gradients of the whole model, once per H steps, may use
     ``link_share`` of its bandwidth on average); the predicted compute utilisation, the
@@ -312,7 +343,8 @@ def _sync(shape: ModelShape, link: Link, workers: int, step: float, train_iters:
 
     def seconds_for(fragments: int) -> float:
         return exchange_seconds(params, FP4_BITS, workers, fragments,
-                                link.bandwidth_gbit_per_s, link.rtt_ms)
+                                link.bandwidth_gbit_per_s, link.rtt_ms, connections,
+                                link.slow_start_after_idle)
 
     h = 6 * math.ceil(smallest / 6)  # so that P = 3 or 2 fragments divide it
     advice = rule.advise(train_iters, shape.layers, h, None)
