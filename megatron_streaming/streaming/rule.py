@@ -69,7 +69,7 @@ class Advice:
 
 def overlap_for(exchange_steps: float, interval: int):
     """(tau, control lag, eager) for an exchange that takes ``exchange_steps`` inner steps on
-    the link (bytes / bandwidth + two round trips, over the step time), with one fragment sent
+    the link (``plan.search.exchange_seconds`` over the step time), with one fragment sent
     every ``interval`` = H/P steps. Measured on the slow link (docs/RESULTS.md): the exchange is
     hidden when tau covers it, and the per-step stop flag, which queues behind a fragment's
     bytes, must be read later than the exchange takes (control lag > tau); past H/P steps only
