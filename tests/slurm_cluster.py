@@ -193,20 +193,6 @@ class Cluster:
                                    f"{timeout:.0f} s: {info}")
             time.sleep(poll)
 
-    def release_requeued(self, job_id: int, timeout: float) -> None:
-        """Waits for ``job_id`` to be requeued and starts it now: slurmctld holds a requeued
-        job for about 30 s (Reason=BeginTime) whatever the configuration asks, time a test
-        has no need to spend."""
-        deadline = time.monotonic() + timeout
-        while True:
-            info = self.job(job_id)
-            if info.get("Restarts", "0") != "0" and info.get("JobState") == "PENDING":
-                self.command("scontrol", "update", f"JobId={job_id}", "StartTime=now")
-                return
-            if info.get("JobState") in FINAL_STATES or time.monotonic() > deadline:
-                return  # wait() reports the state
-            time.sleep(0.5)
-
     def log(self, name: str) -> str:
         path = self.root / name
         return path.read_text(errors="replace") if path.exists() else ""

@@ -124,7 +124,6 @@ def test_usr1_checkpoints_requeues_and_the_rerun_resumes(cluster, tmp_path):
             "PENDING", "RUNNING"), out.read_text()[-6000:] if out.exists() else "no output"
         time.sleep(0.5)
     cluster.command("scancel", "--signal=USR1", "--batch", str(job))
-    cluster.release_requeued(job, timeout=JOB_TIMEOUT)
     text = finished(cluster, job, out)
     assert cluster.job(job)["Restarts"] == "1", text[-6000:]
     assert f"slurm.sh: requeueing job {job}" in text
