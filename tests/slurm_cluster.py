@@ -114,7 +114,7 @@ def write_conf(root: Path, node: str) -> Path:
         "SlurmdUser=root",
         "AuthType=auth/munge",
         "CredType=cred/munge",
-        # A job step's credential lives 20 s (a requeued job's own wait: release_requeued).
+        # cred_expire is also how long a requeued job waits before it may start again.
         f"AuthInfo=socket={root / 'munge.socket'},cred_expire=20",
         f"StateSaveLocation={root / 'state'}",
         f"SlurmdSpoolDir={root / 'spool'}",
