@@ -232,16 +232,13 @@ def constants(shape, calibration: dict) -> tuple:
     return flops / calibration["forward_backward_s"], moved / calibration["optimizer_s"]
 
 
-# The model's components on each side of Megatron's timers: the optimizer phase is
-# DeepSpeed's step, which reduces the gradients itself except under ZeRO-2 (reduced in the
-# backward's hooks).
-STEP_SIDE = ("optimizer",)
-
-
 def split(times: dict, layout: Layout) -> tuple:
-    """(forward-backward, optimizer) seconds of the model's components."""
-    step_side = STEP_SIDE + (("data parallel",) if layout.zero_stage < 2 else ())
-    opt = sum(v for k, v in times.items() if k in step_side)
+    """(forward-backward, optimizer) seconds of the model's components, as Megatron's timers
+    cut the step: the optimizer phase is DeepSpeed's step, which also reduces the gradients
+    except under ZeRO-2 (reduced in the backward's hooks)."""
+    opt = times.get("optimizer", 0.0)
+    if layout.zero_stage < 2:
+        opt += times.get("data parallel", 0.0)
     return times["total"] - opt, opt
 
 
