@@ -15,17 +15,20 @@ torch.compile on (``COMPILED``). Predicted (``megatron_streaming.plan``):
   groups are not counted as a model term;
 * step time from the sustained FLOP/s of one rank while every core is busy and the memory
   speed its optimizer step reaches (two one-rank workers of the same model training side by
-  side without syncing, ``--no-diloco-sync``: not one of the layouts below; a rank alone on
-  the machine runs about 10 % faster, since the two share the memory bandwidth; the FLOP/s
-  from their forward-backward time, the optimizer's bytes per second from their optimizer
-  time, both read off Megatron's timers, ``--timing-log-level 1``), the loopback bandwidth
-  between two processes (a gloo all-reduce of 64 MiB) and what a collective costs between
-  two busy ranks beyond its bytes (``collective_costs``), all measured here. The
-  calibration runs right before each row's timed launch (the machine's speed drifts by
-  tens of percent over ten minutes). Each row also compares the two timers on their own:
-  the model's optimizer and (ZeRO-0/1, whose step reduces the gradients) data-parallel
-  terms against the optimizer phase, the rest against forward-backward. A plain copy's
-  speed (``memory_bandwidth``) is printed beside the optimizer's for comparison.
+  side without syncing, ``--no-diloco-sync``, at the row's micro-batch: not one of the
+  layouts below; a rank alone on the machine runs about 10 % faster, since the two share
+  the memory bandwidth; the FLOP/s from their forward-backward time, the optimizer's bytes
+  per second from their optimizer time, both read off Megatron's timers,
+  ``--timing-log-level 1``), the loopback bandwidth between two processes (a gloo
+  all-reduce of 64 MiB, and an all-gather's rate against it: gloo's all-gather is about
+  three times slower per byte) and what a collective costs between two busy ranks beyond
+  its bytes (``collective_costs``), all measured here. The calibration runs right before
+  each of the row's timed launches (the machine's speed drifts by tens of percent over ten
+  minutes), ``--repeats`` pairs of them, averaged. Each row also compares the two timers
+  on their own: the model's optimizer and (ZeRO-0/1, whose step reduces the gradients)
+  data-parallel terms against the optimizer phase, the rest against forward-backward. A
+  plain copy's speed (``memory_bandwidth``) is printed beside the optimizer's for
+  comparison.
 
 Memory is measured in launches with glibc's ``MALLOC_MMAP_THRESHOLD_=131072`` (the runtime
 term's tiny-model launch too): blocks of 128 KiB and more are mapped and unmapped one by one,
@@ -149,19 +152,25 @@ def _two_ranks(code: str) -> str:
     return out.strip().splitlines()[-1]
 
 
-def loopback_bandwidth() -> float:
-    """Bytes/s of a gloo all-reduce of 64 MiB between two processes here (algorithm
-    bandwidth: the tensor's bytes over the time, as the ring model counts it)."""
+def loopback_rates() -> tuple:
+    """(bytes/s of a gloo all-reduce of 64 MiB between two processes here, as the ring model
+    counts it: ``2 (n - 1) / n`` of the tensor over the time; an all-gather's rate against
+    that one, counting ``(n - 1) / n`` of its 64 MiB output: gloo's is about a third)."""
     code = (
         "import os, time, torch, torch.distributed as dist\n"
         "dist.init_process_group('gloo')\n"
-        "x = torch.ones(16 * 2**20)\n"
-        "dist.all_reduce(x)\n"
-        "t = time.perf_counter()\n"
-        "for _ in range(5): dist.all_reduce(x)\n"
-        "s = (time.perf_counter() - t) / 5\n"
-        "if dist.get_rank() == 0: print(x.numel() * 4 * 2 * (2 - 1) / 2 / s)\n")
-    return float(_two_ranks(code))
+        "x, out = torch.ones(16 * 2**20), torch.empty(16 * 2**20)\n"
+        "part = x[:8 * 2**20]\n"
+        "def rate(collective, moved):\n"
+        "    collective(); dist.barrier(); t = time.perf_counter()\n"
+        "    for _ in range(5): collective()\n"
+        "    return moved * 5 / (time.perf_counter() - t)\n"
+        "reduce = rate(lambda: dist.all_reduce(x), x.numel() * 4 * 2 * (2 - 1) / 2)\n"
+        "gather = rate(lambda: dist.all_gather_into_tensor(out, part),\n"
+        "              out.numel() * 4 * (2 - 1) / 2)\n"
+        "if dist.get_rank() == 0: print(reduce, gather / reduce)\n")
+    reduce, gather_speed = map(float, _two_ranks(code).split())
+    return reduce, gather_speed
 
 
 def collective_costs(rounds: int = 3) -> tuple:
@@ -210,15 +219,19 @@ def memory_bandwidth() -> float:
     return min(rates)
 
 
-CALIBRATION = Layout(micro_batch=2)
+def calibration_layout(micro_batch: int) -> Layout:
+    """One rank, ZeRO-1, the row's micro-batch: the GEMMs of a micro-batch of 1 run slower
+    per FLOP here than those of 2 or 4 (as a GPU's MFU falls with the micro-batch), so each
+    row's FLOP/s is measured at its own micro-batch."""
+    return Layout(micro_batch=micro_batch)
 
 
-def calibrate(iters: int) -> dict:
+def calibrate(iters: int, micro_batch: int = 2) -> dict:
     """Two one-rank workers side by side, not syncing (ZeRO-1 over one rank): their
     forward-backward and optimizer times (``constants`` reads the model's speeds off them)."""
-    one = launch(MODEL, CALIBRATION, 2, iters, ["--no-diloco-sync"])
+    one = launch(MODEL, calibration_layout(micro_batch), 2, iters, ["--no-diloco-sync"])
     return {"one_rank_step_s": one["step_s"], "forward_backward_s": one["forward_backward_s"],
-            "optimizer_s": one["optimizer_s"]}
+            "optimizer_s": one["optimizer_s"], "micro_batch": micro_batch}
 
 
 def constants(shape, calibration: dict) -> tuple:
@@ -227,7 +240,7 @@ def constants(shape, calibration: dict) -> tuple:
     optimizer time (DeepSpeed's flat-partition path and torch's single-tensor AdamW on one
     core, not a plain copy's speed)."""
     flops = 3 * forward_flops_per_token(shape) * GLOBAL_BATCH * shape.seq
-    moved = optimizer_bytes(shape, CALIBRATION, Training(global_batch=GLOBAL_BATCH,
+    moved = optimizer_bytes(shape, calibration_layout(1), Training(global_batch=GLOBAL_BATCH,
                                                          streaming=False), FUSED)
     return flops / calibration["forward_backward_s"], moved / calibration["optimizer_s"]
 
@@ -243,12 +256,14 @@ def split(times: dict, layout: Layout) -> tuple:
 
 
 def predict(name: str, layout: Layout, workers: int, runtime: float, peak: float,
-            timed: dict, calibration: dict, loopback: float, latency: float) -> dict:
+            timed: dict, calibration: dict, loopback: float, latency: float,
+            gather_speed: float = 1.0) -> dict:
     """One row: the models' predictions for a layout against what its launches measured."""
     shape, training = shape_of(MODEL), training_of(workers)
     flops, speed = constants(shape, calibration)
     fabric = Fabric(flops, loopback, loopback, devices_per_node=2, memory_bytes_per_s=speed,
-                    collective_seconds=latency, fused_optimizer=FUSED)
+                    collective_seconds=latency, fused_optimizer=FUSED,
+                    gather_speed=gather_speed)
     predicted = estimate(shape, layout, training, runtime)
     times = step_time(shape, layout, training, fabric)
     fb, opt = split(times, layout)
@@ -276,14 +291,23 @@ def predict(name: str, layout: Layout, workers: int, runtime: float, peak: float
     return row
 
 
+def mean_of(runs: list) -> dict:
+    """The step-time keys of several launches, averaged (calibrations and timed launches
+    alternate, so that the machine's drift weighs on both alike)."""
+    keys = ("step_s", "forward_backward_s", "optimizer_s", "one_rank_step_s")
+    return {**runs[0], **{k: statistics.mean(r[k] for r in runs) for k in keys
+                          if k in runs[0]}}
+
+
 def measure(args) -> dict:
     """Every launch: the machine's constants, then per layout its memory, its calibration
     right before its timed launch, and that launch."""
     tiny = shape_of(TINY)
-    bandwidth, memory = loopback_bandwidth(), memory_bandwidth()
+    (bandwidth, gather_speed), memory = loopback_rates(), memory_bandwidth()
     latency, skew = collective_costs()
-    print(f"loopback {bandwidth / 1e9:.2f} GB/s; copy {memory / 1e9:.2f} GB/s per core; "
-          f"a collective {latency * 1e3:.2f} ms + {skew:.1%} of the compute since the last")
+    print(f"loopback {bandwidth / 1e9:.2f} GB/s (all-gather x{gather_speed:.2f}); copy "
+          f"{memory / 1e9:.2f} GB/s per core; a collective {latency * 1e3:.2f} ms + "
+          f"{skew:.1%} of the compute since the last")
     rows = []
     for name, layout, workers in LAYOUTS:
         if args.layouts and not name.startswith(tuple(args.layouts)):
@@ -297,13 +321,16 @@ def measure(args) -> dict:
                 - estimate(tiny, layout, training).total
             measured = launch(MODEL, layout, workers, args.iters, malloc=MMAP)  # memory
             peak = max(measured["peak_rss_mib_per_rank"]) * 2**20
-        calibration = calibrate(args.iters)  # right before
-        timed = launch(MODEL, layout, workers, args.iters)  # step time
+        pairs = [(calibrate(args.iters, layout.micro_batch),
+                  launch(MODEL, layout, workers, args.iters))
+                 for _ in range(args.repeats)]  # each calibration right before its launch
+        calibration, timed = (mean_of([pair[i] for pair in pairs]) for i in (0, 1))
         rows.append(predict(name, layout, workers, runtime, peak, timed, calibration,
-                            bandwidth, latency))
-    return {"model": MODEL, "global_batch": GLOBAL_BATCH,
-            "calibration": {"loopback_bytes_per_s": bandwidth, "collective_seconds": latency,
-                            "rank_skew": skew, "copy_bytes_per_s": memory},
+                            bandwidth, latency, gather_speed))
+    return {"model": MODEL, "global_batch": GLOBAL_BATCH, "repeats": args.repeats,
+            "calibration": {"loopback_bytes_per_s": bandwidth, "gather_speed": gather_speed,
+                            "collective_seconds": latency, "rank_skew": skew,
+                            "copy_bytes_per_s": memory},
             "rows": rows}
 
 
@@ -320,7 +347,8 @@ def predict_again(path: str) -> dict:
                  "optimizer_s": r["measured_optimizer_s"]}
         rows.append(predict(r["layout"], layout, workers, r["runtime_gib"] * GIB,
                             r["measured_gib"] * GIB, timed, r["calibration"],
-                            c["loopback_bytes_per_s"], c["collective_seconds"]))
+                            c["loopback_bytes_per_s"], c["collective_seconds"],
+                            c.get("gather_speed", 1.0)))
     return {**old, "rows": rows, "predicted_again_from": path}
 
 
@@ -330,6 +358,8 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=8)
     ap.add_argument("--layouts", nargs="+", metavar="NAME",
                     help="only the layouts whose names start with these")
+    ap.add_argument("--repeats", type=int, default=2,
+                    help="calibration and timed launch pairs per layout, averaged")
     ap.add_argument("--step-time-only", action="store_true",
                     help="skip the memory launches (half the time)")
     ap.add_argument("--predict-again", metavar="JSON",

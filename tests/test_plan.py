@@ -128,8 +128,9 @@ def test_plan_errors_name_the_file_and_the_field(tmp_path, capsys):
 def test_step_time_counts_every_collective_and_its_bytes():
     """Per layer and micro-batch: TP four all-reduces (six under a full recompute), Ulysses
     query, key, value and context in and their gradients out (eight, twelve), PP a send and a
-    receive per boundary each way, ZeRO a reduce-scatter and an all-gather; each costs the
-    fabric's latency on top of its bytes. GQA (4 of 16 heads' keys and values) to check that
+    receive per boundary each way, data parallel DeepSpeed's all-reduce of the gradient
+    buckets (two ring phases) and under ZeRO-1/2 the all-gather of the updated weights, at
+    the all-gather's own speed; each costs the fabric's latency on top of its bytes. GQA (4 of 16 heads' keys and values) to check that
     Ulysses moves key and value at the query groups' width."""
     from megatron_streaming.plan.step_time import Fabric, step_time
 
@@ -137,8 +138,8 @@ def test_step_time_counts_every_collective_and_its_bytes():
     shape = ModelShape.from_config(cfg.model, 32000)
     t = Training("bf16", global_batch=16)
 
-    def seconds(latency, bandwidth, **kw):
-        fabric = Fabric(1e15, bandwidth, bandwidth, 8, 0.0, latency)
+    def seconds(latency, bandwidth, gather_speed=1.0, **kw):
+        fabric = Fabric(1e15, bandwidth, bandwidth, 8, 0.0, latency, gather_speed=gather_speed)
         return step_time(shape, Layout(**kw), t, fabric)
 
     layers = shape.layers
@@ -149,7 +150,8 @@ def test_step_time_counts_every_collective_and_its_bytes():
             (dict(sp=2, micro_batch=2, recompute=True), "sequence parallel", 12 * layers * 8),
             (dict(pp=2, micro_batch=2), "pipeline", 2 * 8),
             (dict(pp=4, micro_batch=2), "pipeline", 4 * 8),
-            (dict(dp=2, micro_batch=2), "data parallel", 2)]:
+            (dict(dp=2, micro_batch=2, zero_stage=0), "data parallel", 2),
+            (dict(dp=2, micro_batch=2, zero_stage=1), "data parallel", 3)]:
         with_latency, without = seconds(1e-3, 1e30, **kw), seconds(0.0, 1e30, **kw)
         assert with_latency[term] - without[term] == pytest.approx(count * 1e-3), (kw, term)
     # Bytes at 1 B/s, no latency: Ulysses' eight all-to-alls per layer and micro-batch send
@@ -158,6 +160,14 @@ def test_step_time_counts_every_collective_and_its_bytes():
     tokens = 2 * shape.seq / 2  # micro-batch 2, half the sequence per rank
     sent = 2 * layers * 8 * 0.5 * tokens * (2 * 16 + 2 * 4) * kv * 2
     assert seconds(0.0, 1.0, sp=2, micro_batch=2)["sequence parallel"] == pytest.approx(sent)
+    # Data parallel over 4 ranks at 1 B/s: the fp32 gradients' ring all-reduce (2 x 3/4 of
+    # them), then 3/4 of the bf16 weights gathered at a third of that speed (gloo's).
+    from megatron_streaming.plan.memory import estimate_stage
+
+    layout = Layout(dp=4, micro_batch=2, zero_stage=2)
+    params = estimate_stage(shape, layout, t, 0.0, 0).parts["weights"] / t.weight_bytes
+    assert seconds(0.0, 1.0, 1 / 3, dp=4, micro_batch=2, zero_stage=2)["data parallel"] == pytest.approx(
+        2 * 0.75 * 4 * params + 0.75 * 2 * params * 3)
     activation = 2 * shape.seq * shape.hidden * 2
     assert seconds(0.0, 1.0, tp=2, micro_batch=2)["tensor parallel"] == \
         pytest.approx(4 * layers * 8 * activation)  # ring 2 (t - 1) / t = 1 at t = 2

@@ -22,10 +22,14 @@
   fabric's latency: microseconds with NCCL; milliseconds between gloo processes on busy CPU
   cores; ``benchmarks/plan_validation.py`` measures it, and finds no further wait for the
   slower rank that grows with the compute between collectives).
-* Data parallel: the ZeRO reduce-scatter of the gradients and all-gather of the updated
-  weights (a ring all-reduce's volume, ``2 (d - 1) / d`` of the rank's fp32 gradients), on
-  the inter-node bandwidth when the data-parallel group spans nodes; counted as exposed
-  (DeepSpeed's overlap hides part of it on GPUs; the model stays on the safe side).
+* Data parallel, as DeepSpeed 0.19.8 runs it: every ZeRO stage all-reduces the gradient
+  buckets whole (stage 1/2 too: ``use_multi_rank_bucket_allreduce``, each rank then keeps
+  its partition; a ring all-reduce moves ``2 (d - 1) / d`` of the rank's fp32 gradients), and
+  ZeRO-1/2 then all-gather the updated weights (``(d - 1) / d`` of them, at the weights'
+  width), on the inter-node bandwidth when the data-parallel group spans nodes; counted as
+  exposed (DeepSpeed's overlap hides part of it on GPUs; the model stays on the safe side).
+  An all-gather's rate is the all-reduce's times ``Fabric.gather_speed`` (NCCL: the same;
+  gloo on CPU: about a third, ``benchmarks/plan_validation.py`` measures both).
 * Optimizer step: memory-bound, its bytes counted in the code it runs, at the device's
   memory bandwidth (given in the cluster description; without it the term is left out).
   AdamW over the rank's partition: ``FUSED_ADAMW_BYTES`` per element with torch's fused
@@ -60,6 +64,7 @@ class Fabric:
     memory_bytes_per_s: float = 0.0  # the device's own memory; 0: no optimizer-step term
     collective_seconds: float = 0.0  # each blocking collective's cost beyond its bytes
     fused_optimizer: bool = True  # torch's fused AdamW (GPUs); False: its single-tensor path
+    gather_speed: float = 1.0  # an all-gather's bytes/s against an all-reduce's (ring counts)
 
 
 FUSED_ADAMW_BYTES = 28  # one kernel: weight, gradient, two moments read; three written
@@ -148,8 +153,11 @@ def step_time(shape: ModelShape, layout: Layout, training: Training,
         params = estimate_stage(shape, layout, training, 0.0, 0).parts["weights"] \
             / training.weight_bytes
         d = layout.dp * layout.sp
-        out["data parallel"] = 2 * (d - 1) / d * 4 * params \
-            / bandwidth(layout.tp * layout.sp * layout.dp) + 2 * latency
+        link = bandwidth(layout.tp * layout.sp * layout.dp)
+        out["data parallel"] = 2 * (d - 1) / d * 4 * params / link + 2 * latency
+        if layout.zero_stage >= 1:  # the updated weights gathered back
+            out["data parallel"] += (d - 1) / d * training.weight_bytes * params \
+                / (link * fabric.gather_speed) + latency
     optimizer = optimizer_seconds(shape, layout, training, fabric.memory_bytes_per_s,
                                   fabric.fused_optimizer)
     if optimizer:
