@@ -40,31 +40,38 @@ def method_of(flags):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--sweep", default=os.path.join(REPO, "docs/results/slow_link_rtt_sweep.json"))
+    ap.add_argument("--sweep", nargs="+",
+                    default=[os.path.join(REPO, "docs/results/slow_link_rtt_sweep.json")],
+                    help="sweeps; a later one's cells (round trip, rate) replace an earlier's")
     ap.add_argument("--out", default=os.path.join(REPO, "docs/results/plan"))
     args = ap.parse_args(argv)
-    with open(args.sweep) as f:
-        sweep = json.load(f)
+    cells, specs = {}, {}
+    for path in args.sweep:
+        with open(path) as f:
+            sweep = json.load(f)
+        specs.update(sweep["methods"])
+        for rtt, by_rate in sweep["results_by_rtt"].items():
+            for rate, cell in by_rate.items():
+                cells[(float(rtt), float(rate))] = (rtt, rate, cell)
     rows = []
-    for rtt, by_rate in sweep["results_by_rtt"].items():
-        for rate, cell in by_rate.items():
-            methods = cell["methods"]
-            step = methods[CEILING]["ms_per_step"] / 1e3
-            for name, spec in sweep["methods"].items():
-                if spec["kind"] != "workers" or name == CEILING or name not in methods:
-                    continue
-                h, p, tau, eager, bits = method_of(spec["flags"])
-                m = methods[name]
-                # one-rank workers: one connection, Linux's default slow start after idle
-                exchange = exchange_seconds(m["parameters"], bits, 2, p,
-                                            cell["measured_mbit"] / 1e3,
-                                            cell.get("measured_rtt_ms", float(rtt)))
-                predicted = link_utilisation(step, exchange, h, p, tau, eager)
-                rows.append({"rtt_ms": float(rtt), "rate_mbit": float(rate),
-                             "measured_mbit": cell["measured_mbit"], "method": name,
-                             "exchange_s": exchange, "step_s": step,
-                             "predicted": predicted, "measured": m["utilisation"],
-                             "error_points": 100 * (predicted - m["utilisation"])})
+    for rtt, rate, cell in (cells[k] for k in sorted(cells)):
+        methods = cell["methods"]
+        step = methods[CEILING]["ms_per_step"] / 1e3
+        for name, spec in specs.items():
+            if spec["kind"] != "workers" or name == CEILING or name not in methods:
+                continue
+            h, p, tau, eager, bits = method_of(spec["flags"])
+            m = methods[name]
+            # one-rank workers: one connection, Linux's default slow start after idle
+            exchange = exchange_seconds(m["parameters"], bits, 2, p,
+                                        cell["measured_mbit"] / 1e3,
+                                        cell.get("measured_rtt_ms", float(rtt)))
+            predicted = link_utilisation(step, exchange, h, p, tau, eager)
+            rows.append({"rtt_ms": float(rtt), "rate_mbit": float(rate),
+                         "measured_mbit": cell["measured_mbit"], "method": name,
+                         "exchange_s": exchange, "step_s": step,
+                         "predicted": predicted, "measured": m["utilisation"],
+                         "error_points": 100 * (predicted - m["utilisation"])})
     for r in rows:
         print(f"{r['rtt_ms']:5.0f} ms {r['rate_mbit']:5.0f} Mbit/s  {r['method'][:48]:48s} "
               f"predicted {r['predicted']:6.1%}  measured {r['measured']:6.1%}  "
@@ -75,7 +82,8 @@ def main(argv=None) -> int:
           f"worst {max(errors):.1f} points")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "link_validation.json"), "w") as f:
-        json.dump({"sweep": os.path.relpath(args.sweep, REPO), "rows": rows}, f, indent=1)
+        json.dump({"sweep": [os.path.relpath(p, REPO) for p in args.sweep], "rows": rows}, f,
+                  indent=1)
     return 0
 
 

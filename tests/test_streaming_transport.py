@@ -197,6 +197,25 @@ def _transport_worker(rank, world, group):
     out["gated"] = {"done": (done_at_once, done_after_compute), "computed": computed,
                     "mean": r.mean}
     t.close()
+    # The wire over gloo: many point-to-point messages a peer (7 bytes each, the last one
+    # short) carry exactly what gloo's all-to-all and all-gather carry.
+    import torch.distributed as dist
+
+    from megatron_streaming.streaming import transport as wire
+
+    row = (torch.arange(world * 1000) % 251 + 3 * rank).to(torch.uint8)
+    saved, wire.WIRE_CHUNK = wire.WIRE_CHUNK, 7
+    try:
+        swapped, gathered = wire._all_to_all(row, group), wire._all_gather(row[:1000], group,
+                                                                            world)
+    finally:
+        wire.WIRE_CHUNK = saved
+    expected = torch.empty_like(row)
+    dist.all_to_all_single(expected, row, group=group)
+    expected_rows = [torch.empty(1000, dtype=torch.uint8) for _ in range(world)]
+    dist.all_gather(expected_rows, row[:1000].clone(), group=group)
+    out["wire"] = (torch.equal(swapped, expected),
+                   all(torch.equal(a, b) for a, b in zip(gathered, expected_rows)))
     return out
 
 
@@ -230,6 +249,12 @@ def _simulate_exchange(codec, xs):
             total += decoded[w][j * chunk:(j + 1) * chunk]
         out.append(codec.decode(codec.encode(total / M)))
     return torch.cat(out)[:n], chunk
+
+
+@pytest.mark.timeout(120)
+def test_chunked_wire_carries_what_the_collectives_carry(transport_run):
+    M, results = transport_run
+    assert [r["wire"] for r in results] == [(True, True)] * M
 
 
 @pytest.mark.timeout(120)

@@ -4,7 +4,8 @@ Data flow: the sync module hands over one rank's shard of an outer gradient; thi
 quantizes it, runs a quantized reduce-scatter (an all-to-all of codes, decoded and summed in
 fp32) and a quantized all-gather of the averaged chunks over the rank's cross-worker group,
 and hands back the fp32 mean. Two collectives per exchange, whatever the link's round trip
-costs: the finiteness flag, the scales and the codes travel packed in one byte row per peer.
+costs: the finiteness flag, the scales and the codes travel packed in one byte row per peer
+(over gloo as chunked point-to-point messages, all in flight at once: ``_swap``).
 Each rank moves about ``2 (M-1)/M x n x bits`` and every byte it puts on the wire is counted
 here.
 
@@ -285,15 +286,52 @@ def _unpack(row: torch.Tensor, like: List[torch.Tensor]) -> List[torch.Tensor]:
     return out
 
 
+# gloo moves one large message each way over a pair's TCP connection; with both directions
+# busy and no round trip to pace them the two take turns (all-to-all of 25 MB each way over
+# a 100 Mbit/s harness link: 48 % of the rate each way, its all-gather 63 %), where several
+# messages in flight each way keep both directions full (90 %, 91 %; its chunked ring
+# all-reduce does the same; benchmarks/wire_directions.py). So on gloo both collectives go
+# as tagged point-to-point messages of at most WIRE_CHUNK bytes, all posted at once. NCCL
+# keeps its own collectives.
+WIRE_CHUNK = 1 << 18
+
+
+def _swap(sends: List[torch.Tensor], recvs: List[torch.Tensor], group) -> None:
+    """Every peer ``j`` gets ``sends[j]`` into its ``recvs[me]``, in chunks, both ways at
+    once (``sends[me]`` is copied locally)."""
+    me = dist.get_rank(group)
+    recvs[me].copy_(sends[me])
+    works = []
+    for peer in range(len(sends)):
+        if peer == me:
+            continue
+        out, inp = recvs[peer].view(-1), sends[peer].view(-1)
+        step = max(1, WIRE_CHUNK // max(1, inp.element_size()))
+        for tag, start in enumerate(range(0, inp.numel(), step)):
+            works.append(dist.isend(inp[start:start + step], group=group, group_dst=peer,
+                                    tag=tag))
+            works.append(dist.irecv(out[start:start + step], group=group, group_src=peer,
+                                    tag=tag))
+    for work in works:
+        work.wait()
+
+
 def _all_to_all(t: torch.Tensor, group) -> torch.Tensor:
     out = torch.empty_like(t)
-    dist.all_to_all_single(out, t, group=group)
+    if t.device.type != "cpu":
+        dist.all_to_all_single(out, t, group=group)
+        return out
+    parts = dist.get_world_size(group)
+    _swap(list(t.view(parts, -1)), list(out.view(parts, -1)), group)
     return out
 
 
 def _all_gather(t: torch.Tensor, group, parts: int) -> List[torch.Tensor]:
     out = [torch.empty_like(t) for _ in range(parts)]
-    dist.all_gather(out, t, group=group)
+    if t.device.type != "cpu":
+        dist.all_gather(out, t, group=group)
+        return out
+    _swap([t] * parts, out, group)
     return out
 
 
