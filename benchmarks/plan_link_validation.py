@@ -1,7 +1,7 @@
 """The planner's link model against the slow-link harness's measured compute utilisation.
 
-    .venv/bin/python benchmarks/plan_link_validation.py [--sweep docs/results/slow_link_rtt_sweep.json]
-        [--out docs/results/plan]
+    .venv/bin/python benchmarks/plan_link_validation.py \
+        [--sweep docs/results/slow_link_rtt_sweep.json [LATER.json ...]] [--out docs/results/plan]
 
 For every cell of the sweep (link rate x round trip, ``benchmarks/slow_link.py --rtts``) and
 every sync method in it, the utilisation the planner predicts (``plan.search.link_utilisation``

@@ -240,8 +240,9 @@ def constants(shape, calibration: dict) -> tuple:
     optimizer time (DeepSpeed's flat-partition path and torch's single-tensor AdamW on one
     core, not a plain copy's speed)."""
     flops = 3 * forward_flops_per_token(shape) * GLOBAL_BATCH * shape.seq
-    moved = optimizer_bytes(shape, calibration_layout(1), Training(global_batch=GLOBAL_BATCH,
-                                                         streaming=False), FUSED)
+    layout = calibration_layout(calibration.get("micro_batch", 2))
+    moved = optimizer_bytes(shape, layout, Training(global_batch=GLOBAL_BATCH, streaming=False),
+                            FUSED)
     return flops / calibration["forward_backward_s"], moved / calibration["optimizer_s"]
 
 

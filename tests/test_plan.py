@@ -130,8 +130,9 @@ def test_step_time_counts_every_collective_and_its_bytes():
     query, key, value and context in and their gradients out (eight, twelve), PP a send and a
     receive per boundary each way, data parallel DeepSpeed's all-reduce of the gradient
     buckets (two ring phases) and under ZeRO-1/2 the all-gather of the updated weights, at
-    the all-gather's own speed; each costs the fabric's latency on top of its bytes. GQA (4 of 16 heads' keys and values) to check that
-    Ulysses moves key and value at the query groups' width."""
+    the all-gather's own speed; each costs the fabric's latency on top of its bytes. GQA (4
+    of 16 heads' keys and values) to check that Ulysses moves key and value at the query
+    groups' width."""
     from megatron_streaming.plan.step_time import Fabric, step_time
 
     cfg = parse_args([*MODEL, "--group-query-attention", "--num-query-groups", "4"])
@@ -164,9 +165,9 @@ def test_step_time_counts_every_collective_and_its_bytes():
     # them), then 3/4 of the bf16 weights gathered at a third of that speed (gloo's).
     from megatron_streaming.plan.memory import estimate_stage
 
-    layout = Layout(dp=4, micro_batch=2, zero_stage=2)
-    params = estimate_stage(shape, layout, t, 0.0, 0).parts["weights"] / t.weight_bytes
-    assert seconds(0.0, 1.0, 1 / 3, dp=4, micro_batch=2, zero_stage=2)["data parallel"] == pytest.approx(
+    zero2 = dict(dp=4, micro_batch=2, zero_stage=2)
+    params = estimate_stage(shape, Layout(**zero2), t, 0.0, 0).parts["weights"] / t.weight_bytes
+    assert seconds(0.0, 1.0, 1 / 3, **zero2)["data parallel"] == pytest.approx(
         2 * 0.75 * 4 * params + 0.75 * 2 * params * 3)
     activation = 2 * shape.seq * shape.hidden * 2
     assert seconds(0.0, 1.0, tp=2, micro_batch=2)["tensor parallel"] == \

@@ -306,7 +306,7 @@ def _swap(sends: List[torch.Tensor], recvs: List[torch.Tensor], group) -> None:
         if peer == me:
             continue
         out, inp = recvs[peer].view(-1), sends[peer].view(-1)
-        step = max(1, WIRE_CHUNK // max(1, inp.element_size()))
+        step = max(1, WIRE_CHUNK // inp.element_size())
         for tag, start in enumerate(range(0, inp.numel(), step)):
             works.append(dist.isend(inp[start:start + step], group=group, group_dst=peer,
                                     tag=tag))
