@@ -260,6 +260,39 @@ def test_explicit_cache_path_must_be_writable(corpus, tmp_path):
         _datasets(corpus, data_cache_path=str(tmp_path / "file" / "cache"))
 
 
+def test_workers_rank_0s_build_the_shared_cache_one_at_a_time(corpus, tmp_path):
+    """Each worker is its own world with its own rank 0, and the workers share the cache
+    directory: a second rank 0 waits until the first has written every file, then finds them
+    whole (a rank of one worker once loaded a file the other's rank 0 was still writing)."""
+    import threading
+
+    from megatron_streaming.data.cache import build_lock
+
+    cache = str(tmp_path / "cache")
+    first = _datasets(corpus, data_cache_path=cache)  # writes the cache under the lock
+    assert os.path.isfile(os.path.join(cache, ".build.lock"))
+    order, entered = [], threading.Event()
+
+    def other_worker():
+        entered.wait()
+        with build_lock(cache):
+            order.append("second")
+
+    thread = threading.Thread(target=other_worker)
+    thread.start()
+    with build_lock(cache):
+        entered.set()
+        thread.join(timeout=0.5)  # blocked on the lock meanwhile
+        order.append("first")
+    thread.join(timeout=30)
+    assert order == ["first", "second"]
+    again = _datasets(corpus, data_cache_path=cache)  # a cache hit, the same samples
+    assert [int(x) for x in again[0][0]["tokens"][:8]] == \
+        [int(x) for x in first[0][0]["tokens"][:8]]
+    with build_lock(None):  # nothing to guard without a cache
+        pass
+
+
 def test_import_is_cheap():
     code = ("import sys, megatron_streaming.data; "
             "assert not {'torch', 'megatron', 'sentencepiece'} & set(sys.modules)")

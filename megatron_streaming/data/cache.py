@@ -9,9 +9,16 @@ that it can see a probe file rank 0 wrote there. If any cannot (nodes without a 
 system, a node-local tmp dir), all ranks fall back to building the indices in memory, which
 megatron does when the cache path is the empty string; the indices are a pure function of the
 seed, so every rank still gets the same ones.
+
+Each DiLoCo worker is its own world (its own rank 0), and the workers of a job share the cache
+directory: two rank 0s would write the same files at once, and a rank of one worker could load a
+file the other worker's rank 0 is still writing. So a worker's rank 0 builds under an exclusive
+lock on the directory (``build_lock``): the second worker's rank 0 then finds every file whole.
 """
 
 from megatron_streaming.errors import UsageError
+import contextlib
+import fcntl
 import logging
 import os
 import tempfile
@@ -94,3 +101,20 @@ def resolve_cache_path(data_cache_path: Optional[str], prefixes: Sequence[str]) 
         logger.warning("data cache %r is not visible from ranks %s; every rank builds the "
                        "dataset indices in memory instead", path, blind)
     return NO_CACHE
+
+
+@contextlib.contextmanager
+def build_lock(cache_path: Optional[str]):
+    """Held by a worker's rank 0 while it builds (or loads) the indices in ``cache_path``, so
+    that no two workers write the same cache files at once; nothing without a cache."""
+    import torch.distributed as dist
+
+    if not cache_path or (dist.is_initialized() and dist.get_rank() != 0):
+        yield
+        return
+    with open(os.path.join(cache_path, ".build.lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)

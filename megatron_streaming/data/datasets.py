@@ -17,7 +17,7 @@ import re
 import struct
 from typing import Callable, List, Optional, Sequence, Tuple
 
-from megatron_streaming.data.cache import NO_CACHE, resolve_cache_path
+from megatron_streaming.data.cache import NO_CACHE, build_lock, resolve_cache_path
 
 Blend = Tuple[List[str], Optional[List[float]]]
 SPLIT_NAMES = ("train", "valid", "test")
@@ -193,4 +193,5 @@ def _build(tokenizer, seq_length, seed, sizes, blend, blend_per_split, split, ca
                                for size, bounds in zip(sizes, config.split_matrix)]
     builder = BlendedMegatronDatasetBuilder(
         MockGPTDataset if mock else GPTDataset, sizes, is_built_on_rank, config)
-    return tuple(builder.build())
+    with build_lock(cache_path):  # the workers of a job share the cache directory
+        return tuple(builder.build())
