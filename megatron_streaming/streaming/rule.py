@@ -15,7 +15,7 @@ worker alone; an effective outer lr of 7 was worse than not syncing at all at H=
 steps per fragment) and more so at H=5 (240), also with the inner lr 7x below data parallel's
 best; the same step smoothed (lr 0.5, Nesterov 0.5) or a slightly larger one (1.3) gained
 nothing. Smaller H is better; fragments, overlap tau=1 and FP4 cost nothing measurable; the
-merge's alpha 0.5 cost 0.4 % at 1.5M parameters and 3.8 % at 6.6M under plain averaging.
+merge's alpha 0.5 cost 0.4 % at 1.5M parameters and 1.2-3.8 % at 6.6M under plain averaging.
 """
 
 from __future__ import annotations
@@ -141,6 +141,6 @@ def warnings(s, inner_lr: float) -> List[str]:
         out.append(
             f"--diloco-alpha {s.diloco_alpha:g}: keeping part of the local parameters at the "
             "merge cost held-out loss in the quality benchmark, more on the larger model "
-            "(alpha 0.5: +0.4 % at 1.5M parameters, +3.8 % at 6.6M; docs/RESULTS.md); 0 (the "
-            "default) replaces them with the global ones")
+            "(alpha 0.5: +0.4 % at 1.5M parameters, +1.2 to +3.8 % at 6.6M; docs/RESULTS.md); "
+            "0 (the default) replaces them with the global ones")
     return out
