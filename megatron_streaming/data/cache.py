@@ -16,7 +16,6 @@ file the other worker's rank 0 is still writing. So a worker's rank 0 builds und
 lock on the directory (``build_lock``): the second worker's rank 0 then finds every file whole.
 """
 
-from megatron_streaming.errors import UsageError
 import contextlib
 import fcntl
 import logging
@@ -24,6 +23,8 @@ import os
 import tempfile
 import uuid
 from typing import Optional, Sequence
+
+from megatron_streaming.errors import UsageError
 
 logger = logging.getLogger(__name__)
 
