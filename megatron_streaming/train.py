@@ -490,8 +490,12 @@ class Run:
         failure.__cause__ = error
         return failure
 
-    def peak_rss_mib(self) -> list:
-        """Peak resident memory of every rank of this worker (collective over the worker)."""
+    def peak_memory_mib(self) -> dict:
+        """Peak memory of every rank of this worker, in-worker rank order (collective over
+        the worker): ``rss`` the resident peak of the process; on a GPU also ``device`` the
+        caching allocator's allocated peak (Megatron's "max allocated") and
+        ``device_reserved`` what it held from the driver at most (the CUDA context not
+        counted in either)."""
         import resource
 
         import torch
@@ -501,11 +505,16 @@ class Run:
 
         group = self.topology.groups["worker"]
         device = device_of(group)
-        mine = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0],
-                            device=device)
-        gathered = [torch.zeros(1, device=device) for _ in range(dist.get_world_size(group))]
+        mine = [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0]
+        keys = ["rss"]
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            mine += [torch.cuda.max_memory_allocated() / 2**20,
+                     torch.cuda.max_memory_reserved() / 2**20]
+            keys += ["device", "device_reserved"]
+        mine = torch.tensor(mine, device=device)
+        gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
         dist.all_gather(gathered, mine, group=group)
-        return [round(float(x), 1) for x in gathered]
+        return {key: [round(float(x[i]), 1) for x in gathered] for i, key in enumerate(keys)}
 
     def parameter_count(self) -> int:
         """Parameters of the whole model, each counted once (collective over TP x PP)."""
@@ -532,7 +541,7 @@ class Run:
         return report.total_bytes_sent(self.sync, self.topology.groups["worker"],
                                        self.topology.layout.workers)
 
-    def summary(self, train_loss, valid_loss, test_loss, peak_rss, sync_bytes,
+    def summary(self, train_loss, valid_loss, test_loss, peak, sync_bytes,
                 parameters, control_bytes) -> dict:
         steady = self.step_seconds[1:] or self.step_seconds
         return {
@@ -552,7 +561,10 @@ class Run:
             "world_size": self.topology.layout.world_size,
             # Mean step time after the first step (which pays one-off set-up costs).
             "seconds_per_iteration": sum(steady) / len(steady) if steady else None,
-            "peak_rss_mib_per_rank": peak_rss,  # ranks of worker 0, in-worker rank order
+            "peak_rss_mib_per_rank": peak["rss"],  # ranks of worker 0, in-worker rank order
+            # On a GPU: the allocator's allocated and reserved peaks, same order (else absent).
+            **{f"peak_{key}_mib_per_rank": peak[key] for key in ("device", "device_reserved")
+               if key in peak},
             "stopped_by": self.stopped_by,  # a signal that ended training early, or None
             "checkpoint_iteration": self.last_saved,
         }
@@ -611,13 +623,13 @@ def _train_and_report(run: Run) -> Optional[dict]:
         test_loss = run._report_eval("test")
     run.stop.close()
     run.sync.close()  # finishes exchanges still in flight, so the byte count is final
-    peak_rss = run.peak_rss_mib()
+    peak = run.peak_memory_mib()
     sync_bytes = run.cross_worker_bytes()
     control_bytes = run.topology.cross.total_control_bytes(run.topology.groups["worker"])
     parameters = run.parameter_count()
     summary = None
     if run.topology.is_logging_rank():
-        summary = run.summary(train_loss, valid_loss, test_loss, peak_rss, sync_bytes,
+        summary = run.summary(train_loss, valid_loss, test_loss, peak, sync_bytes,
                               parameters, control_bytes)
         if cfg.logging.summary_json:
             write_summary(cfg.logging.summary_json, summary)
