@@ -135,7 +135,7 @@ def shape_of(model_flags) -> ModelShape:
 
 def training_of(workers: int) -> Training:
     return Training(global_batch=GLOBAL_BATCH, streaming=workers > 1, fragments=2,
-                    overlap_steps=1)
+                    overlap_steps=1, device="cpu")
 
 
 def _two_ranks(code: str) -> str:
@@ -256,20 +256,26 @@ def split(times: dict, layout: Layout) -> tuple:
     return times["total"] - opt, opt
 
 
-def predict(name: str, layout: Layout, workers: int, runtime: float, peak: float,
+def runtime_of(layout: Layout, workers: int, tiny_peak: float) -> float:
+    """The runtime term: the tiny model's measured peak less its own model terms."""
+    return tiny_peak - estimate(shape_of(TINY), layout, training_of(workers)).total
+
+
+def predict(name: str, layout: Layout, workers: int, tiny_peak: float, peak: float,
             timed: dict, calibration: dict, loopback: float, latency: float,
             gather_speed: float = 1.0) -> dict:
     """One row: the models' predictions for a layout against what its launches measured."""
     shape, training = shape_of(MODEL), training_of(workers)
+    runtime = runtime_of(layout, workers, tiny_peak)
     flops, speed = constants(shape, calibration)
     fabric = Fabric(flops, loopback, loopback, devices_per_node=2, memory_bytes_per_s=speed,
-                    collective_seconds=latency, fused_optimizer=FUSED,
+                    collective_seconds=latency, fused_optimizer=FUSED, score_bytes=0.0,
                     gather_speed=gather_speed)
     predicted = estimate(shape, layout, training, runtime)
     times = step_time(shape, layout, training, fabric)
     fb, opt = split(times, layout)
     row = {"layout": name, "flags": layout.flags(), "workers": workers,
-           "runtime_gib": runtime / GIB,
+           "runtime_gib": runtime / GIB, "runtime_peak_gib": tiny_peak / GIB,
            "predicted_gib": predicted.total / GIB, "measured_gib": peak / GIB,
            "memory_error": predicted.total / peak - 1,
            "model_terms_predicted_gib": (predicted.total - runtime) / GIB,
@@ -315,18 +321,17 @@ def measure(args) -> dict:
             continue
         training = training_of(workers)
         if args.step_time_only:
-            runtime, peak = 0.0, float("nan")
+            tiny_peak, peak = estimate(tiny, layout, training).total, float("nan")  # runtime 0
         else:
             small = launch(TINY, layout, workers, 2, malloc=MMAP)
-            runtime = max(small["peak_rss_mib_per_rank"]) * 2**20 \
-                - estimate(tiny, layout, training).total
+            tiny_peak = max(small["peak_rss_mib_per_rank"]) * 2**20
             measured = launch(MODEL, layout, workers, args.iters, malloc=MMAP)  # memory
             peak = max(measured["peak_rss_mib_per_rank"]) * 2**20
         pairs = [(calibrate(args.iters, layout.micro_batch),
                   launch(MODEL, layout, workers, args.iters))
                  for _ in range(args.repeats)]  # each calibration right before its launch
         calibration, timed = (mean_of([pair[i] for pair in pairs]) for i in (0, 1))
-        rows.append(predict(name, layout, workers, runtime, peak, timed, calibration,
+        rows.append(predict(name, layout, workers, tiny_peak, peak, timed, calibration,
                             bandwidth, latency, gather_speed))
     return {"model": MODEL, "global_batch": GLOBAL_BATCH, "repeats": args.repeats,
             "calibration": {"loopback_bytes_per_s": bandwidth, "gather_speed": gather_speed,
@@ -346,7 +351,7 @@ def predict_again(path: str) -> dict:
         timed = {"step_s": r["measured_step_s"],
                  "forward_backward_s": r["measured_forward_backward_s"],
                  "optimizer_s": r["measured_optimizer_s"]}
-        rows.append(predict(r["layout"], layout, workers, r["runtime_gib"] * GIB,
+        rows.append(predict(r["layout"], layout, workers, r["runtime_peak_gib"] * GIB,
                             r["measured_gib"] * GIB, timed, r["calibration"],
                             c["loopback_bytes_per_s"], c["collective_seconds"],
                             c.get("gather_speed", 1.0)))

@@ -60,6 +60,82 @@ def test_memory_terms_move_with_the_layout():
     assert offloaded.parts["outer state"] < estimate(shape, Layout(), t).parts["outer state"]
 
 
+def test_attention_and_dropout_terms_follow_the_kernels_each_device_runs():
+    """What autograd saves per layer (benchmarks/memory_phases.py lists it): per score, the
+    fp32 softmax output and the probabilities the context keeps (dropped out, with a bool
+    mask on CUDA and a mask of the activations' width on the CPU; or cast, the softmax
+    itself in fp32); per token two residual dropout masks of the same width; flash: no
+    scores. The backward holds the scores' gradients (e + 4 + 4 bytes each) or the logits,
+    the larger, after the stored activations; a recomputed layer adds its own set."""
+    shape = ModelShape.from_config(parse_args(MODEL).model, 32000)
+    a, s, h, b = shape.heads, shape.seq, shape.hidden, 2
+    plain = dataclasses.replace(shape, attention_dropout=0.0, hidden_dropout=0.0)
+    base = plain.layer_activation_bytes(b, 1, 1, 2, unfused=False)
+    per_score = {("cuda", 2): 4 + 2 + 1, ("cpu", 2): 4 + 2 + 2, ("cpu", 4): 4 + 4 + 4}
+    for (device, e), width in per_score.items():
+        t = Training("bf16" if e == 2 else "fp32", 8, device=device)
+        assert t.mask_bytes == (1 if device == "cuda" else e)
+        got = shape.layer_activation_bytes(b, 1, 1, e, t.mask_bytes)
+        flash = plain.layer_activation_bytes(b, 1, 1, e, unfused=False)
+        assert got - flash == pytest.approx(b * s * (a * s * width + 2 * h * t.mask_bytes))
+    assert plain.layer_activation_bytes(b, 1, 1, 2) - base == b * s * a * s * (4 + 2)
+    assert plain.layer_activation_bytes(b, 1, 1, 4) - plain.layer_activation_bytes(
+        b, 1, 1, 4, unfused=False) == b * s * a * s * 4  # the probabilities are the output
+
+    t = Training("bf16", global_batch=2, streaming=False)  # one micro-batch of 2
+    scores_grad = b * a * s * s * (2 + 4 + 4)
+    plain_parts = estimate(shape, Layout(micro_batch=2), t).parts
+    assert plain_parts["gradients"] == 0  # none yet at the backward's start
+    logits = shape.logits_bytes(2, 1, 1)
+    assert (logits >= scores_grad) == ("logits" in plain_parts)
+    recompute = estimate(shape, Layout(micro_batch=2, recompute=True), t).parts
+    one = shape.layer_activation_bytes(2, 1, 1, 2)
+    assert recompute["recomputed layer"] == pytest.approx(one + scores_grad)
+    flash = estimate(shape, Layout(micro_batch=2), dataclasses.replace(t, attention="flash"))
+    assert flash.parts["activations"] == pytest.approx(
+        shape.layers * plain.layer_activation_bytes(2, 1, 1, 2, unfused=False)
+        + shape.layers * 2 * s * 2 * h * 1)  # the dropout masks stay
+    accumulating = estimate(shape, Layout(micro_batch=1), t).parts  # two micro-batches
+    assert accumulating["gradients"] == pytest.approx(4 * shape.parameters())
+
+
+def test_step_time_counts_the_unfused_attention_and_the_optimizers_host_time():
+    """The local attention's scores cost SCORE_BYTES each at the memory's speed (a full
+    recompute adds the forward's share; flash none; Ulysses is unfused whatever is asked);
+    the fused optimizer path takes the longer of its bytes and HOST_SECONDS_PER_TENSOR per
+    parameter tensor (292 in this 24-layer GPT, as DeepSpeed's per-tensor checks ran on the
+    H200; 6 a layer and 3 more for a Llama without biases)."""
+    from megatron_streaming.plan.step_time import (
+        HOST_SECONDS_PER_TENSOR, SCORE_BYTES, SCORE_BYTES_FORWARD, Fabric, optimizer_bytes,
+        step_time)
+
+    shape = ModelShape.from_config(parse_args(MODEL).model, 32000)
+    assert shape.stage_tensors(1, 0) == 292
+    llama = ModelShape.from_config(parse_args([*MODEL, "--swiglu", "--normalization", "RMSNorm",
+                                               "--position-embedding-type", "rope",
+                                               "--disable-bias-linear",
+                                               "--untie-embeddings-and-output-weights"]
+                                              ).model, 32000)
+    assert llama.stage_tensors(1, 0) == 24 * 6 + 3
+    assert shape.stage_tensors(2, 0) + shape.stage_tensors(2, 1) == 292 + 1  # tied copy
+    t = Training("bf16", global_batch=8, streaming=False)
+    fabric = Fabric(1e15, 1e11, 1e10, 8, memory_bytes_per_s=1e12)
+    scores = 2 * shape.heads * shape.seq ** 2 * 4 * shape.layers  # mb 2, 4 micro-batches
+    plain = step_time(shape, Layout(micro_batch=2), t, fabric)
+    assert plain["attention scores"] == pytest.approx(scores * SCORE_BYTES / 1e12)
+    recompute = step_time(shape, Layout(micro_batch=2, recompute=True), t, fabric)
+    assert recompute["attention scores"] == pytest.approx(
+        scores * (SCORE_BYTES + SCORE_BYTES_FORWARD) / 1e12)
+    flash = dataclasses.replace(t, attention="flash")
+    assert "attention scores" not in step_time(shape, Layout(micro_batch=2), flash, fabric)
+    assert "attention scores" in step_time(shape, Layout(sp=2, micro_batch=2), flash, fabric)
+    moved = optimizer_bytes(shape, Layout(micro_batch=2), t)
+    assert plain["optimizer"] == pytest.approx(max(moved / 1e12, 292 * HOST_SECONDS_PER_TENSOR))
+    cpu = dataclasses.replace(fabric, fused_optimizer=False)
+    assert step_time(shape, Layout(micro_batch=2), t, cpu)["optimizer"] == pytest.approx(
+        optimizer_bytes(shape, Layout(micro_batch=2), t, fused=False) / 1e12)
+
+
 def test_plan_prints_sbatch_lines_that_pretrain_gpt_accepts(capsys):
     assert main([*CLUSTERS, "--rendezvous", "login01.example:29500", *MODEL,
                  "--explain"]) == 0

@@ -93,6 +93,17 @@ def launcher_check(cfg, workers: int):
     return check
 
 
+def attention_kernel(cfg) -> str:
+    """``flash`` where the flags ask for Transformer Engine (its layers or its fused kernels)
+    and no Ladder blocks (built on the local layers); else ``unfused``, megatron-core's own
+    attention, which ``auto`` also is where Transformer Engine is not installed: the plan
+    keeps to the slower, larger one unless told."""
+    m = cfg.model
+    asked = m.transformer_impl == "transformer_engine" or \
+        cfg.te.attention_backend in ("flash", "fused")
+    return "flash" if asked and not (m.ladder_residual or m.ladder_layers) else "unfused"
+
+
 def main(argv=None) -> int:
     from ..arguments import parse_args
     from ..errors import UsageError
@@ -114,7 +125,8 @@ def main(argv=None) -> int:
         s = cfg.streaming
         training = Training(precision, cfg.training.global_batch_size, True,
                             error_feedback=s.diloco_error_feedback,
-                            offload_outer_state=s.diloco_offload_outer_state)
+                            offload_outer_state=s.diloco_offload_outer_state,
+                            attention=attention_kernel(cfg))
         result = plan(shape, clusters, link, cfg.training.global_batch_size,
                       cfg.training.train_iters, training, args.memory_headroom,
                       launcher_check(cfg, len(clusters)), args.link_share, args.max_workers)

@@ -7,7 +7,8 @@ A cluster file (``launch/clusters/*.yaml`` are examples with public specificatio
     devices_per_node: 8
     device_memory_gib: 80
     peak_tflops: 989          # dense, at the training precision (bf16 here)
-    mfu: 0.40                 # sustained fraction of the peak (or give step_seconds below)
+    mfu: 0.40                 # the GEMMs' sustained fraction of the peak (the unfused
+                              # attention's passes through memory are counted apart)
     intra_node_gb_per_s: 450  # per device, one direction (NVLink)
     inter_node_gb_per_s: 50   # per device, one direction (InfiniBand 400 Gb/s)
     runtime_gib: 4            # per rank before the model: CUDA context, NCCL, allocator

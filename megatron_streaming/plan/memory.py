@@ -10,7 +10,9 @@ residual that grows with that term, not as a constant.
   training precision.
 * Gradients: the same count in fp32 (DeepSpeed accumulates in fp32 for bf16/fp16 too);
   ZeRO-2 keeps only its partition plus one reduce bucket (never more than the whole count:
-  a model smaller than the bucket holds its gradients whole, as at stage 1).
+  a model smaller than the bucket holds its gradients whole, as at stage 1). They live from
+  the step's first backward to its optimizer step: with one micro-batch a step the
+  backward's peak (its start) holds none, and the ``gradients`` part is 0 there.
 * Optimizer: the fp32 master partition (a copy even in fp32 runs: DeepSpeed's ZeRO keeps its
   flat partition apart from the module's weights; stage 0 with fp32 keeps none) and Adam's
   two moments, over the ZeRO partition (the data-parallel and Ulysses ranks together).
@@ -20,14 +22,26 @@ residual that grows with that term, not as a constant.
 * Activations: per layer per micro-batch, what Megatron-core's local layers keep for the
   backward (Korthikanti et al. 2022, "Reducing activation recomputation", Table 2, without
   sequence parallelism: ``s b h (10 + 24/t + 5 a s / (h t))`` at 2-byte activations and
-  1-byte dropout masks), scaled to the precision; a full recompute keeps each layer's input
-  only, plus one layer's full set while it is recomputed. The first stage holds
+  1-byte dropout masks), at the precision, with what the code runs instead of their
+  assumptions: the attention softmax in fp32 (megatron-core's default), its output kept at
+  4 bytes beside the dropped-out (or, without dropout, cast) probabilities the context's
+  product keeps; dropout masks of 1 byte on CUDA (its fused kernel keeps a bool) and of the
+  activation's width on the CPU (torch's composite dropout keeps a scaled noise tensor).
+  ``benchmarks/memory_phases.py`` lists what autograd saved, by shape, on either device. A
+  full recompute keeps each layer's input only, plus one layer's full set while it is
+  recomputed. A layer's attention backward holds the scores' gradients at once (the
+  probabilities' at the activations' width, the fp32 softmax's output and input), a layer's
+  worth at a long sequence. Either comes after the loss's backward has freed the logits:
+  the larger of the two is the backward's transient. The first stage holds
   ``min(pp, micro-batches)`` micro-batches (1F1B). Ulysses splits the sequence.
 * Logits: the last stage's ``b s V / t`` fp32 logits, their softmax and its gradient.
-* The optimizer step: about four fp32 copies of the partition at once under ZeRO 1-2 and
-  DeepSpeed's fp16/bf16 optimizers (``STEP_COPIES``), one at stage 0 in fp32 (torch's own
-  AdamW steps the module's parameters in place; ``STEP_COPIES_IN_PLACE``), in memory the
-  backward's activations freed: the peak is the larger of the two.
+* The optimizer step: fp32 copies of the partition held at once under ZeRO 1-2 and
+  DeepSpeed's fp16/bf16 optimizers: about four with torch's single-tensor AdamW on the CPU
+  (``STEP_COPIES``), 1.3 with its fused kernel on CUDA (``STEP_COPIES_FUSED``, the flat
+  gradient partition and little else); one at stage 0 in fp32 (torch's own AdamW steps the
+  module's parameters in place; ``STEP_COPIES_IN_PLACE``), in memory the backward's
+  activations freed: the peak is the larger of the two, and ``optimizer step`` is what the
+  step holds beyond the backward's peak (its gradients too where the backward held none).
 * Runtime: what the process holds before any of this (the framework, the CUDA context and
   allocator reserve; on the CPU the interpreter and libraries): measured once per machine,
   given in the cluster description.
@@ -39,7 +53,8 @@ from dataclasses import dataclass, field
 from typing import Dict
 
 GIB = 1024 ** 3
-STEP_COPIES = 4  # fp32 copies of the ZeRO partition the optimizer step holds at once
+STEP_COPIES = 4  # fp32 copies of the ZeRO partition the optimizer step holds at once (CPU)
+STEP_COPIES_FUSED = 1.3  # the same with CUDA's fused AdamW (memory_phases.py, one H200)
 STEP_COPIES_IN_PLACE = 1  # the same for torch's AdamW on the module's parameters (ZeRO-0 fp32)
 
 
@@ -129,6 +144,18 @@ class ModelShape:
         out += self.hidden * (1 if self.rms_norm else 2)  # final norm
         return int(out + (0 if self.tied else self.vocab * self.hidden))
 
+    def stage_tensors(self, pp: int, stage: int) -> float:
+        """Parameter tensors on a rank of pipeline stage ``stage`` (megatron-core's local
+        layers: two norms, the fused QKV, the projection and the two MLP matrices a layer,
+        their biases and the norms' with bias and LayerNorm)."""
+        per_layer = 6 + self.bias * 4 + (0 if self.rms_norm else 2)
+        out = self.layers / pp * per_layer
+        if stage == 0:
+            out += 1 + self.learned_positions
+        if stage == pp - 1:
+            out += (1 if self.rms_norm else 2) + (not self.tied or pp > 1)
+        return out
+
     def stage_parameters(self, tp: int, pp: int, stage: int) -> float:
         """Parameters on a rank of pipeline stage ``stage``: its layers, the embedding on
         the first, the final norm and the output layer (or the tied copy) on the last."""
@@ -142,10 +169,17 @@ class ModelShape:
         return out
 
     # ---- activations ------------------------------------------------------------------
+    def scores(self, micro_batch: int, tp: int, sp: int) -> float:
+        """Attention scores of one layer and micro-batch on a rank: ``b a s^2 / (t sp)``."""
+        return micro_batch * self.heads / tp * self.seq / sp * self.seq
+
     def layer_activation_bytes(self, micro_batch: int, tp: int, sp: int,
-                               element_bytes: int) -> float:
+                               element_bytes: int, mask_bytes: int = 1,
+                               unfused: bool = True) -> float:
         """What one layer keeps for its backward, for one micro-batch (Korthikanti et al.,
-        no sequence parallelism), with our head count, FFN width and dropout settings."""
+        no sequence parallelism), with our head count, FFN width and dropout settings, the
+        softmax in fp32 and dropout masks ``mask_bytes`` wide; a fused (flash) attention
+        kernel keeps no scores."""
         s, b, h = self.seq / sp, micro_batch, self.hidden
         a = self.heads
         e = element_bytes
@@ -159,12 +193,22 @@ class ModelShape:
             + q / tp * e                   # the attention context (projection input)
             + up / tp * e + self.ffn / tp * e  # the activation's input and output
         )
-        masks = (h if self.hidden_dropout else 0) * 2  # two residual dropouts, 1 byte each
+        masks = (h if self.hidden_dropout else 0) * 2 * mask_bytes  # two residual dropouts
         per_token = kept + masks
-        scores = a / tp * self.seq * e     # softmax output, per query (the full sequence)
-        if self.attention_dropout:
-            scores += a / tp * self.seq      # its dropout mask
+        # Per query, per head and key: the softmax's fp32 output; the probabilities the
+        # context's product keeps: dropped out (with their mask) or cast to the activations'
+        # width (the softmax output itself in fp32).
+        probabilities = (e + mask_bytes) if self.attention_dropout else (e if e != 4 else 0)
+        scores = a / tp * self.seq * (4 + probabilities) if unfused else 0.0
         return s * b * (per_token + scores)
+
+    def attention_backward_bytes(self, micro_batch: int, tp: int, sp: int,
+                                 element_bytes: int) -> float:
+        """The gradients one layer's attention backward holds at once beyond what it saved:
+        the probabilities' gradient at the activations' width and the fp32 softmax's output
+        and input gradients, per score (``b a s^2 / (t sp)``): at a long sequence a layer's
+        worth, the peak of a recomputed layer's backward."""
+        return self.scores(micro_batch, tp, sp) * (element_bytes + 4 + 4)
 
     def logits_bytes(self, micro_batch: int, tp: int, sp: int) -> float:
         """The last stage's fp32 logits, their softmax and its gradient at once."""
@@ -194,10 +238,33 @@ class Training:
     overlap_steps: int = 1
     error_feedback: bool = False
     offload_outer_state: bool = False
+    # The kernels the ranks run: "cuda" (dropout keeps bool masks, AdamW is fused) or "cpu"
+    # (masks of the activations' width, torch's single-tensor AdamW).
+    device: str = "cuda"
+    # The attention: "unfused" (megatron-core's local layers, Ulysses and Ladder: the scores
+    # kept and passed through memory) or "flash" (Transformer Engine's fused kernels).
+    attention: str = "unfused"
 
     @property
     def weight_bytes(self) -> int:
         return 4 if self.precision == "fp32" else 2
+
+    @property
+    def activation_bytes(self) -> int:
+        return 4 if self.precision == "fp32" else 2
+
+    @property
+    def mask_bytes(self) -> int:
+        return 1 if self.device == "cuda" else self.activation_bytes
+
+    def unfused(self, layout: Layout) -> bool:
+        """Whether the attention keeps its scores: the local layers', and Ulysses' (which
+        wraps the local core attention whatever the layer implementation)."""
+        return self.attention == "unfused" or layout.sp > 1
+
+    @property
+    def step_copies(self) -> float:
+        return STEP_COPIES_FUSED if self.device == "cuda" else STEP_COPIES
 
 
 def steps_in_place(layout: Layout, training: Training) -> bool:
@@ -229,9 +296,9 @@ def estimate_stage(shape: ModelShape, layout: Layout, training: Training,
     w = training.weight_bytes
     parts = {"runtime": runtime_bytes, "weights": params * w}
     if layout.zero_stage >= 2:
-        parts["gradients"] = 4 * min(params, partition + 5e8 / zero)
+        gradients = 4 * min(params, partition + 5e8 / zero)
     else:
-        parts["gradients"] = 4 * params
+        gradients = 4 * params
     in_place = steps_in_place(layout, training)
     master = 0 if in_place else 4 * partition
     parts["optimizer"] = master + 8 * partition
@@ -244,27 +311,45 @@ def estimate_stage(shape: ModelShape, layout: Layout, training: Training,
     # The optimizer step's transient: DeepSpeed's flat fp32 gradient partition for the step,
     # Adam's multi-tensor temporaries (the square root of the second moment, the
     # weight-decayed gradient) and the updated partition on its way back into the weights:
-    # about four fp32 copies of the partition (benchmarks/memory_phases.py: 4.4 at TP=2);
-    # torch's AdamW stepping the module's own fp32 parameters (ZeRO-0) holds about one.
-    # It reuses what the activations freed, so the peak takes the larger of the two.
-    step_transient = (STEP_COPIES_IN_PLACE if in_place else STEP_COPIES) * 4 * partition
-    e = 4 if training.precision == "fp32" else 2
+    # about four fp32 copies of the partition with torch's single-tensor AdamW on the CPU
+    # (benchmarks/memory_phases.py: 4.4 at TP=2), 1.3 with CUDA's fused AdamW (the same on
+    # an H200, ZeRO-1 bf16); torch's AdamW stepping the module's own fp32 parameters (ZeRO-0)
+    # holds about one. It reuses what the activations freed, so the peak takes the larger.
+    copies = STEP_COPIES_IN_PLACE if in_place else training.step_copies
+    step_transient = copies * 4 * partition
+    e = training.activation_bytes
     micro_batches = max(1, training.global_batch // (layout.micro_batch * layout.dp))
     in_flight = min(p - stage, micro_batches)  # 1F1B: the first stage holds pp of them
     layers = shape.layers / p
-    one = shape.layer_activation_bytes(layout.micro_batch, t, layout.sp, e)
+    unfused = training.unfused(layout)
+    one = shape.layer_activation_bytes(layout.micro_batch, t, layout.sp, e,
+                                       training.mask_bytes, unfused)
+    logits = shape.logits_bytes(layout.micro_batch, t, layout.sp) if stage == p - 1 else 0.0
+    gradients_of_scores = shape.attention_backward_bytes(layout.micro_batch, t, layout.sp, e) \
+        if unfused else 0.0
     if layout.recompute:
         inputs = layout.micro_batch * shape.seq / layout.sp * shape.hidden * e
-        parts["activations"] = in_flight * layers * inputs + one
+        parts["activations"] = in_flight * layers * inputs
+        layer = ("recomputed layer", one + gradients_of_scores)
     else:
         parts["activations"] = in_flight * layers * one
-    if stage == p - 1:
-        parts["logits"] = shape.logits_bytes(layout.micro_batch, t, layout.sp)
-    backward = parts["activations"] + parts.get("logits", 0.0)
-    if step_transient > backward:  # the optimizer step is the peak
-        parts["optimizer step"] = step_transient - backward
+        layer = ("attention backward", gradients_of_scores)
+    # The loss's backward frees the logits before the last layer's backward (or its
+    # recomputation) starts: the larger of the two is the backward's transient.
+    name, size = ("logits", logits) if logits >= layer[1] else layer
+    if size:
+        parts[name] = size
+    # The gradients exist from a step's first backward to its optimizer step (DeepSpeed sets
+    # them to None after it): the backward's peak, at its start, holds them only when an
+    # earlier micro-batch of the step made them.
+    held = gradients if micro_batches > 1 else 0.0
+    parts["gradients"] = held
+    backward = held + parts["activations"] + size
+    step = gradients + step_transient
+    if step > backward:  # the optimizer step is the peak
+        parts["optimizer step"] = step - backward
     return Memory(parts)
 
 
-__all__ = ["GIB", "Layout", "ModelShape", "Memory", "Training", "estimate", "estimate_stage",
-           "steps_in_place", "zero_partition"]
+__all__ = ["GIB", "STEP_COPIES", "STEP_COPIES_FUSED", "Layout", "ModelShape", "Memory",
+           "Training", "estimate", "estimate_stage", "steps_in_place", "zero_partition"]

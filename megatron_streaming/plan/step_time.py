@@ -4,6 +4,12 @@
   backward, plus one more forward under a full recompute) split over the rank's share of the
   model (TP, PP) and of the sequence (Ulysses), at the cluster's sustained FLOP/s per device
   (peak x MFU, or what a measured step implies).
+* Unfused attention (megatron-core's local layers): the scores' passes through memory, the
+  fp32 softmax's casts, mask, dropout and their gradients, ``SCORE_BYTES`` per score
+  element forward and backward (``SCORE_BYTES_FORWARD`` more under a full recompute) at the
+  device's memory bandwidth. It is most of a step at a long sequence (one H200, its
+  profile: 423 of 620 ms of a 1.28B GPT's forward-backward at sequence 2048, 1029 of 1335 ms
+  of a 0.85B Llama's at 4096; the GEMMs ran at 0.7 of the peak). Flash attention has none.
 * Pipeline bubble (1F1B): the compute stretched by ``(pp - 1) / m`` for ``m`` micro-batches
   per data-parallel replica (Narayanan et al. 2021).
 * Tensor parallel: four all-reduces of ``b s h`` activations per layer per micro-batch (two
@@ -43,7 +49,11 @@
   (no partition copies) after DeepSpeed's bucketed all-reduce, which flattens the gradients
   and copies them back (``ALLREDUCE_BUCKET_BYTES`` per element, with data-parallel ranks).
   None of it shrinks with the batch, which the compute does: a layout of more data-parallel
-  ranks pays it on a smaller share of the work.
+  ranks pays it on a smaller share of the work. On a GPU the step is bound by the host as
+  often as by the bytes: DeepSpeed checks each parameter tensor for non-finite values and
+  copies it apart (about fifteen kernel launches a tensor), ``HOST_SECONDS_PER_TENSOR``
+  each, and the phase takes the longer of the two (one H200, 1.28B GPT of 292 tensors:
+  114 ms, where the bytes take 20; ``benchmarks/plan_device.py``).
 """
 
 from __future__ import annotations
@@ -52,6 +62,12 @@ from dataclasses import dataclass
 from typing import Dict
 
 from .memory import Layout, ModelShape, Training, steps_in_place, zero_partition
+
+
+# The unfused attention's memory traffic per score element: about 30 ps each on one H200
+# (both models above), which is 150 bytes at its specified 4.8 TB/s; the forward's share.
+SCORE_BYTES = 150
+SCORE_BYTES_FORWARD = 65
 
 
 @dataclass(frozen=True)
@@ -65,6 +81,9 @@ class Fabric:
     collective_seconds: float = 0.0  # each blocking collective's cost beyond its bytes
     fused_optimizer: bool = True  # torch's fused AdamW (GPUs); False: its single-tensor path
     gather_speed: float = 1.0  # an all-gather's bytes/s against an all-reduce's (ring counts)
+    # The unfused attention's bytes per score element; 0 where a measured FLOP/s already
+    # holds them (benchmarks/plan_validation.py calibrates on the same model).
+    score_bytes: float = SCORE_BYTES
 
 
 FUSED_ADAMW_BYTES = 28  # one kernel: weight, gradient, two moments read; three written
@@ -74,6 +93,9 @@ UNFUSED_ADAMW_BYTES = 80
 ZERO_PARTITION_BYTES = 28  # out of the bucket (8), flattened (8), norm (4), copied back (8)
 ZERO_BUCKET_BYTES = 20  # contiguous (8) and into the reduce bucket (8), gathered weights (4)
 ALLREDUCE_BUCKET_BYTES = 16  # ZeRO-0's all-reduce: flattened into buckets, copied back
+# The host's share of the GPU path's step, per parameter tensor (DeepSpeed 0.19.8, ZeRO-1
+# bf16 on one H200's host: 110 ms of launches and checks for 292 tensors).
+HOST_SECONDS_PER_TENSOR = 3.75e-4
 
 
 def optimizer_bytes(shape: ModelShape, layout: Layout, training: Training,
@@ -90,10 +112,14 @@ def optimizer_bytes(shape: ModelShape, layout: Layout, training: Training,
 
 def optimizer_seconds(shape: ModelShape, layout: Layout, training: Training,
                       memory_bytes_per_s: float, fused: bool = True) -> float:
-    """The optimizer step of the busiest rank."""
+    """The optimizer step of the busiest rank: its bytes at the memory's speed or, with the
+    fused (GPU) path, its tensors' host time, whichever is longer."""
     if not memory_bytes_per_s:
         return 0.0
-    return optimizer_bytes(shape, layout, training, fused) / memory_bytes_per_s
+    device = optimizer_bytes(shape, layout, training, fused) / memory_bytes_per_s
+    if not fused:  # the CPU runs every operation where it is launched: bytes alone
+        return device
+    return max(device, shape.stage_tensors(layout.pp, 0) * HOST_SECONDS_PER_TENSOR)
 
 
 def forward_flops_per_token(shape: ModelShape) -> float:
@@ -123,6 +149,13 @@ def step_time(shape: ModelShape, layout: Layout, training: Training,
     activation = layout.micro_batch * shape.seq / layout.sp * shape.hidden * e
     layers = shape.layers / layout.pp
     out = {"compute": compute, "bubble": bubble}
+    if training.unfused(layout) and fabric.memory_bytes_per_s and fabric.score_bytes:
+        per_score = fabric.score_bytes * (1 + (SCORE_BYTES_FORWARD / SCORE_BYTES
+                                               if layout.recompute else 0))
+        scores = shape.scores(layout.micro_batch, layout.tp, layout.sp) * micro_batches \
+            * shape.layers / layout.pp
+        out["attention scores"] = scores * per_score / fabric.memory_bytes_per_s
+        out["bubble"] += out["attention scores"] * (layout.pp - 1) / micro_batches
     intra = fabric.intra_node_bytes_per_s
 
     def bandwidth(span: int) -> float:  # a group of ranks within ``span`` consecutive ones
@@ -166,5 +199,5 @@ def step_time(shape: ModelShape, layout: Layout, training: Training,
     return out
 
 
-__all__ = ["Fabric", "forward_flops_per_token", "optimizer_bytes", "optimizer_seconds",
+__all__ = ["HOST_SECONDS_PER_TENSOR", "SCORE_BYTES", "SCORE_BYTES_FORWARD", "Fabric", "forward_flops_per_token", "optimizer_bytes", "optimizer_seconds",
            "step_time"]
