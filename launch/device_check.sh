@@ -9,6 +9,8 @@
 # Work in $WORK (default /tmp/device_check); at most 8 files land in $OUT (default runs/device).
 # VARIANTS=streaming,plain: the quality run's streaming runs (benchmarks/gpu.py --variants), with
 # SLOWDOWN (default 3.2) the cost of a step of the concurrent runs in quiet timeline steps.
+# STAGES="plan": the planner's memory and step time against the GPU (benchmarks/plan_device.py,
+# four launches of 1.28B and 0.85B models, about 5 minutes), its JSON and log into $OUT.
 # REHEARSE=1: the same sequence on a CPU machine (tiny model, codec on the CPU), to try it out.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -85,6 +87,12 @@ if has quality; then
   wait $tests
   echo "== cuda tests"; grep -E "^(FAILED|ERROR)|passed|failed|^E  " "$OUT/cuda_tests.log" | head -40
   echo "== quality"; tail -12 "$W/quality.out"
+fi
+if has plan; then
+  echo "== the planner against the GPU ($(left) s left)"
+  timeout $(( $(left) - 10 )) python3 benchmarks/plan_device.py $tiny --out "$OUT" \
+    > "$OUT/plan_device.log" 2>&1
+  grep -v -i warn "$OUT/plan_device.log" | tail -12
 fi
 cp "$W/quality/quality.json" "$W/timeline/timeline.json" "$W/micro_codec.json" "$OUT/" \
   2>/dev/null
