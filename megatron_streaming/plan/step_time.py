@@ -199,5 +199,5 @@ def step_time(shape: ModelShape, layout: Layout, training: Training,
     return out
 
 
-__all__ = ["HOST_SECONDS_PER_TENSOR", "SCORE_BYTES", "SCORE_BYTES_FORWARD", "Fabric", "forward_flops_per_token", "optimizer_bytes", "optimizer_seconds",
-           "step_time"]
+__all__ = ["HOST_SECONDS_PER_TENSOR", "SCORE_BYTES", "SCORE_BYTES_FORWARD", "Fabric",
+           "forward_flops_per_token", "optimizer_bytes", "optimizer_seconds", "step_time"]
