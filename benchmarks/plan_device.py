@@ -25,9 +25,9 @@ Written to OUT/plan_device.json (docs/RESULTS.md, "The planner on a GPU").
 """
 
 import argparse
+import dataclasses
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -35,10 +35,12 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 
 from megatron_streaming.plan.clusters import load_cluster  # noqa: E402
 from megatron_streaming.plan.memory import GIB, Layout, ModelShape, Training, estimate  # noqa
 from megatron_streaming.plan.step_time import forward_flops_per_token, step_time  # noqa: E402
+from plan_validation import step_means  # noqa: E402
 
 GPT = ["--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16",
        "--seq-length", "2048", "--max-position-embeddings", "2048", "--vocab-size", "32000",
@@ -86,15 +88,8 @@ def launch(model_flags, layout: Layout, iters: int, gpu: bool) -> dict:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-4000:]}")
         with open(summary) as f:
             out = json.load(f)
-        with open(jsonl) as f:
-            lines = [json.loads(line) for line in f]
-        lines = [r for r in lines if "train/step_seconds" in r][SETTLING:]
-        for key, tag, scale in (("step_s", "train/step_seconds", 1.0),
-                                ("forward_backward_s", "timers/forward-backward-time", 1e-3),
-                                ("optimizer_s", "timers/optimizer-time", 1e-3)):
-            out[key] = statistics.mean(r[tag] * scale for r in lines)
-        out["launch_s"] = time.perf_counter() - started
-        return out
+        return {**out, **step_means(jsonl, SETTLING),
+                "launch_s": time.perf_counter() - started}
 
 
 def remeasured(old: dict) -> dict:
@@ -144,8 +139,7 @@ def row(name, layout, model_flags, cluster, measured: dict) -> dict:
           f"({out['memory_error']:+.1%}; reserved {out['reserved_gib']:.2f}), step "
           f"{out['predicted_step_s']:.3f} vs {out['measured_step_s']:.3f} s "
           f"({out['time_error']:+.1%}; compute {out['predicted_compute_s']:.3f} vs "
-          f"forward-backward "
-          f"{measured['forward_backward_s']:.3f}, optimizer {out['predicted_optimizer_s']:.4f} "
+          f"forward-backward {measured['forward_backward_s']:.3f}, optimizer {out['predicted_optimizer_s']:.4f} "
           f"vs {measured['optimizer_s']:.4f}; implied MFU {out['implied_mfu']:.2f})",
           flush=True)
     return out
@@ -153,11 +147,10 @@ def row(name, layout, model_flags, cluster, measured: dict) -> dict:
 
 def calibrated(rows: list, cluster) -> None:
     """Each row's step at the first row's implied MFU (the cluster described as measured)."""
-    import dataclasses
-
     measured_cluster = dataclasses.replace(cluster, mfu=rows[0]["implied_mfu"])
-    for r, (_, flags, _, layout) in zip(rows, [next(x for x in ROWS if label_of(x) == r[
-            "layout"]) for r in rows]):
+    entries = {label_of(entry): entry for entry in ROWS}
+    for r in rows:
+        _, flags, _, layout = entries[r["layout"]]
         shape, training = shape_and_training(flags)
         total = step_time(shape, layout, training, measured_cluster.fabric())["total"]
         r["calibrated_mfu"] = measured_cluster.mfu
@@ -196,8 +189,7 @@ def main(argv=None) -> int:
         model, flags, _, layout = entry
         label = label_of(entry)
         if old:
-            found = [r for r in old["rows"] if r["layout"] in (label, entry[2]) and
-                     r.get("model", "gpt") == model]
+            found = [r for r in old["rows"] if r["layout"] == label]
             if not found:
                 continue
             measured = remeasured(found[0])
@@ -214,8 +206,7 @@ def main(argv=None) -> int:
     with open(os.path.join(args.out, "plan_device.json"), "w") as f:
         json.dump({"device": name, "cluster": path,
                    "global_batch": GLOBAL_BATCH, "iters": old["iters"] if old else args.iters,
-                   "rows": rows}, f,
-                  indent=1)
+                   "rows": rows}, f, indent=1)
     return 0
 
 

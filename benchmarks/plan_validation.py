@@ -116,14 +116,19 @@ def launch(model_flags, layout: Layout, workers: int, iters: int, extra=(),
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
         with open(summary) as f:
             out = json.load(f)
-        with open(os.path.join(tmp, "log.jsonl")) as f:
-            lines = [json.loads(line) for line in f]
-        lines = [r for r in lines if "train/step_seconds" in r][SETTLING:]
-        for key, tag, scale in (("step_s", "train/step_seconds", 1.0),
-                                ("forward_backward_s", "timers/forward-backward-time", 1e-3),
-                                ("optimizer_s", "timers/optimizer-time", 1e-3)):
-            out[key] = statistics.mean(r[tag] * scale for r in lines) if lines else None
-        return out
+        return {**out, **step_means(os.path.join(tmp, "log.jsonl"), SETTLING)}
+
+
+def step_means(jsonl: str, settling: int) -> dict:
+    """The step and Megatron's forward-backward and optimizer timers (seconds), averaged over
+    the steps of a ``--log-jsonl`` file after the first ``settling``."""
+    with open(jsonl) as f:
+        lines = [json.loads(line) for line in f]
+    lines = [r for r in lines if "train/step_seconds" in r][settling:]
+    return {key: statistics.mean(r[tag] * scale for r in lines) if lines else None
+            for key, tag, scale in (("step_s", "train/step_seconds", 1.0),
+                                    ("forward_backward_s", "timers/forward-backward-time", 1e-3),
+                                    ("optimizer_s", "timers/optimizer-time", 1e-3))}
 
 
 def shape_of(model_flags) -> ModelShape:

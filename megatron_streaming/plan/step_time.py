@@ -137,25 +137,24 @@ def forward_flops_per_token(shape: ModelShape) -> float:
 def step_time(shape: ModelShape, layout: Layout, training: Training,
               fabric: Fabric) -> Dict[str, float]:
     """Seconds per step by component, and ``total``."""
-    e = 4 if training.precision == "fp32" else 2
+    e = training.activation_bytes
     replica_batch = training.global_batch / layout.dp
     micro_batches = max(1, replica_batch / layout.micro_batch)
     tokens = replica_batch * shape.seq
     passes = 4 if layout.recompute else 3
     flops = passes * forward_flops_per_token(shape) * tokens \
         / (layout.tp * layout.pp * layout.sp)
-    compute = flops / fabric.flops_per_device
-    bubble = compute * (layout.pp - 1) / micro_batches
     activation = layout.micro_batch * shape.seq / layout.sp * shape.hidden * e
     layers = shape.layers / layout.pp
-    out = {"compute": compute, "bubble": bubble}
+    out = {"compute": flops / fabric.flops_per_device}
     if training.unfused(layout) and fabric.memory_bytes_per_s and fabric.score_bytes:
         per_score = fabric.score_bytes * (1 + (SCORE_BYTES_FORWARD / SCORE_BYTES
                                                if layout.recompute else 0))
-        scores = shape.scores(layout.micro_batch, layout.tp, layout.sp) * micro_batches \
-            * shape.layers / layout.pp
+        scores = shape.scores(layout.micro_batch, layout.tp, layout.sp) * micro_batches * layers
         out["attention scores"] = scores * per_score / fabric.memory_bytes_per_s
-        out["bubble"] += out["attention scores"] * (layout.pp - 1) / micro_batches
+    # 1F1B stretches the stage's whole forward-backward work, the scores' passes too.
+    out["bubble"] = (out["compute"] + out.get("attention scores", 0.0)) \
+        * (layout.pp - 1) / micro_batches
     intra = fabric.intra_node_bytes_per_s
 
     def bandwidth(span: int) -> float:  # a group of ranks within ``span`` consecutive ones
