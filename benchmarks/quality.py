@@ -136,6 +136,11 @@ VARIANTS = {
     "defaults_lr_spaced": ("defaults with --diloco-sync-spacing lr",
                            ["--diloco-inner-steps", "30", *STREAM, "--diloco-quantize", "fp4",
                             "--diloco-sync-spacing", "lr"]),
+    # As many syncs, by the lr's inverse square root: sparse at the peak, dense in the warm-up
+    # and the decay, where the gap to data parallel opens (the curves' gap by step).
+    "defaults_decay_spaced": ("defaults with --diloco-sync-spacing decay",
+                              ["--diloco-inner-steps", "30", *STREAM, "--diloco-quantize",
+                               "fp4", "--diloco-sync-spacing", "decay"]),
     # Each exchange applied a whole round late, the worker's own share at once.
     "defaults_eager": ("defaults with eager outer updates instead of tau=1",
                        ["--diloco-inner-steps", "30", *STREAM, "--diloco-quantize", "fp4",

@@ -224,8 +224,10 @@ class StreamingConfig:
         choices=["strided", "sequential"])
     diloco_sync_spacing: str = arg(
         "steps", "When fragments sync: every H/P steps (steps), or as often over the run but "
-        "at equal shares of the summed learning rate (lr): often while the lr is high, "
-        "seldom at the end of its decay.", choices=["steps", "lr"])
+        "at equal shares of the summed learning rate (lr: often while the lr is high, "
+        "seldom at the end of its decay) or of its inverse square root (decay: seldom at the "
+        "peak, often in the warm-up and at the end of the decay).",
+        choices=["steps", "lr", "decay"])
     diloco_overlap_steps: int = arg(
         0, "tau: inner steps that overlap a fragment's exchange before its merge (< H/P).")
     diloco_eager: bool = arg(

@@ -12,7 +12,7 @@ import torch
 from megatron_streaming.config import Config
 from megatron_streaming.streaming import builder
 from megatron_streaming.streaming.fragments import FragmentPlan
-from megatron_streaming.streaming.schedule import SyncSchedule, lr_spaced_sends
+from megatron_streaming.streaming.schedule import SyncSchedule, spaced_sends, sync_weights
 
 
 def _gen(seed):
@@ -93,7 +93,7 @@ def test_schedule_rejects_bad_settings_naming_flags_and_values(H, P, tau, flags)
 @pytest.mark.parametrize("spaced", [False, True])
 @pytest.mark.parametrize("H,P", [(6, 3), (4, 1), (12, 4)])
 def test_eager_schedule_merges_each_exchange_at_its_fragments_next_send(H, P, spaced):
-    send_steps = lr_spaced_sends([1.0 / (i + 1) for i in range(5 * H)], H // P, 0) \
+    send_steps = spaced_sends([1.0 / (i + 1) for i in range(5 * H)], H // P, 0) \
         if spaced else None
     sched = SyncSchedule(H, P, 0, send_steps, eager=True)
     in_flight = {}  # fragment -> step it was sent after
@@ -112,34 +112,42 @@ def test_eager_schedule_merges_each_exchange_at_its_fragments_next_send(H, P, sp
 
 def test_lr_spacing_with_a_constant_lr_is_even_spacing():
     even = SyncSchedule(12, 3, 1)
-    spaced = SyncSchedule(12, 3, 1, lr_spaced_sends([1e-3] * 120, even.interval, 1))
+    spaced = SyncSchedule(12, 3, 1, spaced_sends([1e-3] * 120, even.interval, 1))
     assert spaced.send_steps == tuple(range(4, 121, 4))
     for step in range(0, 200):  # also past the end: sends go on every H/P steps
         assert spaced.sends_after(step) == even.sends_after(step), step
         assert spaced.merges_after(step) == even.merges_after(step), step
 
 
-def test_lr_spacing_follows_the_runs_own_learning_rate():
+@pytest.mark.parametrize("spacing", ["lr", "decay"])
+def test_spacing_follows_the_runs_own_learning_rate(spacing):
     from megatron_streaming.arguments import parse_args
     from megatron_streaming.engine import lr_at
 
     cfg = parse_args(["--mock-data", "--diloco-workers", "2", "--diloco-inner-steps", "12",
                       "--diloco-fragments", "3", "--diloco-overlap-steps", "1",
-                      "--diloco-sync-spacing", "lr", "--lr-decay-style", "cosine",
+                      "--diloco-sync-spacing", spacing, "--lr-decay-style", "cosine",
                       "--lr-warmup-iters", "10", "--train-iters", "240"])
-    expected = lr_spaced_sends([lr_at(i, cfg) for i in range(240)], 4, 1)
+    lrs = [lr_at(i, cfg) for i in range(240)]
+    expected = spaced_sends(sync_weights(spacing, lrs), 4, 1)
     assert builder.sync_schedule(cfg).send_steps == expected and len(expected) == 60
 
 
-def test_lr_spacing_syncs_often_early_and_as_often_over_the_run():
+@pytest.mark.parametrize("spacing", ["lr", "decay"])
+def test_spacing_is_as_often_over_the_run_and_dense_where_it_says(spacing):
     T, H, P, tau = 1200, 30, 3, 1
     lrs = [2e-3 * min(1, (i + 1) / 30) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * i / T)))
            for i in range(T)]
-    sends = lr_spaced_sends(lrs, H // P, tau)
+    sends = spaced_sends(sync_weights(spacing, lrs), H // P, tau)
     assert len(sends) == T // (H // P) and sends[-1] == T
     gaps = [b - a for a, b in zip((0, *sends), sends)]
     assert min(gaps) >= tau + 1
-    assert max(gaps[2:20]) < H // P < min(gaps[-5:])  # dense at the peak lr, sparse at the end
+    peak = [g for s, g in zip(sends, gaps) if 60 <= s <= 200]  # past the warm-up, lr near peak
+    if spacing == "lr":  # dense at the peak lr, sparse at the end
+        assert max(peak) < H // P < min(gaps[-5:])
+    else:  # sparse at the peak, dense in the warm-up and at the end; 1/sqrt(lr): 10x -> ~3x
+        assert max(gaps[-5:]) < H // P < min(peak) and gaps[0] < min(peak)
+        assert 2.5 < sum(peak) / len(peak) / (sum(gaps[-5:]) / 5) < 3.5
     schedule = SyncSchedule(H, P, tau, sends)
     fragments = [schedule.sends_after(s) for s in range(1, T + 1)]
     assert sum(len(f) for f in fragments) == len(sends)
@@ -147,6 +155,11 @@ def test_lr_spacing_syncs_often_early_and_as_often_over_the_run():
     for s in sends:
         assert schedule.merges_after(s + tau) == schedule.sends_after(s)
         assert schedule.in_flight_after(s) == schedule.sends_after(s)
+
+
+def test_spacing_names_the_flag_when_unknown():
+    with pytest.raises(ValueError, match=r"--diloco-sync-spacing 'often'"):
+        sync_weights("often", [1e-3])
 
 
 # ---- fragments.py -----------------------------------------------------------------------------

@@ -33,19 +33,20 @@ def fragment_plan(cfg: Config) -> FragmentPlan:
 
 def sync_schedule(cfg: Config, dp: int = 1) -> SyncSchedule:
     """The schedule of the flags (``dp``: a worker's data-parallel size, for a batch ramp's
-    effect on the learning rate under ``--diloco-sync-spacing lr``)."""
+    effect on the learning rate under ``--diloco-sync-spacing lr|decay``)."""
     s = cfg.streaming
     schedule = SyncSchedule(s.diloco_inner_steps, num_fragments(cfg), s.diloco_overlap_steps,
                             eager=s.diloco_eager)
-    if s.diloco_sync_spacing == "lr" and cfg.training.train_iters:
+    if s.diloco_sync_spacing != "steps" and cfg.training.train_iters:
         from ..schedules import BatchSchedule, LrSchedule
-        from .schedule import lr_spaced_sends
+        from .schedule import spaced_sends, sync_weights
 
         lr = LrSchedule(cfg, BatchSchedule(cfg.training, cfg.model.seq_length, dp))
         lrs = [lr(i) for i in range(cfg.training.train_iters)]
         schedule = SyncSchedule(s.diloco_inner_steps, num_fragments(cfg),
                                 s.diloco_overlap_steps,
-                                lr_spaced_sends(lrs, schedule.interval, s.diloco_overlap_steps),
+                                spaced_sends(sync_weights(s.diloco_sync_spacing, lrs),
+                                             schedule.interval, s.diloco_overlap_steps),
                                 s.diloco_eager)
     return schedule
 

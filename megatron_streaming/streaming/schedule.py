@@ -25,7 +25,7 @@ class SyncSchedule:
     inner_steps: int      # H
     num_fragments: int    # P
     overlap_steps: int = 0  # tau
-    # ``--diloco-sync-spacing lr``: the steps after which the 1st, 2nd, ... send starts (one
+    # ``--diloco-sync-spacing lr|decay``: the steps after which the 1st, 2nd, ... send starts (one
     # fragment each, in the same rotation as evenly spaced sends); past the last of them,
     # sends go on every H/P steps. None: every H/P steps from the start.
     send_steps: Optional[Tuple[int, ...]] = None
@@ -104,20 +104,39 @@ class SyncSchedule:
                 for p in self.sends_after(s)]
 
 
-def lr_spaced_sends(lrs: Sequence[float], interval: int, overlap_steps: int) -> Tuple[int, ...]:
-    """``--diloco-sync-spacing lr``: as many sends as every ``interval`` steps would make over
-    ``len(lrs)`` steps, placed where the summed learning rate crosses equal shares of its total,
-    so a fragment syncs often while the lr is high (the workers drift apart fastest) and
-    seldom at the end of the decay. ``lrs[i]`` is step i+1's. Two sends are at least
-    ``overlap_steps + 1`` apart."""
-    total, sends = sum(lrs), len(lrs) // interval
+def spaced_sends(weights: Sequence[float], interval: int,
+                 overlap_steps: int) -> Tuple[int, ...]:
+    """``--diloco-sync-spacing lr|decay``: as many sends as every ``interval`` steps would make
+    over ``len(weights)`` steps, placed where the summed weight crosses equal shares of its
+    total, so the sends are dense where the weight is high. ``weights[i]`` is step i+1's
+    (``sync_weights``). Two sends are at least ``overlap_steps + 1`` apart: where the weight
+    crowds them closer, the later ones move on, and at the end of the run the earlier ones
+    move back, so the count stays."""
+    total, sends, gap = sum(weights), len(weights) // interval, overlap_steps + 1
     if sends == 0 or total <= 0:
         return ()
     out, running, k = [], 0.0, 1
-    for step, lr in enumerate(lrs, start=1):
-        running += lr
+    for step, weight in enumerate(weights, start=1):
+        running += weight
         while k <= sends and running >= total * k / sends * (1 - 1e-12):
-            earliest = out[-1] + overlap_steps + 1 if out else 1
-            out.append(max(step, earliest))
+            out.append(max(step, out[-1] + gap if out else 1))
             k += 1
-    return tuple(s for s in out if s <= len(lrs))
+    latest = len(weights)  # interval > overlap_steps: sends x gap fits in the run
+    for i in reversed(range(len(out))):
+        out[i] = latest = min(out[i], latest)
+        latest -= gap
+    return tuple(out)
+
+
+def sync_weights(spacing: str, lrs: Sequence[float]) -> List[float]:
+    """Each step's share of the sends under ``--diloco-sync-spacing``: ``lr``, the learning
+    rate itself (often while it is high, where the workers drift apart fastest); ``decay``,
+    its inverse square root (sparse at the peak, dense in the warm-up and at the end of the
+    decay, where the quality benchmark saw the gap to data parallel open; floored at a
+    hundredth of the peak so that a zero lr stays finite)."""
+    if spacing == "lr":
+        return list(lrs)
+    if spacing == "decay":
+        floor = max(lrs) / 100
+        return [max(lr, floor) ** -0.5 for lr in lrs]
+    raise ValueError(f"--diloco-sync-spacing {spacing!r}: one of steps, lr, decay")
