@@ -157,6 +157,10 @@ def test_spacing_is_as_often_over_the_run_and_dense_where_it_says(spacing):
         assert schedule.in_flight_after(s) == schedule.sends_after(s)
 
 
+def test_decay_spacing_with_a_zero_lr_is_even_spacing():
+    assert spaced_sends(sync_weights("decay", [0.0] * 120), 4, 1) == tuple(range(4, 121, 4))
+
+
 def test_spacing_names_the_flag_when_unknown():
     with pytest.raises(ValueError, match=r"--diloco-sync-spacing 'often'"):
         sync_weights("often", [1e-3])

@@ -133,10 +133,11 @@ def sync_weights(spacing: str, lrs: Sequence[float]) -> List[float]:
     rate itself (often while it is high, where the workers drift apart fastest); ``decay``,
     its inverse square root (sparse at the peak, dense in the warm-up and at the end of the
     decay, where the quality benchmark saw the gap to data parallel open; floored at a
-    hundredth of the peak so that a zero lr stays finite)."""
+    hundredth of the peak so that a zero lr stays finite; an lr of zero throughout spaces
+    them evenly)."""
     if spacing == "lr":
         return list(lrs)
     if spacing == "decay":
-        floor = max(lrs) / 100
+        floor = max(lrs) / 100 or 1.0
         return [max(lr, floor) ** -0.5 for lr in lrs]
     raise ValueError(f"--diloco-sync-spacing {spacing!r}: one of steps, lr, decay")
