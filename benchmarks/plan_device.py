@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 
 from megatron_streaming.plan.clusters import load_cluster  # noqa: E402
 from megatron_streaming.plan.memory import GIB, Layout, ModelShape, Training, estimate  # noqa
-from megatron_streaming.plan.step_time import forward_flops_per_token, step_time  # noqa: E402
+from megatron_streaming.plan.step_time import step_flops_per_token, step_time  # noqa: E402
 from plan_validation import step_means  # noqa: E402
 
 GPT = ["--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16",
@@ -56,9 +56,9 @@ TINY = ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4
 GLOBAL_BATCH = 8
 # (model, its flags, row label, layout)
 ROWS = [("gpt", GPT, "micro-batch 4", Layout(micro_batch=4)),
-        ("gpt", GPT, "micro-batch 8, recompute", Layout(micro_batch=8, recompute=True)),
+        ("gpt", GPT, "micro-batch 8, recompute", Layout(micro_batch=8, recompute="full")),
         ("llama", LLAMA, "micro-batch 2", Layout(micro_batch=2)),
-        ("llama", LLAMA, "micro-batch 4, recompute", Layout(micro_batch=4, recompute=True))]
+        ("llama", LLAMA, "micro-batch 4, recompute", Layout(micro_batch=4, recompute="full"))]
 SETTLING = 3  # step time: the mean over the steps after the first three
 CLUSTERS = {"H200": "launch/clusters/h200_8.yaml", "H100": "launch/clusters/h100_64.yaml"}
 
@@ -117,8 +117,7 @@ def row(name, layout, model_flags, cluster, measured: dict) -> dict:
     key = "peak_device_mib_per_rank" if "peak_device_mib_per_rank" in measured \
         else "peak_rss_mib_per_rank"
     peak = max(measured[key]) * 2**20
-    passes = 4 if layout.recompute else 3
-    flops = passes * forward_flops_per_token(shape) * GLOBAL_BATCH * shape.seq
+    flops = step_flops_per_token(shape, layout.recompute) * GLOBAL_BATCH * shape.seq
     out = {"layout": name, "flags": layout.flags(), "parameters": shape.parameters(),
            "predicted_gib": memory.total / GIB, "measured_gib": peak / GIB,
            "measured_from": key, "memory_error": memory.total / peak - 1,

@@ -60,7 +60,7 @@ from harness import command, env, free_port  # noqa: E402
 
 from megatron_streaming.plan.memory import GIB, Layout, ModelShape, Training, estimate  # noqa
 from megatron_streaming.plan.step_time import (  # noqa: E402
-    Fabric, forward_flops_per_token, optimizer_bytes, step_time)
+    Fabric, optimizer_bytes, step_flops_per_token, step_time)
 
 MODEL = ["--num-layers", "8", "--hidden-size", "512", "--num-attention-heads", "8",
          "--seq-length", "256", "--vocab-size", "8192", "--hidden-dropout", "0.1",
@@ -75,7 +75,8 @@ LAYOUTS = [
     ("DP=2 ZeRO-1", Layout(dp=2, zero_stage=1, micro_batch=2), 1),
     ("DP=2 ZeRO-2", Layout(dp=2, zero_stage=2, micro_batch=2), 1),
     ("TP=2", Layout(tp=2, micro_batch=2), 1),
-    ("TP=2 recompute", Layout(tp=2, micro_batch=4, recompute=True), 1),
+    ("TP=2 recompute", Layout(tp=2, micro_batch=4, recompute="full"), 1),
+    ("TP=2 selective recompute", Layout(tp=2, micro_batch=4, recompute="selective"), 1),
     ("PP=2", Layout(pp=2, micro_batch=1), 1),
     ("PP=2 micro-batch 2", Layout(pp=2, micro_batch=2), 1),
     ("SP=2 (Ulysses)", Layout(sp=2, micro_batch=2), 1),
@@ -244,7 +245,7 @@ def constants(shape, calibration: dict) -> tuple:
     calibration's FLOPs over its forward-backward time, the optimizer term's bytes over its
     optimizer time (DeepSpeed's flat-partition path and torch's single-tensor AdamW on one
     core, not a plain copy's speed)."""
-    flops = 3 * forward_flops_per_token(shape) * GLOBAL_BATCH * shape.seq
+    flops = step_flops_per_token(shape) * GLOBAL_BATCH * shape.seq
     layout = calibration_layout(calibration.get("micro_batch", 2))
     moved = optimizer_bytes(shape, layout, Training(global_batch=GLOBAL_BATCH, streaming=False),
                             FUSED)

@@ -52,12 +52,45 @@ def test_memory_terms_move_with_the_layout():
     assert zero1["optimizer"] == pytest.approx(zero0["optimizer"] / 8)  # master + Adam
     assert zero2["gradients"] < zero1["gradients"] == zero0["gradients"]
     assert zero1["outer state"] == pytest.approx(zero0["outer state"] / 8)
-    plain, recompute = parts(tp=2, micro_batch=4), parts(tp=2, micro_batch=4, recompute=True)
+    plain, recompute = parts(tp=2, micro_batch=4), parts(tp=2, micro_batch=4, recompute="full")
     assert recompute["activations"] < plain["activations"] / 4
     tp1, tp2 = parts(micro_batch=2), parts(tp=2, micro_batch=2)
     assert tp2["weights"] < tp1["weights"] and tp2["activations"] < tp1["activations"]
     offloaded = estimate(shape, Layout(), Training("bf16", 64, offload_outer_state=True))
     assert offloaded.parts["outer state"] < estimate(shape, Layout(), t).parts["outer state"]
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_layout_flags_are_megatrons_and_the_launch_accepts_them(recompute):
+    """A layout's recompute becomes Megatron's flags (selective: the core attention), which
+    pretrain_gpt.py's own checks accept; a name the planner does not know is refused."""
+    layout = Layout(tp=2, pp=2, dp=2, micro_batch=2, recompute=recompute)
+    cfg = parse_args([*MODEL, *layout.flags()])
+    assert cfg.model.recompute_granularity == (None if recompute == "none" else recompute)
+    validate(cfg, layout.ranks)
+    assert layout.describe().endswith("micro-batch 2" if recompute == "none"
+                                      else f"{recompute} recompute")
+    with pytest.raises(ValueError, match="recompute 'yes': choose from none, selective, full"):
+        Layout(recompute="yes")
+
+
+def test_candidates_within_the_tie_of_the_fastest_go_to_the_least_memory():
+    """Speeds within 0.5 % of the fastest that fits are a tie, however they fall against
+    any rounding: the least memory wins, then the fewest ranks per replica, then the least
+    recompute; then the rest by speed; those that do not fit last."""
+    from megatron_streaming.plan.search import Candidate, order
+
+    def cand(tokens, memory, why_not="", **kw):
+        return Candidate(Layout(**kw), memory, 1.0, tokens, why_not)
+
+    fastest = cand(1000.0, 18.0)
+    lean = cand(997.6, 10.0)  # 0.24 % slower
+    leaner_but_slow = cand(990.0, 5.0)  # 1 % slower
+    too_big = cand(2000.0, 1.0, "needs 99 GiB")
+    full = cand(999.0, 10.0, recompute="full")
+    selective = cand(999.0, 10.0, recompute="selective")
+    ranked = order([fastest, too_big, leaner_but_slow, full, lean, selective])
+    assert ranked == [lean, selective, full, fastest, leaner_but_slow, too_big]
 
 
 def test_attention_and_dropout_terms_follow_the_kernels_each_device_runs():
@@ -88,9 +121,17 @@ def test_attention_and_dropout_terms_follow_the_kernels_each_device_runs():
     assert plain_parts["gradients"] == 0  # none yet at the backward's start
     logits = shape.logits_bytes(2, 1, 1)
     assert (logits >= scores_grad) == ("logits" in plain_parts)
-    recompute = estimate(shape, Layout(micro_batch=2, recompute=True), t).parts
+    recompute = estimate(shape, Layout(micro_batch=2, recompute="full"), t).parts
     one = shape.layer_activation_bytes(2, 1, 1, 2)
     assert recompute["recomputed layer"] == pytest.approx(one + scores_grad)
+    # selective: each layer keeps no scores (only a flash kernel's share of it), and one
+    # layer's are held again while their backward runs
+    selective = estimate(shape, Layout(micro_batch=2, recompute="selective"),
+                         dataclasses.replace(t, global_batch=4)).parts
+    kept = one - b * s * a * s * (4 + 2 + 1)
+    assert shape.layer_activation_bytes(2, 1, 1, 2, selective=True) == pytest.approx(kept)
+    assert selective["activations"] == pytest.approx(shape.layers * kept)
+    assert selective["attention backward"] == pytest.approx(one - kept + scores_grad)
     flash = estimate(shape, Layout(micro_batch=2), dataclasses.replace(t, attention="flash"))
     assert flash.parts["activations"] == pytest.approx(
         shape.layers * plain.layer_activation_bytes(2, 1, 1, 2, unfused=False)
@@ -123,9 +164,16 @@ def test_step_time_counts_the_unfused_attention_and_the_optimizers_host_time():
     scores = 2 * shape.heads * shape.seq ** 2 * 4 * shape.layers  # mb 2, 4 micro-batches
     plain = step_time(shape, Layout(micro_batch=2), t, fabric)
     assert plain["attention scores"] == pytest.approx(scores * SCORE_BYTES / 1e12)
-    recompute = step_time(shape, Layout(micro_batch=2, recompute=True), t, fabric)
+    recompute = step_time(shape, Layout(micro_batch=2, recompute="full"), t, fabric)
     assert recompute["attention scores"] == pytest.approx(
         scores * (SCORE_BYTES + SCORE_BYTES_FORWARD) / 1e12)
+    # selective: the scores' forward again too, and of the FLOPs only the attention's
+    # two products (4 s x heads x channels a token a layer), not the whole forward
+    selective = step_time(shape, Layout(micro_batch=2, recompute="selective"), t, fabric)
+    assert selective["attention scores"] == pytest.approx(recompute["attention scores"])
+    again = 4 * shape.seq * shape.heads * shape.kv_channels * shape.layers * 8 * shape.seq
+    assert selective["compute"] - plain["compute"] == pytest.approx(again / 1e15)
+    assert plain["compute"] < selective["compute"] < recompute["compute"]
     flash = dataclasses.replace(t, attention="flash")
     assert "attention scores" not in step_time(shape, Layout(micro_batch=2), flash, fabric)
     assert "attention scores" in step_time(shape, Layout(sp=2, micro_batch=2), flash, fabric)
@@ -222,9 +270,13 @@ def test_step_time_counts_every_collective_and_its_bytes():
     layers = shape.layers
     for kw, term, count in [
             (dict(tp=2, micro_batch=2), "tensor parallel", 4 * layers * 8),
-            (dict(tp=2, micro_batch=2, recompute=True), "tensor parallel", 6 * layers * 8),
+            (dict(tp=2, micro_batch=2, recompute="full"), "tensor parallel", 6 * layers * 8),
             (dict(sp=2, micro_batch=2), "sequence parallel", 8 * layers * 8),
-            (dict(sp=2, micro_batch=2, recompute=True), "sequence parallel", 12 * layers * 8),
+            (dict(sp=2, micro_batch=2, recompute="full"), "sequence parallel", 12 * layers * 8),
+            # a selective recompute runs the core attention again, Ulysses' all-to-alls in it
+            (dict(sp=2, micro_batch=2, recompute="selective"), "sequence parallel",
+             12 * layers * 8),
+            (dict(tp=2, micro_batch=2, recompute="selective"), "tensor parallel", 4 * layers * 8),
             (dict(pp=2, micro_batch=2), "pipeline", 2 * 8),
             (dict(pp=4, micro_batch=2), "pipeline", 4 * 8),
             (dict(dp=2, micro_batch=2, zero_stage=0), "data parallel", 2),

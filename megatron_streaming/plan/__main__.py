@@ -82,8 +82,8 @@ def launcher_check(cfg, workers: int):
         p.tensor_model_parallel_size, p.pipeline_model_parallel_size = layout.tp, layout.pp
         p.ds_sequence_parallel_size, p.zero_stage = layout.sp, layout.zero_stage
         t.micro_batch_size, t.global_batch_size = layout.micro_batch, batch
-        m.recompute_granularity = "full" if layout.recompute else None
-        m.recompute_method = "uniform" if layout.recompute else None
+        m.recompute_granularity = None if layout.recompute == "none" else layout.recompute
+        m.recompute_method = "uniform" if layout.recompute == "full" else None
         try:
             validate(c, layout.ranks * workers)
         except UsageError as e:

@@ -29,7 +29,8 @@ residual that grows with that term, not as a constant.
   activation's width on the CPU (torch's composite dropout keeps a scaled noise tensor).
   ``benchmarks/memory_phases.py`` lists what autograd saved, by shape, on either device. A
   full recompute keeps each layer's input only, plus one layer's full set while it is
-  recomputed. A layer's attention backward holds the scores' gradients at once (the
+  recomputed; a selective one (the core attention) keeps no scores, and holds one layer's
+  again while their backward runs. A layer's attention backward holds the scores' gradients at once (the
   probabilities' at the activations' width, the fp32 softmax's output and input), a layer's
   worth at a long sequence. Either comes after the loss's backward has freed the logits:
   the larger of the two is the backward's transient. The first stage holds
@@ -56,6 +57,7 @@ GIB = 1024 ** 3
 STEP_COPIES = 4  # fp32 copies of the ZeRO partition the optimizer step holds at once (CPU)
 STEP_COPIES_FUSED = 1.3  # the same with CUDA's fused AdamW (memory_phases.py, one H200)
 STEP_COPIES_IN_PLACE = 1  # the same for torch's AdamW on the module's parameters (ZeRO-0 fp32)
+RECOMPUTE = ("none", "selective", "full")  # the planner's order of preference at a tie
 
 
 @dataclass(frozen=True)
@@ -67,7 +69,13 @@ class Layout:
     dp: int = 1
     zero_stage: int = 1
     micro_batch: int = 1
-    recompute: bool = False  # --recompute-granularity full
+    # --recompute-granularity: none, selective (the core attention: scores, softmax,
+    # dropout and context, recomputed from Q, K and V) or full (a layer from its input)
+    recompute: str = "none"
+
+    def __post_init__(self):
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"recompute {self.recompute!r}: choose from {', '.join(RECOMPUTE)}")
 
     @property
     def ranks(self) -> int:
@@ -79,13 +87,16 @@ class Layout:
                "--zero-stage", str(self.zero_stage), "--micro-batch-size", str(self.micro_batch)]
         if self.sp > 1:
             out += ["--ds-sequence-parallel-size", str(self.sp)]
-        if self.recompute:
+        if self.recompute == "full":
             out += ["--recompute-granularity", "full", "--recompute-method", "uniform"]
+        elif self.recompute == "selective":
+            out += ["--recompute-granularity", "selective"]
         return out
 
     def describe(self) -> str:
         return (f"TP={self.tp} PP={self.pp} SP={self.sp} DP={self.dp} ZeRO-{self.zero_stage} "
-                f"micro-batch {self.micro_batch}" + (" recompute" if self.recompute else ""))
+                f"micro-batch {self.micro_batch}" + (
+                    "" if self.recompute == "none" else f" {self.recompute} recompute"))
 
 
 @dataclass(frozen=True)
@@ -175,11 +186,12 @@ class ModelShape:
 
     def layer_activation_bytes(self, micro_batch: int, tp: int, sp: int,
                                element_bytes: int, mask_bytes: int = 1,
-                               unfused: bool = True) -> float:
+                               unfused: bool = True, selective: bool = False) -> float:
         """What one layer keeps for its backward, for one micro-batch (Korthikanti et al.,
         no sequence parallelism), with our head count, FFN width and dropout settings, the
         softmax in fp32 and dropout masks ``mask_bytes`` wide; a fused (flash) attention
-        kernel keeps no scores."""
+        kernel keeps no scores, nor does a selective recompute (it keeps Q, K and V, which
+        the layer keeps anyway, and runs the scores again in the backward)."""
         s, b, h = self.seq / sp, micro_batch, self.hidden
         a = self.heads
         e = element_bytes
@@ -200,6 +212,8 @@ class ModelShape:
         # width (the softmax output itself in fp32).
         probabilities = (e + mask_bytes) if self.attention_dropout else (e if e != 4 else 0)
         scores = a / tp * self.seq * (4 + probabilities) if unfused else 0.0
+        if selective:  # the core attention keeps its input (Q, K, V) only
+            scores = 0.0
         return s * b * (per_token + scores)
 
     def attention_backward_bytes(self, micro_batch: int, tp: int, sp: int,
@@ -324,16 +338,20 @@ def estimate_stage(shape: ModelShape, layout: Layout, training: Training,
     unfused = training.unfused(layout)
     one = shape.layer_activation_bytes(layout.micro_batch, t, layout.sp, e,
                                        training.mask_bytes, unfused)
+    kept = shape.layer_activation_bytes(layout.micro_batch, t, layout.sp, e,
+                                        training.mask_bytes, unfused,
+                                        selective=layout.recompute == "selective")
     logits = shape.logits_bytes(layout.micro_batch, t, layout.sp) if stage == p - 1 else 0.0
     gradients_of_scores = shape.attention_backward_bytes(layout.micro_batch, t, layout.sp, e) \
         if unfused else 0.0
-    if layout.recompute:
+    if layout.recompute == "full":
         inputs = layout.micro_batch * shape.seq / layout.sp * shape.hidden * e
         parts["activations"] = in_flight * layers * inputs
         layer = ("recomputed layer", one + gradients_of_scores)
     else:
-        parts["activations"] = in_flight * layers * one
-        layer = ("attention backward", gradients_of_scores)
+        parts["activations"] = in_flight * layers * kept
+        # a selective recompute holds one layer's scores again while their backward runs
+        layer = ("attention backward", one - kept + gradients_of_scores)
     # The loss's backward frees the logits before the last layer's backward (or its
     # recomputation) starts: the larger of the two is the backward's transient.
     name, size = ("logits", logits) if logits >= layer[1] else layer
@@ -351,5 +369,5 @@ def estimate_stage(shape: ModelShape, layout: Layout, training: Training,
     return Memory(parts)
 
 
-__all__ = ["GIB", "STEP_COPIES", "STEP_COPIES_FUSED", "Layout", "ModelShape", "Memory",
+__all__ = ["GIB", "RECOMPUTE", "STEP_COPIES", "STEP_COPIES_FUSED", "Layout", "ModelShape", "Memory",
            "Training", "estimate", "estimate_stage", "steps_in_place", "zero_partition"]

@@ -6,8 +6,8 @@ exchange's bytes over the link's rate and its round trips against the steps that
 The search is exhaustive (a cluster's candidates number in the thousands at most, each
 a few formulas): TP among the divisors of a node's devices that divide the heads and the
 query groups, PP among the divisors of the layers, Ulysses SP among the divisors of what the
-heads have left, data parallel the rest of the cluster, ZeRO 0-2, micro-batch 1-8, with and
-without a full recompute. A candidate must fit the device memory (``--memory-headroom``
+heads have left, data parallel the rest of the cluster, ZeRO 0-2, micro-batch 1-8, no
+recompute, a selective one (the core attention) or a full one. A candidate must fit the device memory (``--memory-headroom``
 kept free); the fastest (tokens per second of the worker) wins; speeds within 0.5 % tie, and
 less memory, then fewer ranks per replica break the tie.
 
@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
 
 from .clusters import Cluster, Link
-from .memory import GIB, Layout, ModelShape, Training, estimate
+from .memory import GIB, RECOMPUTE, Layout, ModelShape, Training, estimate
 from .step_time import step_time
 
 
@@ -107,7 +107,7 @@ def candidates(shape: ModelShape, cluster: Cluster, devices: int,
                     for zero in (0, 1, 2):
                         if zero and dp * sp == 1:
                             continue  # nothing to partition over
-                        for recompute in (False, True):
+                        for recompute in RECOMPUTE:
                             out.append(Layout(tp, pp, sp, dp, zero, micro, recompute))
     return out
 
@@ -130,23 +130,26 @@ def rank(shape: ModelShape, cluster: Cluster, devices: int, global_batch: int,
         elif mem > budget:
             c.why_not = f"needs {mem:.1f} GiB per device, {budget:.1f} available"
         out.append(c)
-    return sorted(out, key=_preference)
+    return order(out)
+
+
+def order(cands: Sequence[Candidate]) -> List[Candidate]:
+    """Those that fit first; among them the ones within ``TIE`` of the fastest that fits,
+    by memory, ranks per replica and the least recompute; then the rest by speed."""
+    fitting = [c.tokens_per_s for c in cands if not c.why_not] or \
+        [c.tokens_per_s for c in cands]
+    best = max(fitting, default=0.0)
+    return sorted(cands, key=lambda c: _preference(c, best))
 
 
 FP4_BITS = 4 + 32 / 128  # per value on the wire: the code and one fp32 scale per 128
 TIE = 0.005  # speeds within 0.5 % are a tie: less memory, then fewer ranks per replica win
 
 
-def _bucket(x: float) -> int:
-    """Equal for values within about ``TIE`` of each other."""
-    import math
-
-    return round(math.log(x) / math.log1p(TIE))
-
-
-def _preference(c: Candidate):
-    return (bool(c.why_not), -_bucket(c.tokens_per_s), c.memory_gib,
-            c.layout.tp * c.layout.pp * c.layout.sp, c.layout.recompute)
+def _preference(c: Candidate, best: float):
+    tie = c.tokens_per_s * (1 + TIE) >= best
+    return (bool(c.why_not), not tie, 0.0 if tie else -c.tokens_per_s, c.memory_gib,
+            c.layout.tp * c.layout.pp * c.layout.sp, RECOMPUTE.index(c.layout.recompute))
 
 
 MORE_WORKERS_FOR = 0.05  # a cut must make the step this much faster per worker it adds
@@ -359,5 +362,5 @@ def _sync(shape: ModelShape, link: Link, workers: int, step: float, train_iters:
     return advice, exchange, util, peak, mean
 
 
-__all__ = ["Candidate", "Option", "Plan", "WorkerPlan", "balance", "candidates", "plan", "rank",
-           "sizes"]
+__all__ = ["Candidate", "Option", "Plan", "WorkerPlan", "balance", "candidates", "order", "plan",
+           "rank", "sizes"]

@@ -1,12 +1,13 @@
 """Time of one training step of one worker, from the model, a layout and its cluster.
 
 * Compute: the step's FLOPs (matrix multiplies and attention, forward plus twice that
-  backward, plus one more forward under a full recompute) split over the rank's share of the
+  backward, plus one more forward under a full recompute, the core attention's products
+  once more under a selective one) split over the rank's share of the
   model (TP, PP) and of the sequence (Ulysses), at the cluster's sustained FLOP/s per device
   (peak x MFU, or what a measured step implies).
 * Unfused attention (megatron-core's local layers): the scores' passes through memory, the
   fp32 softmax's casts, mask, dropout and their gradients, ``SCORE_BYTES`` per score
-  element forward and backward (``SCORE_BYTES_FORWARD`` more under a full recompute) at the
+  element forward and backward (``SCORE_BYTES_FORWARD`` more under a recompute) at the
   device's memory bandwidth. It is most of a step at a long sequence (one H200, its
   profile: 423 of 620 ms of a 1.28B GPT's forward-backward at sequence 2048, 1029 of 1335 ms
   of a 0.85B Llama's at 4096; the GEMMs ran at 0.7 of the peak). Flash attention has none.
@@ -20,7 +21,8 @@
   inter-node one otherwise.
 * Ulysses (DeepSpeed's ``DistributedAttention``): per layer per micro-batch, all-to-alls of
   the query, key and value going in and of the context coming out, and the same four of
-  their gradients backward (four more forward under a full recompute), each rank sending
+  their gradients backward (four more forward under a recompute, full or selective: they
+  are inside the core attention), each rank sending
   ``(sp - 1) / sp`` of its part; key and value are ``query_groups / heads`` of the query.
 * Pipeline: one activation forward and one gradient backward per stage boundary per
   micro-batch.
@@ -130,8 +132,24 @@ def forward_flops_per_token(shape: ModelShape) -> float:
     up = shape.ffn * (2 if shape.swiglu else 1)
     dense = shape.hidden * (q + kv) + q * shape.hidden + shape.hidden * up \
         + shape.ffn * shape.hidden
-    attention = 2 * shape.seq * q  # scores and context, averaged over causal positions x2
-    return shape.layers * 2 * (dense + attention) + 2 * shape.hidden * shape.vocab
+    return shape.layers * 2 * dense + attention_flops_per_token(shape) \
+        + 2 * shape.hidden * shape.vocab
+
+
+def attention_flops_per_token(shape: ModelShape) -> float:
+    """FLOPs of one token's two sequence-long attention products in the forward (scores and
+    context over every key: megatron-core's unfused attention computes the masked half
+    too), all layers: what a selective recompute runs again."""
+    q = shape.heads * shape.kv_channels
+    return shape.layers * 2 * 2 * shape.seq * q
+
+
+def step_flops_per_token(shape: ModelShape, recompute: str = "none") -> float:
+    """A training step's FLOPs per token: the forward, twice that backward, and what the
+    recompute runs again (a full one the forward, a selective one the core attention)."""
+    extra = {"none": 0.0, "selective": attention_flops_per_token(shape),
+             "full": forward_flops_per_token(shape)}[recompute]
+    return 3 * forward_flops_per_token(shape) + extra
 
 
 def step_time(shape: ModelShape, layout: Layout, training: Training,
@@ -141,15 +159,15 @@ def step_time(shape: ModelShape, layout: Layout, training: Training,
     replica_batch = training.global_batch / layout.dp
     micro_batches = max(1, replica_batch / layout.micro_batch)
     tokens = replica_batch * shape.seq
-    passes = 4 if layout.recompute else 3
-    flops = passes * forward_flops_per_token(shape) * tokens \
+    full, again = layout.recompute == "full", layout.recompute != "none"
+    flops = step_flops_per_token(shape, layout.recompute) * tokens \
         / (layout.tp * layout.pp * layout.sp)
     activation = layout.micro_batch * shape.seq / layout.sp * shape.hidden * e
     layers = shape.layers / layout.pp
     out = {"compute": flops / fabric.flops_per_device}
     if training.unfused(layout) and fabric.memory_bytes_per_s and fabric.score_bytes:
         per_score = fabric.score_bytes * (1 + (SCORE_BYTES_FORWARD / SCORE_BYTES
-                                               if layout.recompute else 0))
+                                               if again else 0))
         scores = shape.scores(layout.micro_batch, layout.tp, layout.sp) * micro_batches * layers
         out["attention scores"] = scores * per_score / fabric.memory_bytes_per_s
     # 1F1B stretches the stage's whole forward-backward work, the scores' passes too.
@@ -165,14 +183,16 @@ def step_time(shape: ModelShape, layout: Layout, training: Training,
     per_layer = layers * micro_batches  # a collective per layer per micro-batch
     if layout.tp > 1:
         ring = 2 * (layout.tp - 1) / layout.tp
-        count = (6 if layout.recompute else 4) * per_layer
+        count = (6 if full else 4) * per_layer
         out["tensor parallel"] = count * (ring * activation / intra + latency)
     if layout.sp > 1:
         share = (layout.sp - 1) / layout.sp
         # query and context: the rank's heads; key and value: its query groups
         heads = (2 * shape.heads + 2 * shape.query_groups) * shape.kv_channels / layout.tp
         volume = layout.micro_batch * shape.seq / layout.sp * heads * e
-        rounds = 3 if layout.recompute else 2  # forward, backward (, forward again)
+        # forward, backward (, forward again: Ulysses' all-to-alls are inside the core
+        # attention, so a selective recompute runs them again too)
+        rounds = 3 if again else 2
         out["sequence parallel"] = rounds * per_layer * (
             share * volume / bandwidth(layout.tp * layout.sp) + 4 * latency)
     if layout.pp > 1:
@@ -199,4 +219,5 @@ def step_time(shape: ModelShape, layout: Layout, training: Training,
 
 
 __all__ = ["HOST_SECONDS_PER_TENSOR", "SCORE_BYTES", "SCORE_BYTES_FORWARD", "Fabric",
-           "forward_flops_per_token", "optimizer_bytes", "optimizer_seconds", "step_time"]
+           "attention_flops_per_token", "forward_flops_per_token", "optimizer_bytes",
+           "optimizer_seconds", "step_flops_per_token", "step_time"]
