@@ -138,7 +138,8 @@ def row(name, layout, model_flags, cluster, measured: dict) -> dict:
           f"({out['memory_error']:+.1%}; reserved {out['reserved_gib']:.2f}), step "
           f"{out['predicted_step_s']:.3f} vs {out['measured_step_s']:.3f} s "
           f"({out['time_error']:+.1%}; compute {out['predicted_compute_s']:.3f} vs "
-          f"forward-backward {measured['forward_backward_s']:.3f}, optimizer {out['predicted_optimizer_s']:.4f} "
+          f"forward-backward {measured['forward_backward_s']:.3f}, optimizer "
+          f"{out['predicted_optimizer_s']:.4f} "
           f"vs {measured['optimizer_s']:.4f}; implied MFU {out['implied_mfu']:.2f})",
           flush=True)
     return out

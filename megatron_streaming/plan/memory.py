@@ -30,11 +30,11 @@ residual that grows with that term, not as a constant.
   ``benchmarks/memory_phases.py`` lists what autograd saved, by shape, on either device. A
   full recompute keeps each layer's input only, plus one layer's full set while it is
   recomputed; a selective one (the core attention) keeps no scores, and holds one layer's
-  again while their backward runs. A layer's attention backward holds the scores' gradients at once (the
-  probabilities' at the activations' width, the fp32 softmax's output and input), a layer's
-  worth at a long sequence. Either comes after the loss's backward has freed the logits:
-  the larger of the two is the backward's transient. The first stage holds
-  ``min(pp, micro-batches)`` micro-batches (1F1B). Ulysses splits the sequence.
+  again while their backward runs. A layer's attention backward holds the scores' gradients
+  at once (the probabilities' at the activations' width, the fp32 softmax's output and
+  input), a layer's worth at a long sequence. Either comes after the loss's backward has
+  freed the logits: the larger of the two is the backward's transient. The first stage
+  holds ``min(pp, micro-batches)`` micro-batches (1F1B). Ulysses splits the sequence.
 * Logits: the last stage's ``b s V / t`` fp32 logits, their softmax and its gradient.
 * The optimizer step: fp32 copies of the partition held at once under ZeRO 1-2 and
   DeepSpeed's fp16/bf16 optimizers: about four with torch's single-tensor AdamW on the CPU
@@ -369,5 +369,5 @@ def estimate_stage(shape: ModelShape, layout: Layout, training: Training,
     return Memory(parts)
 
 
-__all__ = ["GIB", "RECOMPUTE", "STEP_COPIES", "STEP_COPIES_FUSED", "Layout", "ModelShape", "Memory",
-           "Training", "estimate", "estimate_stage", "steps_in_place", "zero_partition"]
+__all__ = ["GIB", "RECOMPUTE", "STEP_COPIES", "STEP_COPIES_FUSED", "Layout", "ModelShape",
+           "Memory", "Training", "estimate", "estimate_stage", "steps_in_place", "zero_partition"]

@@ -7,9 +7,10 @@ The search is exhaustive (a cluster's candidates number in the thousands at most
 a few formulas): TP among the divisors of a node's devices that divide the heads and the
 query groups, PP among the divisors of the layers, Ulysses SP among the divisors of what the
 heads have left, data parallel the rest of the cluster, ZeRO 0-2, micro-batch 1-8, no
-recompute, a selective one (the core attention) or a full one. A candidate must fit the device memory (``--memory-headroom``
-kept free); the fastest (tokens per second of the worker) wins; speeds within 0.5 % tie, and
-less memory, then fewer ranks per replica break the tie.
+recompute, a selective one (the core attention) or a full one. A candidate must fit the
+device memory (``--memory-headroom`` kept free); the fastest (tokens per second of the
+worker) wins; speeds within 0.5 % of the fastest tie, and less memory, then fewer ranks per
+replica, then the least recompute break the tie.
 
 Each worker runs its own cluster's best layout (workers of different layouts exchange by the
 layout-free lanes, ``streaming.canonical``). The cuts weighed (``sizes``): one worker per
