@@ -5,6 +5,7 @@ corpora and model sizes, one change at a time.
     .venv/bin/python benchmarks/quality.py --corpora code --sizes small --variants dp h1 h30
     .venv/bin/python benchmarks/quality.py --list                # the variants and their flags
     .venv/bin/python benchmarks/quality.py --report              # tables and plot only
+    .venv/bin/python benchmarks/quality.py --steps 2400 ...      # longer runs: cell size@2400
 
 Runs go one after another on the cores there are (2 ranks each: data parallel is one worker of
 two ranks with global batch B, every DiLoCo variant two workers of one rank with B/2 each).
@@ -12,7 +13,8 @@ Each run is named by a hash of its command and of the resolved sync settings
 (``KEYED_SETTINGS``), so a half-done sweep resumes where it stopped: a finished run is never
 redone, and a changed library default reruns only the variants that rely on it. A finished run
 leaves a small record in ``docs/results/quality/records/`` (kept in the repository, so a sweep
-resumes from a fresh clone too), its full logs in the scratch folder. For the sweep: ``quality.json`` (every run: held-out loss, gap to data parallel, bytes, curves),
+resumes from a fresh clone too), its full logs in the scratch folder. For the sweep:
+``quality.json`` (every run: held-out loss, gap to data parallel, bytes, curves),
 ``quality.md`` (the tables) and ``quality.png`` (held-out loss against tokens).
 
 Corpora (training and held-out text disjoint; both built here, nothing downloaded):
@@ -56,6 +58,7 @@ COMMON = ["--seq-length", "128", "--max-position-embeddings", "128", "--clip-gra
           "--lr-decay-style", "cosine", "--lr-warmup-iters", "30", "--seed", "1",
           "--log-interval", "10"]
 
+STEPS = 1200  # the default run length; records of other lengths carry it in their label
 DILOCO = ["--diloco-workers", "2"]
 # Plain averaging; Nesterov stays on (the default) so that a variant may add momentum to it.
 PLAIN_N = ["--diloco-outer-lr", "1", "--diloco-outer-momentum", "0", "--diloco-alpha", "0",
@@ -269,6 +272,13 @@ def run_flags(variant: str, opts, lr: float) -> tuple[list[str], int]:
     return flags, samples_per_eval_iter
 
 
+def run_label(job: dict, steps: int) -> str:
+    """corpus/size/variant/lrX/seedN; a run length other than ``STEPS`` is a cell of its own
+    in the tables (size@steps)."""
+    size = job["size"] if steps == STEPS else f"{job['size']}@{steps}"
+    return f"{job['corpus']}/{size}/{job['variant']}/lr{job['lr']:g}/seed{job['seed']}"
+
+
 def run_key(args: list[str]) -> str:
     return hashlib.sha1(json.dumps([args, resolved_settings(args)]).encode()).hexdigest()[:12]
 
@@ -339,8 +349,7 @@ def run_sweep(opts, out: Path, records: Path) -> None:
         # the seed-1 runs stay as they were.
         seed = [] if job["seed"] == 1 else ["--seed", str(job["seed"])]
         args = [*COMMON, *SIZES[job["size"]], *data, *flags, *seed]
-        label = (f"{job['corpus']}/{job['size']}/{job['variant']}/lr{job['lr']:g}"
-                 f"/seed{job['seed']}")
+        label = run_label(job, opts.steps)
         t0 = time.perf_counter()
         fresh = not (records / f"{run_key(args)}.json").exists()
         r = launch(args, out, records, label)
@@ -488,7 +497,9 @@ def main():
                     help="inner peak learning rates (cosine to a tenth); several: a sweep")
     ap.add_argument("--seeds", nargs="+", type=int, default=[1],
                     help="several: every run once per seed; the tables give the mean")
-    ap.add_argument("--steps", type=int, default=1200)
+    ap.add_argument("--steps", type=int, default=STEPS,
+                    help="training steps of every run; another number than the default is "
+                    "reported as a cell of its own (size@steps)")
     ap.add_argument("--global-batch", type=int, default=16, help="sequences per step, all "
                     "workers together")
     ap.add_argument("--eval-interval", type=int, default=100)

@@ -56,6 +56,17 @@ def test_tables_compare_with_data_parallel_at_its_best_lr_and_average_seeds():
     assert "2.100 @ 0.001 (+5.0 %)" in own_best
 
 
+def test_a_longer_run_is_a_cell_of_its_own():
+    job = {"corpus": "code", "size": "small", "variant": "dp", "lr": 2e-3, "seed": 1}
+    assert quality.run_label(job, 1200) == "code/small/dp/lr0.002/seed1"
+    assert quality.run_label(job, 2400) == "code/small@2400/dp/lr0.002/seed1"
+    rows = [{**job, "test_loss": 2.5}, {**job, "size": "small@2400", "test_loss": 2.0},
+            {**job, "variant": "h30", "size": "small@2400", "test_loss": 2.2}]
+    text = quality.tables(rows, ["dp", "h30"])
+    assert "| code small (lr 0.002) | code small@2400 (lr 0.002) |" in text
+    assert "| - | 2.200 (+10.0 %) |" in text
+
+
 def test_the_report_reads_every_record_and_skips_those_of_changed_defaults(tmp_path):
     class Opts:
         global_batch, steps, eval_interval, eval_samples = 16, 1200, 100, 256
