@@ -22,7 +22,9 @@ torch.compile on (``COMPILED``). Predicted (``megatron_streaming.plan``):
   ``--timing-log-level 1``), the loopback bandwidth between two processes (a gloo
   all-reduce of 64 MiB, and an all-gather's rate against it: gloo's all-gather is about
   three times slower per byte) and what a collective costs between two busy ranks beyond
-  its bytes (``collective_costs``), all measured here. The calibration runs right before
+  its bytes (``collective_costs``), and the local attention's elementwise forward per score
+  (``score_forward_seconds``: what a recompute runs again beyond its FLOPs), all measured
+  here. The calibration runs right before
   each of the row's timed launches (the machine's speed drifts by tens of percent over ten
   minutes), ``--repeats`` pairs of them, averaged. Each row also compares the two timers
   on their own: the model's optimizer and (ZeRO-0/1, whose step reduces the gradients)
@@ -225,6 +227,30 @@ def memory_bandwidth() -> float:
     return min(rates)
 
 
+def score_forward_seconds() -> float:
+    """Seconds per score element of the local core attention's elementwise forward (the mask,
+    the fp32 softmax and the attention dropout megatron-core runs on the CPU), one process
+    while a second one does the same: what a recompute adds beyond its FLOPs, since the
+    calibration's FLOP/s holds the first pass's only."""
+    heads, seq = (int(MODEL[MODEL.index(f) + 1]) for f in ("--num-attention-heads",
+                                                           "--seq-length"))
+    dropout = float(MODEL[MODEL.index("--attention-dropout") + 1])
+    code = (
+        "import time, torch\n"
+        "torch.set_num_threads(1)\n"
+        f"x = torch.randn(2, {heads}, {seq}, {seq})\n"
+        f"mask = torch.ones({seq}, {seq}, dtype=torch.bool).triu(1)\n"
+        "def forward():\n"
+        "    y = torch.softmax(x.masked_fill(mask, -10000.0), dim=-1, dtype=torch.float32)\n"
+        f"    return torch.nn.functional.dropout(y, {dropout}, training=True)\n"
+        "forward(); t = time.perf_counter()\n"
+        "for _ in range(20): forward()\n"
+        "print((time.perf_counter() - t) / 20 / x.numel())\n")
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env(), stdout=subprocess.PIPE,
+                              text=True) for _ in range(2)]
+    return max(float(p.communicate(timeout=300)[0].strip().splitlines()[-1]) for p in procs)
+
+
 def calibration_layout(micro_batch: int) -> Layout:
     """One rank, ZeRO-1, the row's micro-batch: the GEMMs of a micro-batch of 1 run slower
     per FLOP here than those of 2 or 4 (as a GPU's MFU falls with the micro-batch), so each
@@ -269,14 +295,16 @@ def runtime_of(layout: Layout, workers: int, tiny_peak: float) -> float:
 
 def predict(name: str, layout: Layout, workers: int, tiny_peak: float, peak: float,
             timed: dict, calibration: dict, loopback: float, latency: float,
-            gather_speed: float = 1.0) -> dict:
+            gather_speed: float = 1.0, score_forward: float = 0.0) -> dict:
     """One row: the models' predictions for a layout against what its launches measured."""
     shape, training = shape_of(MODEL), training_of(workers)
     runtime = runtime_of(layout, workers, tiny_peak)
     flops, speed = constants(shape, calibration)
+    # The scores' first passes are in the calibration's FLOP/s; a recompute's second forward
+    # is not: its measured seconds per element, as bytes at the memory speed the model uses.
     fabric = Fabric(flops, loopback, loopback, devices_per_node=2, memory_bytes_per_s=speed,
                     collective_seconds=latency, fused_optimizer=FUSED, score_bytes=0.0,
-                    gather_speed=gather_speed)
+                    score_bytes_again=score_forward * speed, gather_speed=gather_speed)
     predicted = estimate(shape, layout, training, runtime)
     times = step_time(shape, layout, training, fabric)
     fb, opt = split(times, layout)
@@ -318,9 +346,11 @@ def measure(args) -> dict:
     tiny = shape_of(TINY)
     (bandwidth, gather_speed), memory = loopback_rates(), memory_bandwidth()
     latency, skew = collective_costs()
+    score_forward = score_forward_seconds()
     print(f"loopback {bandwidth / 1e9:.2f} GB/s (all-gather x{gather_speed:.2f}); copy "
           f"{memory / 1e9:.2f} GB/s per core; a collective {latency * 1e3:.2f} ms + "
-          f"{skew:.1%} of the compute since the last")
+          f"{skew:.1%} of the compute since the last; the scores' forward "
+          f"{score_forward * 1e9:.1f} ns an element")
     rows = []
     for name, layout, workers in LAYOUTS:
         if args.layouts and not name.startswith(tuple(args.layouts)):
@@ -338,11 +368,12 @@ def measure(args) -> dict:
                  for _ in range(args.repeats)]  # each calibration right before its launch
         calibration, timed = (mean_of([pair[i] for pair in pairs]) for i in (0, 1))
         rows.append(predict(name, layout, workers, tiny_peak, peak, timed, calibration,
-                            bandwidth, latency, gather_speed))
+                            bandwidth, latency, gather_speed, score_forward))
     return {"model": MODEL, "global_batch": GLOBAL_BATCH, "repeats": args.repeats,
             "calibration": {"loopback_bytes_per_s": bandwidth, "gather_speed": gather_speed,
                             "collective_seconds": latency, "rank_skew": skew,
-                            "copy_bytes_per_s": memory},
+                            "copy_bytes_per_s": memory,
+                            "score_forward_seconds_per_element": score_forward},
             "rows": rows}
 
 
@@ -351,6 +382,10 @@ def predict_again(path: str) -> dict:
     with open(path) as f:
         old = json.load(f)
     c, layouts = old["calibration"], {name: (layout, w) for name, layout, w in LAYOUTS}
+    if "score_forward_seconds_per_element" not in c:  # older runs: timed now (no launch)
+        c = {**c, "score_forward_seconds_per_element": score_forward_seconds()}
+        print(f"the scores' forward, timed now: "
+              f"{c['score_forward_seconds_per_element'] * 1e9:.1f} ns an element")
     rows = []
     for r in old["rows"]:
         layout, workers = layouts[r["layout"]]
@@ -360,8 +395,8 @@ def predict_again(path: str) -> dict:
         rows.append(predict(r["layout"], layout, workers, r["runtime_peak_gib"] * GIB,
                             r["measured_gib"] * GIB, timed, r["calibration"],
                             c["loopback_bytes_per_s"], c["collective_seconds"],
-                            c.get("gather_speed", 1.0)))
-    return {**old, "rows": rows, "predicted_again_from": path}
+                            c.get("gather_speed", 1.0), c["score_forward_seconds_per_element"]))
+    return {**old, "calibration": c, "rows": rows, "predicted_again_from": path}
 
 
 def main(argv=None) -> int:

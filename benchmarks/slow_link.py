@@ -198,6 +198,41 @@ def measure_link(rate_mbit: float, seconds: float = 1.5) -> float:
             server.wait()
 
 
+# Both ends at once: send n bytes while reading the peer's n, print the Mbit/s read.
+_BOTH_WAYS = ("import socket,threading,time\n"
+              "def run(c,n):\n"
+              " t=threading.Thread(target=c.sendall,args=(bytes(n),));t.start();got=0;t0=None\n"
+              " while got<n:\n"
+              "  b=c.recv(1<<20)\n"
+              "  if not b: break\n"
+              "  t0=t0 or time.perf_counter();got+=len(b)\n"
+              " print(got*8/(time.perf_counter()-t0)/1e6,flush=True);t.join()\n")
+
+
+def measure_link_both_ways(rate_mbit: float, seconds: float = 1.5) -> float:
+    """Mbit/s each way (the mean of the two) with one TCP stream each way at once: what an
+    exchange, which sends the same bytes both ways, gets of the link (``iperf3 --bidir``)."""
+    port = 29402
+    nbytes = int(rate_mbit * 1e6 / 8 * seconds)
+    server = subprocess.Popen(
+        [LINK, "exec", "0", PYTHON, "-c", _BOTH_WAYS +
+         "s=socket.socket();s.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1)\n"
+         f"s.bind(('{MASTER_ADDR}',{port}));s.listen(1);c,_=s.accept();run(c,{nbytes})"],
+        cwd=REPO, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        client = (_BOTH_WAYS + "for i in range(100):\n"
+                  f" try: c=socket.create_connection(('{MASTER_ADDR}',{port}));break\n"
+                  " except OSError: time.sleep(0.1)\n"
+                  f"run(c,{nbytes})")
+        there = float(link("exec", "1", PYTHON, "-c", client).stdout.strip())
+        out, _ = server.communicate(timeout=60)
+        return (there + float(out.strip())) / 2
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+
+
 def measure_rtt(probes: int = 10) -> float:
     """Median round trip (ms) of a 1-byte TCP echo from namespace 1 to namespace 0."""
     port = 29401
@@ -306,10 +341,11 @@ def measure_rate(rate, rtt, methods, out: Path, children, port: int) -> dict:
     point cancels."""
     link("up", f"{rate}mbit", rtt)
     measured, measured_rtt = measure_link(rate), measure_rtt()
-    print(f"link {rate} Mbit/s, RTT {rtt} ms: measured {measured:.1f} Mbit/s, RTT "
-          f"{measured_rtt:.1f} ms", flush=True)
-    point, ceilings = {"measured_mbit": measured, "rtt_ms": rtt,
-                       "measured_rtt_ms": measured_rtt, "methods": {}}, []
+    both_ways = measure_link_both_ways(rate)
+    print(f"link {rate} Mbit/s, RTT {rtt} ms: measured {measured:.1f} Mbit/s ({both_ways:.1f} "
+          f"each way with both busy), RTT {measured_rtt:.1f} ms", flush=True)
+    point, ceilings = {"measured_mbit": measured, "measured_mbit_both_ways": both_ways,
+                       "rtt_ms": rtt, "measured_rtt_ms": measured_rtt, "methods": {}}, []
     for i, name in enumerate([*methods, CEILING]):
         tag = f"{rate}mbit_{rtt}ms_{name.split(' (')[0].replace(' ', '_').replace('+', 'p')}"
         tag = tag.replace(",", "") + ("_repeat" if i == len(methods) else "")

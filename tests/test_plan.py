@@ -141,8 +141,8 @@ def test_attention_and_dropout_terms_follow_the_kernels_each_device_runs():
 
 
 def test_step_time_counts_the_unfused_attention_and_the_optimizers_host_time():
-    """The local attention's scores cost SCORE_BYTES each at the memory's speed (a full
-    recompute adds the forward's share; flash none; Ulysses is unfused whatever is asked);
+    """The local attention's scores cost SCORE_BYTES each at the memory's speed (a
+    recompute, full or selective, adds the forward's share; flash none; Ulysses is unfused whatever is asked);
     the fused optimizer path takes the longer of its bytes and HOST_SECONDS_PER_TENSOR per
     parameter tensor (292 in this 24-layer GPT, as DeepSpeed's per-tensor checks ran on the
     H200; 6 a layer and 3 more for a Llama without biases)."""
@@ -174,6 +174,13 @@ def test_step_time_counts_the_unfused_attention_and_the_optimizers_host_time():
     again = 4 * shape.seq * shape.heads * shape.kv_channels * shape.layers * 8 * shape.seq
     assert selective["compute"] - plain["compute"] == pytest.approx(again / 1e15)
     assert plain["compute"] < selective["compute"] < recompute["compute"]
+    # a calibration that holds the first passes (the CPU's): only a recompute's second
+    # forward of the scores is priced, at its own measured cost
+    calibrated = dataclasses.replace(fabric, score_bytes=0.0, score_bytes_again=120.0)
+    assert "attention scores" not in step_time(shape, Layout(micro_batch=2), t, calibrated)
+    for kind in ("selective", "full"):
+        again_only = step_time(shape, Layout(micro_batch=2, recompute=kind), t, calibrated)
+        assert again_only["attention scores"] == pytest.approx(scores * 120.0 / 1e12)
     flash = dataclasses.replace(t, attention="flash")
     assert "attention scores" not in step_time(shape, Layout(micro_batch=2), flash, fabric)
     assert "attention scores" in step_time(shape, Layout(sp=2, micro_batch=2), flash, fabric)
@@ -360,4 +367,9 @@ def test_link_model_stalls_only_for_what_the_overlap_does_not_cover():
     assert link_utilisation(0.5, ex, 40, 4, 1) == 1.0  # tau=1 covers 0.5 s
     # 0.1 s steps: tau=1 leaves ex - 0.1 s per exchange, one exchange every 10 steps.
     assert link_utilisation(0.1, ex, 40, 4, 1) == pytest.approx(0.1 / (0.1 + (ex - 0.1) / 10))
+    # the sync's own work per exchange adds to it, covered or not
+    assert link_utilisation(0.1, ex, 40, 4, 1, sync_seconds=0.05) == pytest.approx(
+        0.1 / (0.1 + (ex - 0.1 + 0.05) / 10))
+    assert link_utilisation(0.1, 0.01, 40, 4, 1, sync_seconds=0.05) == pytest.approx(
+        0.1 / (0.1 + 0.05 / 10))
     assert link_utilisation(0.1, ex, 40, 4, 0, eager=True) == 1.0  # a round covers it

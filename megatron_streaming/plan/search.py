@@ -280,15 +280,19 @@ def _split(total: int, speeds: Sequence[float], grains: Sequence[int]) -> List[i
 
 
 def link_utilisation(step: float, exchange: float, inner_steps: int, fragments: int,
-                     overlap_steps: int, eager: bool = False) -> float:
+                     overlap_steps: int, eager: bool = False,
+                     sync_seconds: float = 0.0) -> float:
     """Compute utilisation of a worker whose fragment exchanges take ``exchange`` seconds
     (bytes over the link's rate plus its round trips): each of the P fragments syncs every H
     steps; the merge waits for what of the exchange the ``overlap_steps`` steps did not
-    cover (eager: the whole round of H/P steps covers it). Validated against the slow-link
-    harness (``benchmarks/plan_link_validation.py``, docs/RESULTS.md)."""
+    cover (eager: the whole round of H/P steps covers it). ``sync_seconds``: what each
+    exchange's own work (copies, codec, outer step, merge) takes from the compute, whatever
+    the link: a few milliseconds on a GPU, tens where the sync shares a CPU's cores with the
+    compute. Validated against the slow-link harness (``benchmarks/plan_link_validation.py``,
+    docs/RESULTS.md)."""
     cover = inner_steps / fragments if eager else overlap_steps
     stall = max(0.0, exchange - cover * step)
-    return step / (step + stall * fragments / inner_steps)
+    return step / (step + (stall + sync_seconds) * fragments / inner_steps)
 
 
 # Linux's initial congestion window: ten segments (RFC 6928) of 1448 bytes (a 1500-byte MTU

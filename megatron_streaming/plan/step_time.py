@@ -7,10 +7,11 @@
   (peak x MFU, or what a measured step implies).
 * Unfused attention (megatron-core's local layers): the scores' passes through memory, the
   fp32 softmax's casts, mask, dropout and their gradients, ``SCORE_BYTES`` per score
-  element forward and backward (``SCORE_BYTES_FORWARD`` more under a recompute) at the
-  device's memory bandwidth. It is most of a step at a long sequence (one H200, its
-  profile: 423 of 620 ms of a 1.28B GPT's forward-backward at sequence 2048, 1029 of 1335 ms
-  of a 0.85B Llama's at 4096; the GEMMs ran at 0.7 of the peak). Flash attention has none.
+  element forward and backward (``SCORE_BYTES_FORWARD`` more under a recompute, full or
+  selective: the scores' forward runs again) at the device's memory bandwidth. It is most
+  of a step at a long sequence (one H200, its profile: 423 of 620 ms of a 1.28B GPT's
+  forward-backward at sequence 2048, 1029 of 1335 ms of a 0.85B Llama's at 4096; the GEMMs
+  ran at 0.7 of the peak). Flash attention has none.
 * Pipeline bubble (1F1B): the compute stretched by ``(pp - 1) / m`` for ``m`` micro-batches
   per data-parallel replica (Narayanan et al. 2021).
 * Tensor parallel: four all-reduces of ``b s h`` activations per layer per micro-batch (two
@@ -86,6 +87,9 @@ class Fabric:
     # The unfused attention's bytes per score element; 0 where a measured FLOP/s already
     # holds them (benchmarks/plan_validation.py calibrates on the same model).
     score_bytes: float = SCORE_BYTES
+    # ... and those of a recompute's second forward of the scores, which no calibration
+    # without a recompute holds (on the CPU: its mask, softmax and dropout, timed there).
+    score_bytes_again: float = SCORE_BYTES_FORWARD
 
 
 FUSED_ADAMW_BYTES = 28  # one kernel: weight, gradient, two moments read; three written
@@ -165,9 +169,8 @@ def step_time(shape: ModelShape, layout: Layout, training: Training,
     activation = layout.micro_batch * shape.seq / layout.sp * shape.hidden * e
     layers = shape.layers / layout.pp
     out = {"compute": flops / fabric.flops_per_device}
-    if training.unfused(layout) and fabric.memory_bytes_per_s and fabric.score_bytes:
-        per_score = fabric.score_bytes * (1 + (SCORE_BYTES_FORWARD / SCORE_BYTES
-                                               if again else 0))
+    per_score = fabric.score_bytes + (fabric.score_bytes_again if again else 0.0)
+    if training.unfused(layout) and fabric.memory_bytes_per_s and per_score:
         scores = shape.scores(layout.micro_batch, layout.tp, layout.sp) * micro_batches * layers
         out["attention scores"] = scores * per_score / fabric.memory_bytes_per_s
     # 1F1B stretches the stage's whole forward-backward work, the scores' passes too.
