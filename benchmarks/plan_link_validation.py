@@ -43,14 +43,16 @@ def method_of(flags):
             value("--diloco-overlap-steps", 0), "--diloco-eager" in flags, bits)
 
 
-def predict(cell, rtt, spec, parameters, sync_seconds=0.0):
-    """(exchange seconds, predicted utilisation) of one method in one measured cell."""
+def predict(cell, rtt, spec, parameters, sync_seconds) -> tuple:
+    """(exchange seconds, predicted utilisation, the same without the sync's own work) of one
+    method in one measured cell."""
     h, p, tau, eager, bits = method_of(spec["flags"])
     # one-rank workers: one connection, Linux's default slow start after idle
     exchange = exchange_seconds(parameters, bits, 2, p, cell["measured_mbit"] / 1e3,
                                 cell.get("measured_rtt_ms", float(rtt)))
     step = cell["methods"][CEILING]["ms_per_step"] / 1e3
-    return exchange, link_utilisation(step, exchange, h, p, tau, eager, sync_seconds)
+    return (exchange, link_utilisation(step, exchange, h, p, tau, eager, sync_seconds),
+            link_utilisation(step, exchange, h, p, tau, eager))
 
 
 def sync_cost(sweep, specs) -> tuple:
@@ -103,21 +105,18 @@ def main(argv=None) -> int:
             runs = [run for run in cells[key] if name in run[1]["methods"]]
             if spec["kind"] != "workers" or name == CEILING or not runs:
                 continue
-            each = [(*predict(cell, rtt, spec, cell["methods"][name]["parameters"], sync_s),
-                     cell["methods"][name]["utilisation"], cell) for rtt, cell, sync_s in runs]
-            link_only = statistics.median(
-                predict(cell, rtt, spec, cell["methods"][name]["parameters"])[1]
-                for rtt, cell, _ in runs)
-            measured = [m for _, _, m, _ in each]
-            predicted = statistics.median(u for _, u, _, _ in each)
-            median = statistics.median(measured)
+            exchange, predicted, link_only = zip(*(
+                predict(cell, rtt, spec, cell["methods"][name]["parameters"], sync_s)
+                for rtt, cell, sync_s in runs))
+            measured = [cell["methods"][name]["utilisation"] for _, cell, _ in runs]
+            predicted, link_only, median = map(statistics.median,
+                                               (predicted, link_only, measured))
             rows.append({"rtt_ms": key[0], "rate_mbit": key[1],
                          "measured_mbit": statistics.median(c["measured_mbit"]
-                                                            for *_, c in each),
-                         "method": name,
-                         "exchange_s": statistics.median(e for e, *_ in each),
+                                                            for _, c, _ in runs),
+                         "method": name, "exchange_s": statistics.median(exchange),
                          "step_s": statistics.median(c["methods"][CEILING]["ms_per_step"] / 1e3
-                                                     for *_, c in each),
+                                                     for _, c, _ in runs),
                          "predicted": predicted, "measured": median,
                          "measured_each": measured,
                          "error_points": 100 * (predicted - median),

@@ -221,10 +221,7 @@ def memory_bandwidth() -> float:
         "t = time.perf_counter()\n"
         "for _ in range(10): y.copy_(x)\n"
         "print(10 * 2 * x.numel() * 4 / (time.perf_counter() - t))\n")
-    procs = [subprocess.Popen([sys.executable, "-c", code], env=env(), stdout=subprocess.PIPE,
-                              text=True) for _ in range(2)]
-    rates = [float(p.communicate(timeout=300)[0].strip().splitlines()[-1]) for p in procs]
-    return min(rates)
+    return min(_side_by_side(code))
 
 
 def score_forward_seconds() -> float:
@@ -246,9 +243,15 @@ def score_forward_seconds() -> float:
         "forward(); t = time.perf_counter()\n"
         "for _ in range(20): forward()\n"
         "print((time.perf_counter() - t) / 20 / x.numel())\n")
+    return max(_side_by_side(code))
+
+
+def _side_by_side(code: str) -> list:
+    """The number ``code`` prints last, from two processes running it at once (both cores
+    busy, as in every layout)."""
     procs = [subprocess.Popen([sys.executable, "-c", code], env=env(), stdout=subprocess.PIPE,
                               text=True) for _ in range(2)]
-    return max(float(p.communicate(timeout=300)[0].strip().splitlines()[-1]) for p in procs)
+    return [float(p.communicate(timeout=300)[0].strip().splitlines()[-1]) for p in procs]
 
 
 def calibration_layout(micro_batch: int) -> Layout:

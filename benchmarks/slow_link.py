@@ -170,95 +170,62 @@ class Children:
         self.procs = []
 
 
+def _probe(port: int, server: str, client: str) -> tuple:
+    """(what ``server`` printed, what ``client`` printed): ``server`` runs in namespace 0 on
+    one accepted connection ``c``, ``client`` in namespace 1 on its connection ``c`` to it."""
+    accept = ("import socket,threading,time\n"
+              "s=socket.socket();s.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1)\n"
+              f"s.bind(('{MASTER_ADDR}',{port}));s.listen(1);c,_=s.accept()\n")
+    connect = ("import socket,threading,time\n"
+               "for i in range(100):\n"
+               f" try: c=socket.create_connection(('{MASTER_ADDR}',{port}));break\n"
+               " except OSError: time.sleep(0.1)\n")
+    proc = subprocess.Popen([LINK, "exec", "0", PYTHON, "-c", accept + server], cwd=REPO,
+                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        there = link("exec", "1", PYTHON, "-c", connect + client).stdout
+        here, _ = proc.communicate(timeout=60)
+        return here, there
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
 def measure_link(rate_mbit: float, seconds: float = 1.5) -> float:
     """Mbit/s of one TCP stream from namespace 1 to namespace 0 (a check of tbf's rate)."""
-    port = 29400
     nbytes = int(rate_mbit * 1e6 / 8 * seconds)
-    server = subprocess.Popen(
-        [LINK, "exec", "0", PYTHON, "-c",
-         "import socket,sys,time\n"
-         f"s=socket.socket();s.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1)\n"
-         f"s.bind(('{MASTER_ADDR}',{port}));s.listen(1);c,_=s.accept();n=0;t=None\n"
-         f"while n<{nbytes}:\n b=c.recv(1<<20)\n if not b: break\n"
-         " t=t or time.perf_counter();n+=len(b)\n"
-         "print(n*8/(time.perf_counter()-t)/1e6)"],
-        cwd=REPO, stdout=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        client = ("import socket,time\n"
-                  "for i in range(100):\n"
-                  f" try: c=socket.create_connection(('{MASTER_ADDR}',{port}));break\n"
-                  " except OSError: time.sleep(0.1)\n"
-                  f"c.sendall(bytes({nbytes}));c.close()")
-        link("exec", "1", PYTHON, "-c", client)
-        out, _ = server.communicate(timeout=60)
-        return float(out.strip())
-    finally:
-        if server.poll() is None:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
-
-
-# Both ends at once: send n bytes while reading the peer's n, print the Mbit/s read.
-_BOTH_WAYS = ("import socket,threading,time\n"
-              "def run(c,n):\n"
-              " t=threading.Thread(target=c.sendall,args=(bytes(n),));t.start();got=0;t0=None\n"
-              " while got<n:\n"
-              "  b=c.recv(1<<20)\n"
-              "  if not b: break\n"
-              "  t0=t0 or time.perf_counter();got+=len(b)\n"
-              " print(got*8/(time.perf_counter()-t0)/1e6,flush=True);t.join()\n")
+    here, _ = _probe(29400, "n=0;t=None\n"
+                     f"while n<{nbytes}:\n b=c.recv(1<<20)\n if not b: break\n"
+                     " t=t or time.perf_counter();n+=len(b)\n"
+                     "print(n*8/(time.perf_counter()-t)/1e6)",
+                     f"c.sendall(bytes({nbytes}));c.close()")
+    return float(here.strip())
 
 
 def measure_link_both_ways(rate_mbit: float, seconds: float = 1.5) -> float:
     """Mbit/s each way (the mean of the two) with one TCP stream each way at once: what an
     exchange, which sends the same bytes both ways, gets of the link (``iperf3 --bidir``)."""
-    port = 29402
     nbytes = int(rate_mbit * 1e6 / 8 * seconds)
-    server = subprocess.Popen(
-        [LINK, "exec", "0", PYTHON, "-c", _BOTH_WAYS +
-         "s=socket.socket();s.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1)\n"
-         f"s.bind(('{MASTER_ADDR}',{port}));s.listen(1);c,_=s.accept();run(c,{nbytes})"],
-        cwd=REPO, stdout=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        client = (_BOTH_WAYS + "for i in range(100):\n"
-                  f" try: c=socket.create_connection(('{MASTER_ADDR}',{port}));break\n"
-                  " except OSError: time.sleep(0.1)\n"
-                  f"run(c,{nbytes})")
-        there = float(link("exec", "1", PYTHON, "-c", client).stdout.strip())
-        out, _ = server.communicate(timeout=60)
-        return (there + float(out.strip())) / 2
-    finally:
-        if server.poll() is None:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
+    # each end sends n bytes while reading the peer's n, and prints the Mbit/s it read
+    both = ("t=threading.Thread(target=c.sendall,args=(bytes(n),));t.start();got=0;t0=None\n"
+            "while got<n:\n b=c.recv(1<<20)\n if not b: break\n"
+            " t0=t0 or time.perf_counter();got+=len(b)\n"
+            "print(got*8/(time.perf_counter()-t0)/1e6,flush=True);t.join()\n")
+    here, there = _probe(29402, f"n={nbytes}\n" + both, f"n={nbytes}\n" + both)
+    return (float(here.strip()) + float(there.strip())) / 2
 
 
 def measure_rtt(probes: int = 10) -> float:
     """Median round trip (ms) of a 1-byte TCP echo from namespace 1 to namespace 0."""
-    port = 29401
-    server = subprocess.Popen(
-        [LINK, "exec", "0", PYTHON, "-c",
-         "import socket\n"
-         "s=socket.socket();s.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1)\n"
-         f"s.bind(('{MASTER_ADDR}',{port}));s.listen(1);c,_=s.accept()\n"
-         "c.setsockopt(socket.IPPROTO_TCP,socket.TCP_NODELAY,1)\n"
-         "while True:\n b=c.recv(1)\n if not b: break\n c.sendall(b)"],
-        cwd=REPO, start_new_session=True)
-    try:
-        client = ("import socket,time\n"
-                  "for i in range(100):\n"
-                  f" try: c=socket.create_connection(('{MASTER_ADDR}',{port}));break\n"
-                  " except OSError: time.sleep(0.1)\n"
-                  "c.setsockopt(socket.IPPROTO_TCP,socket.TCP_NODELAY,1);r=[]\n"
-                  f"for i in range({probes}):\n"
-                  " t=time.perf_counter();c.sendall(b'x');c.recv(1)\n"
-                  " r.append(1e3*(time.perf_counter()-t))\n"
-                  "print(sorted(r)[len(r)//2])")
-        return float(link("exec", "1", PYTHON, "-c", client).stdout.strip())
-    finally:
-        if server.poll() is None:
-            os.killpg(server.pid, signal.SIGKILL)
-        server.wait()
+    _, there = _probe(29401, "c.setsockopt(socket.IPPROTO_TCP,socket.TCP_NODELAY,1)\n"
+                      "while True:\n b=c.recv(1)\n if not b: break\n c.sendall(b)",
+                      "c.setsockopt(socket.IPPROTO_TCP,socket.TCP_NODELAY,1);r=[]\n"
+                      f"for i in range({probes}):\n"
+                      " t=time.perf_counter();c.sendall(b'x');c.recv(1)\n"
+                      " r.append(1e3*(time.perf_counter()-t))\n"
+                      "print(sorted(r)[len(r)//2])")
+    return float(there.strip())
 
 
 def report_intervals(jsonl: Path) -> list:
