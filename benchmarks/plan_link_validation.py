@@ -6,9 +6,10 @@
 
 For every cell of the sweep (link rate x round trip, ``benchmarks/slow_link.py --rtts``) and
 every sync method in it, the utilisation the planner predicts (``plan.search.link_utilisation``
-with ``plan.search.exchange_seconds``: the outer gradients' bytes from the parameter count and
-the wire format, over the measured link rate, plus the measured round trips; the step of the
-run without a sync, measured beside it) against the utilisation measured there (that step
+with ``plan.search.steady_exchange_seconds``: the outer gradients' bytes from the parameter
+count and the wire format, over the link's rate (``link_mbit``), plus the measured round trips
+and TCP's slow start from the window the gap between exchanges leaves; the step of the run
+without a sync, measured beside it) against the utilisation measured there (that step
 over the method's). One term is read off each sweep: the sync's own work per exchange on the
 harness's two shared cores (``sync_cost``: the eager method at the fastest rate without a
 round trip, where the link costs it nothing); that cell is left out of the count, and every
@@ -27,7 +28,8 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from megatron_streaming.plan.search import FP4_BITS, exchange_seconds, link_utilisation  # noqa
+from megatron_streaming.plan.search import (FP4_BITS, link_utilisation,  # noqa
+                                            steady_exchange_seconds)
 
 CEILING = "ceiling (no cross-worker sync)"
 
@@ -43,14 +45,27 @@ def method_of(flags):
             value("--diloco-overlap-steps", 0), "--diloco-eager" in flags, bits)
 
 
-def predict(cell, rtt, spec, parameters, sync_seconds) -> tuple:
+def link_mbit(sweep, rate, cell) -> float:
+    """The link's rate for an exchange, which sends as many bytes each way at once: one TCP
+    stream each way, measured without a round trip at the same nominal rate
+    (``measured_mbit_both_ways``; tbf's rate does not depend on the round trip, and a probe
+    over one measures its own slow start too, which the model adds itself). Sweeps without
+    it: the cell's one-way probe."""
+    still = sweep["results_by_rtt"].get("0", {}).get(rate, {})
+    return still.get("measured_mbit_both_ways") or cell["measured_mbit"]
+
+
+def predict(cell, rtt, spec, parameters, sync_seconds, mbit) -> tuple:
     """(exchange seconds, predicted utilisation, the same without the sync's own work) of one
-    method in one measured cell."""
+    method in one measured cell over a link of ``mbit``."""
     h, p, tau, eager, bits = method_of(spec["flags"])
-    # one-rank workers: one connection, Linux's default slow start after idle
-    exchange = exchange_seconds(parameters, bits, 2, p, cell["measured_mbit"] / 1e3,
-                                cell.get("measured_rtt_ms", float(rtt)))
     step = cell["methods"][CEILING]["ms_per_step"] / 1e3
+    # one-rank workers: one connection, Linux's default slow start after idle, the window
+    # each exchange starts with restarted after the gap since the last one
+    exchange = steady_exchange_seconds(step, h, tau, eager, sync_seconds, parameters=parameters,
+                                       bits=bits, workers=2, fragments=p,
+                                       gbit_per_s=mbit / 1e3,
+                                       rtt_ms=cell.get("measured_rtt_ms", float(rtt)))
     return (exchange, link_utilisation(step, exchange, h, p, tau, eager, sync_seconds),
             link_utilisation(step, exchange, h, p, tau, eager))
 
@@ -98,7 +113,7 @@ def main(argv=None) -> int:
                 runs = cells.setdefault(key, [])
                 if not args.repeats:
                     runs.clear()  # the later sweep's cell replaces the earlier's
-                runs.append((rtt, cell, sync_s))
+                runs.append((rtt, cell, sync_s, link_mbit(sweep, rate, cell)))
     rows = []
     for key in sorted(cells):
         for name, spec in specs.items():
@@ -106,17 +121,18 @@ def main(argv=None) -> int:
             if spec["kind"] != "workers" or name == CEILING or not runs:
                 continue
             exchange, predicted, link_only = zip(*(
-                predict(cell, rtt, spec, cell["methods"][name]["parameters"], sync_s)
-                for rtt, cell, sync_s in runs))
-            measured = [cell["methods"][name]["utilisation"] for _, cell, _ in runs]
+                predict(cell, rtt, spec, cell["methods"][name]["parameters"], sync_s, mbit)
+                for rtt, cell, sync_s, mbit in runs))
+            measured = [cell["methods"][name]["utilisation"] for _, cell, *_ in runs]
             predicted, link_only, median = map(statistics.median,
                                                (predicted, link_only, measured))
             rows.append({"rtt_ms": key[0], "rate_mbit": key[1],
                          "measured_mbit": statistics.median(c["measured_mbit"]
-                                                            for _, c, _ in runs),
+                                                            for _, c, *_ in runs),
+                         "link_mbit": statistics.median(run[3] for run in runs),
                          "method": name, "exchange_s": statistics.median(exchange),
                          "step_s": statistics.median(c["methods"][CEILING]["ms_per_step"] / 1e3
-                                                     for _, c, _ in runs),
+                                                     for _, c, *_ in runs),
                          "predicted": predicted, "measured": median,
                          "measured_each": measured,
                          "error_points": 100 * (predicted - median),

@@ -354,17 +354,20 @@ def test_link_model_stalls_only_for_what_the_overlap_does_not_cover():
 
     # 1M parameters, FP4, 2 workers, P=4 at 10 Gbit/s and 100 ms: bytes are nothing, the two
     # round trips are 0.2 s, with a window that stayed open.
-    ex = exchange_seconds(1e6, 4.25, 2, 4, 10, 100, slow_start=False)
+    ex = exchange_seconds(1e6, 4.25, 2, 4, 10, 100, slow_start_after_idle=False)
     assert ex == pytest.approx(1e6 / 4 * 4.25 / 10e9 + 0.2)
     # From TCP's initial window (14,480 bytes) each collective's 66,406 bytes take two more
     # round trips (14,480 + 28,960 sent, then the rest fits), the all-gather one more (57,920
-    # is still short of its 66,406): three.
-    assert exchange_seconds(1e6, 4.25, 2, 4, 10, 100) == pytest.approx(ex + 0.3)
+    # is still short of its 66,406): three; the 101,360 bytes those rounds carry travel
+    # within them.
+    assert exchange_seconds(1e6, 4.25, 2, 4, 10, 100) == pytest.approx(
+        ex + 0.3 - 101_360 / 1.25e9)
     # Over 8 connections each carries 8,301 bytes a collective: no extra round trip.
     assert exchange_seconds(1e6, 4.25, 2, 4, 10, 100, connections=8) == pytest.approx(ex)
     # A short link: the window soon holds the bandwidth-delay product (1.25 MB at 1 ms).
     assert exchange_seconds(1e9, 4.25, 2, 1, 10, 1) == pytest.approx(
-        1e9 * 4.25 / 10e9 + 0.002 + 7 * 0.001)  # 14,480 x 2^7 > 1.25e6
+        1e9 * 4.25 / 10e9 + 0.002 + 7 * 0.001  # 14,480 x 2^7 > 1.25e6
+        - 14_480 * (2 ** 7 - 1) / 1.25e9)  # the all-gather starts past the cap
     assert link_utilisation(0.5, ex, 40, 4, 1) == 1.0  # tau=1 covers 0.5 s
     # 0.1 s steps: tau=1 leaves ex - 0.1 s per exchange, one exchange every 10 steps.
     assert link_utilisation(0.1, ex, 40, 4, 1) == pytest.approx(0.1 / (0.1 + (ex - 0.1) / 10))
@@ -374,3 +377,40 @@ def test_link_model_stalls_only_for_what_the_overlap_does_not_cover():
     assert link_utilisation(0.1, 0.01, 40, 4, 1, sync_seconds=0.05) == pytest.approx(
         0.1 / (0.1 + 0.05 / 10))
     assert link_utilisation(0.1, ex, 40, 4, 0, eager=True) == 1.0  # a round covers it
+
+
+def test_the_window_an_exchange_starts_with_follows_linux_restart_after_idle():
+    from megatron_streaming.plan.search import (INITIAL_WINDOW_BYTES, exchange_seconds,
+                                                restarted_window, slow_start,
+                                                steady_exchange_seconds)
+
+    # slow start: round trips, the bytes they carry, the window after (grown by what was
+    # acknowledged while the window limited the sending: at most twice the largest flight)
+    assert slow_start(66_406, 1e9, 14_480) == (2, 43_440, 57_920)
+    assert slow_start(66_406, 1e9, 57_920) == (1, 57_920, 115_840)
+    assert slow_start(66_406, 1e9, 115_840) == (0, 0.0, 132_812)
+    # the cap (the bandwidth-delay product) stops the doubling; the window still grows with
+    # what a full link acknowledges
+    assert slow_start(66_406, 20_000, 14_480) == (1, 14_480, 57_920)
+    # tcp_cwnd_restart: kept under one timeout; halved per timeout past the first, down to
+    # the initial window
+    assert restarted_window(100_000, 0.25, 0.3) == 100_000
+    assert restarted_window(100_000, 0.7, 0.3) == 25_000
+    assert restarted_window(100_000, 5.0, 0.3) == INITIAL_WINDOW_BYTES
+    assert restarted_window(10_000, 5.0, 0.3) == 10_000  # never raised to the initial one
+    link = dict(parameters=1e6, bits=4.25, workers=2, fragments=4, gbit_per_s=10, rtt_ms=100)
+    open_window = exchange_seconds(**link, slow_start_after_idle=False)
+    from_initial = exchange_seconds(**link)
+    # timeout: 100 ms + the 66,406-byte burst's queueing (53 us) + 200 ms
+    assert exchange_seconds(**link, idle_seconds=0.25) == pytest.approx(open_window)
+    assert exchange_seconds(**link, idle_seconds=5.0) == from_initial
+    # 0.7 s: two halvings of the 132,812 bytes the last exchange left: 33,203, one round trip
+    assert exchange_seconds(**link, idle_seconds=0.7) == pytest.approx(
+        open_window + 0.1 - 33_203.125 / 1.25e9)
+    # 0.1 s steps, an exchange every 10 (H=40, P=4) that tau=1 covers 0.1 s of: the gap is the
+    # other 9 steps
+    assert steady_exchange_seconds(0.1, 40, 1, False, **link) == pytest.approx(
+        exchange_seconds(**link, idle_seconds=0.7))
+    # blocking (P=1, tau=0): the gap is H steps, long enough to start from the initial window
+    assert steady_exchange_seconds(0.1, 40, 0, False, **{**link, "fragments": 1}) == \
+        exchange_seconds(**{**link, "fragments": 1})

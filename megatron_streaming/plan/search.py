@@ -30,6 +30,7 @@ slowest worker's step and the link.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
 
@@ -161,7 +162,6 @@ def sizes(clusters: Sequence[Cluster], max_workers: int) -> List[Option]:
     the clusters differ in size), and workers of one size R, the smallest cluster's devices
     or a divisor of every cluster's, each cluster running ``devices // R`` of them (at most
     ``max_workers`` in all; the smallest cluster's cut is always one)."""
-    import math
     from functools import reduce
 
     devices = [c.devices for c in clusters]
@@ -298,41 +298,98 @@ def link_utilisation(step: float, exchange: float, inner_steps: int, fragments: 
 # Linux's initial congestion window: ten segments (RFC 6928) of 1448 bytes (a 1500-byte MTU
 # less the IP, TCP and timestamp headers).
 INITIAL_WINDOW_BYTES = 10 * 1448
+# Linux's floor under the retransmission timeout (TCP_RTO_MIN): RTO = smoothed RTT + max(200
+# ms, four times the RTT's mean deviation).
+RTO_MIN_SECONDS = 0.2
 
 
-def slow_start_round_trips(nbytes: float, window_cap: float, window: float) -> tuple:
-    """(round trips, window after): what TCP's slow start adds to a burst of ``nbytes`` sent
-    from ``window``: the window doubles each round trip until it holds the rest of the burst
-    or ``window_cap`` (the connection's share of the bandwidth-delay product)."""
-    trips, sent = 0, 0.0
+def slow_start(nbytes: float, window_cap: float, window: float) -> tuple:
+    """(round trips, bytes sent in them, window after): TCP's slow start over a burst of
+    ``nbytes`` sent from ``window``. The window doubles each round trip until it holds the rest
+    of the burst or ``window_cap`` (the connection's share of the bandwidth-delay product);
+    the bytes of those rounds travel within their round trips. After the burst the window has
+    grown by what was acknowledged, up to twice the largest flight (Linux grows it only while
+    it limits the sending: ``tcp_is_cwnd_limited``)."""
+    trips, sent, flight, start = 0, 0.0, 0.0, window
     while sent + window < nbytes and window < window_cap:
         sent += window
+        flight = window
         window *= 2
         trips += 1
-    return trips, window
+    flight = max(flight, min(window, nbytes - sent))
+    return trips, sent, max(window, min(start + nbytes, 2 * flight))
+
+
+def restarted_window(window: float, idle_seconds: float, rto_seconds: float) -> float:
+    """The window a connection starts an exchange with after ``idle_seconds`` without sending
+    (Linux's ``tcp_cwnd_restart``): kept when the gap is shorter than the retransmission
+    timeout, else halved once per timeout of the gap past the first, not below the initial
+    window."""
+    if idle_seconds <= rto_seconds:
+        return window
+    floor = min(window, INITIAL_WINDOW_BYTES)
+    halvings = math.ceil(idle_seconds / rto_seconds) - 1 if math.isfinite(idle_seconds) \
+        else math.inf
+    while halvings > 0 and window > floor:
+        window /= 2
+        halvings -= 1
+    return max(window, floor)
 
 
 def exchange_seconds(parameters: float, bits: float, workers: int, fragments: int,
                      gbit_per_s: float, rtt_ms: float, connections: int = 1,
-                     slow_start: bool = True) -> float:
+                     slow_start_after_idle: bool = True,
+                     idle_seconds: float = math.inf) -> float:
     """One fragment's exchange: its outer gradients at ``bits`` per value through the
     reduce-scatter and all-gather (``2 (M-1) / M`` of the fragment each way) over the link,
-    and two round trips (one per collective). With ``slow_start`` (Linux's default,
-    ``net.ipv4.tcp_slow_start_after_idle=1``) each of the ``connections`` (the lanes, one per
-    rank of the smaller worker, sharing the link) restarts from the initial window after the
-    idle gap between exchanges, longer than its retransmission timeout: the reduce-scatter
-    pays a round trip per doubling until the window holds its share, the all-gather goes on
-    from the window the reduce-scatter left."""
+    and two round trips (one per collective). With ``slow_start_after_idle`` (Linux's
+    default, ``net.ipv4.tcp_slow_start_after_idle=1``) each of the ``connections`` (the lanes,
+    one per rank of the smaller worker, sharing the link) restarts its window after the
+    ``idle_seconds`` between exchanges (``restarted_window``; the timeout from the round trip
+    and the queueing each direction's burst adds to it; an unknown gap: from the initial
+    window): the reduce-scatter pays a round trip per doubling until the window holds its
+    share, the all-gather goes on from the window the reduce-scatter left, and what those
+    rounds carry is sent within them (``slow_start``)."""
     ring = 2 * (workers - 1) / workers
     nbytes = parameters / fragments * bits * ring / 8
     rate, rtt = gbit_per_s * 1e9 / 8, rtt_ms / 1e3
     seconds = nbytes / rate + 2 * rtt
-    if slow_start and rtt > 0:
-        share, cap = nbytes / 2 / connections, rate * rtt / connections
-        first, window = slow_start_round_trips(share, cap, INITIAL_WINDOW_BYTES)
-        second, _ = slow_start_round_trips(share, cap, window)
-        seconds += (first + second) * rtt
-    return seconds
+    if not (slow_start_after_idle and rtt > 0):
+        return seconds
+    share, cap = nbytes / 2 / connections, rate * rtt / connections
+    # the smoothed RTT: the path's, plus half of a burst's time on the link in each direction
+    # (the data queued going, the acknowledgements queued behind the other side's burst)
+    rto = rtt + share / (rate / connections) + RTO_MIN_SECONDS
+    window = INITIAL_WINDOW_BYTES
+    for _ in range(64):  # the window an exchange starts with, exchange after exchange
+        _, _, after = slow_start(share, cap, window)
+        _, _, after = slow_start(share, cap, after)
+        start = restarted_window(min(after, max(cap, INITIAL_WINDOW_BYTES)), idle_seconds, rto)
+        if start == window:
+            break
+        window = start
+    first, sent_first, after = slow_start(share, cap, window)
+    second, sent_second, _ = slow_start(share, cap, after)
+    return seconds + (first + second) * rtt - (sent_first + sent_second) * connections / rate
+
+
+def steady_exchange_seconds(step: float, inner_steps: int, overlap_steps: int, eager: bool,
+                            sync_seconds: float = 0.0, **link) -> float:
+    """``exchange_seconds`` (``link``: its arguments but ``idle_seconds``) with the idle gap
+    that the exchanges' period leaves: one fragment every H/P steps (a blocking P=1 exchange:
+    every H steps, after them), each step of the period lengthened by what the exchange
+    stalls (``link_utilisation``), less the exchange itself."""
+    fragments = link["fragments"]
+    exchange = exchange_seconds(**link)
+    for _ in range(8):
+        cover = inner_steps / fragments if eager else overlap_steps
+        stall = max(0.0, exchange - cover * step)
+        period = inner_steps / fragments * step + stall + sync_seconds
+        again = exchange_seconds(**link, idle_seconds=max(0.0, period - exchange))
+        if again == exchange:
+            break
+        exchange = again
+    return exchange
 
 
 def _sync(shape: ModelShape, link: Link, workers: int, step: float, train_iters: int, rule,
@@ -340,9 +397,9 @@ def _sync(shape: ModelShape, link: Link, workers: int, step: float, train_iters:
     """H, P, tau and the wire format for the link (``rule.advise``: H as small as the link
     allows, here: the FP4 outer gradients of the whole model, once per H steps, may use
     ``link_share`` of its bandwidth on average); the predicted compute utilisation, the
-    link's peak rate (a fragment's exchange within one step) and its mean rate."""
-    import math
-
+    link's peak rate (a fragment's exchange within one step) and its mean rate. The settings
+    are chosen for an exchange from TCP's initial window; the utilisation counts the window
+    that the gap between exchanges leaves (``steady_exchange_seconds``)."""
     ring = 2 * (workers - 1) / workers
     params = shape.parameters()
     model_bits = params * FP4_BITS * ring
@@ -350,16 +407,19 @@ def _sync(shape: ModelShape, link: Link, workers: int, step: float, train_iters:
                                               * step)))
 
     def seconds_for(fragments: int) -> float:
-        return exchange_seconds(params, FP4_BITS, workers, fragments,
-                                link.bandwidth_gbit_per_s, link.rtt_ms, connections,
-                                link.slow_start_after_idle)
+        return exchange_seconds(**wire, fragments=fragments)
+
+    wire = dict(parameters=params, bits=FP4_BITS, workers=workers,
+                gbit_per_s=link.bandwidth_gbit_per_s, rtt_ms=link.rtt_ms,
+                connections=connections, slow_start_after_idle=link.slow_start_after_idle)
 
     h = 6 * math.ceil(smallest / 6)  # so that P = 3 or 2 fragments divide it
     advice = rule.advise(train_iters, shape.layers, h, None)
     exchange = seconds_for(advice.fragments)
     if exchange > step:
         advice = rule.advise(train_iters, shape.layers, h, exchange / step)
-        exchange = seconds_for(advice.fragments)
+    exchange = steady_exchange_seconds(step, advice.inner_steps, advice.overlap_steps,
+                                       advice.eager, **wire, fragments=advice.fragments)
     util = link_utilisation(step, exchange, advice.inner_steps, advice.fragments,
                             advice.overlap_steps, advice.eager)
     peak = model_bits / advice.fragments / step / 1e9
