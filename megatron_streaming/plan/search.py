@@ -290,9 +290,15 @@ def link_utilisation(step: float, exchange: float, inner_steps: int, fragments: 
     the link: a few milliseconds on a GPU, tens where the sync shares a CPU's cores with the
     compute. Validated against the slow-link harness (``benchmarks/plan_link_validation.py``,
     docs/RESULTS.md)."""
-    cover = inner_steps / fragments if eager else overlap_steps
-    stall = max(0.0, exchange - cover * step)
+    stall = _stall(step, exchange, inner_steps, fragments, overlap_steps, eager)
     return step / (step + (stall + sync_seconds) * fragments / inner_steps)
+
+
+def _stall(step: float, exchange: float, inner_steps: int, fragments: int, overlap_steps: int,
+           eager: bool) -> float:
+    """What of an exchange the steps that overlap it (tau, or eager's whole round) leave."""
+    cover = inner_steps / fragments if eager else overlap_steps
+    return max(0.0, exchange - cover * step)
 
 
 # Linux's initial congestion window: ten segments (RFC 6928) of 1448 bytes (a 1500-byte MTU
@@ -362,14 +368,12 @@ def exchange_seconds(parameters: float, bits: float, workers: int, fragments: in
     rto = rtt + share / (rate / connections) + RTO_MIN_SECONDS
     window = INITIAL_WINDOW_BYTES
     for _ in range(64):  # the window an exchange starts with, exchange after exchange
-        _, _, after = slow_start(share, cap, window)
-        _, _, after = slow_start(share, cap, after)
+        first, sent_first, after = slow_start(share, cap, window)
+        second, sent_second, after = slow_start(share, cap, after)
         start = restarted_window(min(after, max(cap, INITIAL_WINDOW_BYTES)), idle_seconds, rto)
         if start == window:
             break
         window = start
-    first, sent_first, after = slow_start(share, cap, window)
-    second, sent_second, _ = slow_start(share, cap, after)
     return seconds + (first + second) * rtt - (sent_first + sent_second) * connections / rate
 
 
@@ -382,8 +386,7 @@ def steady_exchange_seconds(step: float, inner_steps: int, overlap_steps: int, e
     fragments = link["fragments"]
     exchange = exchange_seconds(**link)
     for _ in range(8):
-        cover = inner_steps / fragments if eager else overlap_steps
-        stall = max(0.0, exchange - cover * step)
+        stall = _stall(step, exchange, inner_steps, fragments, overlap_steps, eager)
         period = inner_steps / fragments * step + stall + sync_seconds
         again = exchange_seconds(**link, idle_seconds=max(0.0, period - exchange))
         if again == exchange:
@@ -406,16 +409,12 @@ def _sync(shape: ModelShape, link: Link, workers: int, step: float, train_iters:
     smallest = max(2, math.ceil(model_bits / (link_share * link.bandwidth_gbit_per_s * 1e9
                                               * step)))
 
-    def seconds_for(fragments: int) -> float:
-        return exchange_seconds(**wire, fragments=fragments)
-
     wire = dict(parameters=params, bits=FP4_BITS, workers=workers,
                 gbit_per_s=link.bandwidth_gbit_per_s, rtt_ms=link.rtt_ms,
                 connections=connections, slow_start_after_idle=link.slow_start_after_idle)
-
     h = 6 * math.ceil(smallest / 6)  # so that P = 3 or 2 fragments divide it
     advice = rule.advise(train_iters, shape.layers, h, None)
-    exchange = seconds_for(advice.fragments)
+    exchange = exchange_seconds(**wire, fragments=advice.fragments)
     if exchange > step:
         advice = rule.advise(train_iters, shape.layers, h, exchange / step)
     exchange = steady_exchange_seconds(step, advice.inner_steps, advice.overlap_steps,
