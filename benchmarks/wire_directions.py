@@ -34,11 +34,12 @@ rank, nbytes, repeats = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 dist.init_process_group("gloo", init_method=sys.argv[5], rank=rank, world_size=2)
 x = torch.zeros(2 * nbytes, dtype=torch.uint8)
 y = x[:nbytes].clone()
+post = transport.Poster(None)
 ways = {
     "gloo all_to_all_single": lambda: dist.all_to_all_single(torch.empty_like(x), x),
-    "transport all-to-all (chunked)": lambda: transport._all_to_all(x, None),
+    "transport all-to-all (chunked)": lambda: transport._all_to_all(x, post),
     "gloo all_gather": lambda: dist.all_gather([torch.empty_like(y), torch.empty_like(y)], y),
-    "transport all-gather (chunked)": lambda: transport._all_gather(y, None, 2),
+    "transport all-gather (chunked)": lambda: transport._all_gather(y, post, 2),
 }
 def seconds(fn):
     dist.barrier(); t = time.perf_counter(); fn(); return time.perf_counter() - t

@@ -185,6 +185,8 @@ class Elastic:
         from patches.torch_process_group import drop
 
         run, topo = self.run, self.run.topology
+        # First: no new collective from the exchange's thread on a group being aborted.
+        run.sync.transport.abandon()
         for group in [topo.groups.pop(name, None)
                       for name in ("cross_worker", "cross_worker_control")] + topo.proxy_groups:
             if group is not None:
@@ -193,7 +195,6 @@ class Elastic:
         topo.cross.data_group = topo.cross.control_group = None
         topo.cross.proxy_groups = []
         run.stop.release()
-        run.sync.transport.abandon()
         gc.collect()
 
     def _new_epoch(self, record) -> None:

@@ -12,7 +12,7 @@ import torch
 
 from megatron_streaming.streaming.codec import make_codec
 from megatron_streaming.streaming.outer import OuterOptimizer, merge
-from megatron_streaming.streaming.transport import SyncTimeout, Transport
+from megatron_streaming.streaming.transport import GroupReleased, SyncTimeout, Transport
 
 from conftest import spawn_gloo
 
@@ -197,6 +197,20 @@ def _transport_worker(rank, world, group):
     out["gated"] = {"done": (done_at_once, done_after_compute), "computed": computed,
                     "mean": r.mean}
     t.close()
+    # Let go (a membership change) while an exchange waits to reach the wire: it posts
+    # nothing on the group and fails; the next transport on the same group pairs up exactly.
+    t = _GatedTransport(group, ranks, rank, make_codec("none"), 60.0)
+    pending = t.all_reduce_mean(_worker_input(rank), 6, "abandoned")
+    t.abandon()
+    t.gate.set()
+    try:
+        pending.future.result(timeout=60)
+        out["abandoned"] = None
+    except GroupReleased as e:
+        out["abandoned"] = str(e)
+    t = Transport(group, ranks, rank, make_codec("none"), 60.0)
+    out["after_abandon"] = t.all_reduce_mean(_worker_input(rank) * 3, 7, "after").wait().mean
+    t.close()
     # The wire over gloo: many point-to-point messages a peer (7 bytes each, the last one
     # short) carry exactly what gloo's all-to-all and all-gather carry.
     import torch.distributed as dist
@@ -206,8 +220,9 @@ def _transport_worker(rank, world, group):
     row = (torch.arange(world * 1000) % 251 + 3 * rank).to(torch.uint8)
     saved, wire.WIRE_CHUNK = wire.WIRE_CHUNK, 7
     try:
-        swapped, gathered = wire._all_to_all(row, group), wire._all_gather(row[:1000], group,
-                                                                            world)
+        post = wire.Poster(group)
+        swapped, gathered = wire._all_to_all(row, post), wire._all_gather(row[:1000], post,
+                                                                           world)
     finally:
         wire.WIRE_CHUNK = saved
     expected = torch.empty_like(row)
@@ -255,6 +270,18 @@ def _simulate_exchange(codec, xs):
 def test_chunked_wire_carries_what_the_collectives_carry(transport_run):
     M, results = transport_run
     assert [r["wire"] for r in results] == [(True, True)] * M
+
+
+@pytest.mark.timeout(120)
+def test_an_abandoned_transport_posts_nothing_on_its_group(transport_run):
+    """A membership change lets go of the group (and then aborts it): an exchange that had
+    not reached the wire yet fails with GroupReleased instead of posting on it (gloo crashes
+    the process on a send posted to an aborted group), and the group is left as it was."""
+    M, results = transport_run
+    expected = sum(_worker_input(w) * 3 for w in range(M)) / M
+    for w in range(M):
+        assert "let go" in results[w]["abandoned"], results[w]["abandoned"]
+        assert torch.allclose(results[w]["after_abandon"], expected, rtol=0, atol=1e-5), w
 
 
 @pytest.mark.timeout(120)

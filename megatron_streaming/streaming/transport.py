@@ -40,6 +40,39 @@ class SyncTimeout(JobFailure):
     """A cross-worker exchange did not complete in time."""
 
 
+class GroupReleased(RuntimeError):
+    """The exchange's group was let go (a membership change) before it posted this."""
+
+
+class Poster:
+    """Posts collectives on one group until the group is let go (``release``). Posting and
+    letting go exclude each other, so a group that a membership change aborts and destroys
+    (``elastic``) is never handed a new collective by the exchange's thread: gloo does not fail
+    a send posted on an aborted group, it crashes the process. A post after the release raises
+    ``GroupReleased``; waits already posted are woken by the abort. The group stays referenced
+    (by the frames still using it) until they are done."""
+
+    def __init__(self, group):
+        self.group = group
+        self._open = True
+        self._lock = threading.Lock()
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank(self.group)
+
+    def __call__(self, collective, *args, **kwargs):
+        with self._lock:
+            if not self._open:
+                raise GroupReleased("the cross-worker group was let go (membership change)")
+            return collective(*args, group=self.group, **kwargs)
+
+    def release(self) -> None:
+        """No collective is posted from now on; returns once none is being posted."""
+        with self._lock:
+            self._open = False
+
+
 @dataclass
 class ExchangeResult:
     mean: torch.Tensor       # fp32, the mean over workers of their (quantized) outer gradients
@@ -95,6 +128,7 @@ class Transport:
                  timeout: float, wire_device: str = "cpu", use_cuda_stream: bool = False,
                  codec_device: Optional[str] = None):
         self.group, self.group_ranks = group, list(group_ranks)
+        self.post = Poster(group)
         self.workers = len(group_ranks)
         self.index = self.group_ranks.index(rank)
         self.codec, self.timeout = codec, timeout
@@ -141,8 +175,10 @@ class Transport:
         self._executor.shutdown()
 
     def abandon(self) -> None:
-        """Stop without waiting and let go of the group (a membership change: it is being
-        destroyed, so what still runs on it fails at once, and nobody waits for it)."""
+        """Stop without waiting and let go of the group (a membership change: call it before
+        the group is aborted; what still runs on it fails at once, and nobody waits for
+        it)."""
+        self.post.release()
         self._executor.shutdown(wait=False)
         self.group = None
 
@@ -208,7 +244,7 @@ class Transport:
                 layout.append(encoded.scales.view(M, -1))
             layout.append(encoded.payload.view(M, -1))
         rows = _pack(layout)
-        received = _all_to_all(rows.view(-1).to(self.wire_device), self.group)
+        received = _all_to_all(rows.view(-1).to(self.wire_device), self.post)
         received = received.to(device).view(M, -1)
         self.collectives += 1
         flags_of, parts_of = [], []  # per worker: its flags; its (scales, codes) per shard
@@ -245,7 +281,7 @@ class Transport:
                 layout.append(e.scales.view(1, -1))
             layout.append(e.payload.view(1, -1))
         row = _pack(layout).view(-1)
-        rows = [r.to(row.device) for r in _all_gather(row.to(self.wire_device), self.group, M)]
+        rows = [r.to(row.device) for r in _all_gather(row.to(self.wire_device), self.post, M)]
         self.collectives += 1
         means = [torch.empty(M * e.numel, dtype=torch.float32, device=row.device)
                  for e in encoded]
@@ -296,10 +332,10 @@ def _unpack(row: torch.Tensor, like: List[torch.Tensor]) -> List[torch.Tensor]:
 WIRE_CHUNK = 1 << 18
 
 
-def _swap(sends: List[torch.Tensor], recvs: List[torch.Tensor], group) -> None:
+def _swap(sends: List[torch.Tensor], recvs: List[torch.Tensor], post: Poster) -> None:
     """Every peer ``j`` gets ``sends[j]`` into its ``recvs[me]``, in chunks, both ways at
     once (``sends[me]`` is copied locally)."""
-    me = dist.get_rank(group)
+    me = post.rank
     recvs[me].copy_(sends[me])
     works = []
     for peer in range(len(sends)):
@@ -308,30 +344,28 @@ def _swap(sends: List[torch.Tensor], recvs: List[torch.Tensor], group) -> None:
         out, inp = recvs[peer].view(-1), sends[peer].view(-1)
         step = max(1, WIRE_CHUNK // inp.element_size())
         for tag, start in enumerate(range(0, inp.numel(), step)):
-            works.append(dist.isend(inp[start:start + step], group=group, group_dst=peer,
-                                    tag=tag))
-            works.append(dist.irecv(out[start:start + step], group=group, group_src=peer,
-                                    tag=tag))
+            works.append(post(dist.isend, inp[start:start + step], group_dst=peer, tag=tag))
+            works.append(post(dist.irecv, out[start:start + step], group_src=peer, tag=tag))
     for work in works:
         work.wait()
 
 
-def _all_to_all(t: torch.Tensor, group) -> torch.Tensor:
+def _all_to_all(t: torch.Tensor, post: Poster) -> torch.Tensor:
     out = torch.empty_like(t)
     if t.device.type != "cpu":
-        dist.all_to_all_single(out, t, group=group)
+        post(dist.all_to_all_single, out, t)
         return out
-    parts = dist.get_world_size(group)
-    _swap(list(t.view(parts, -1)), list(out.view(parts, -1)), group)
+    parts = dist.get_world_size(post.group)
+    _swap(list(t.view(parts, -1)), list(out.view(parts, -1)), post)
     return out
 
 
-def _all_gather(t: torch.Tensor, group, parts: int) -> List[torch.Tensor]:
+def _all_gather(t: torch.Tensor, post: Poster, parts: int) -> List[torch.Tensor]:
     out = [torch.empty_like(t) for _ in range(parts)]
     if t.device.type != "cpu":
-        dist.all_gather(out, t, group=group)
+        post(dist.all_gather, out, t)
         return out
-    _swap([t] * parts, out, group)
+    _swap([t] * parts, out, post)
     return out
 
 
