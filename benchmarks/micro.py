@@ -6,7 +6,7 @@
 Both parts run in one invocation and report ratios measured there (absolute times on a shared
 machine drift; ratios of interleaved repetitions do not, much):
 
-* Codec: for fp4 (E3M0), int8 and bf16, ``encode`` (quantize + pack) and ``decode`` (unpack +
+* Codec: for fp4 (E3M0), fp4-e2m1, int8 and bf16, ``encode`` (quantize + pack) and ``decode`` (unpack +
   dequantize, into a preallocated buffer as the transport does; fp4 also into a new tensor) of
   one flat fp32 tensor, in GB/s of fp32 (``4 x numel`` bytes per call), against
   ``torch.Tensor.copy_`` of the same tensor into a preallocated one, at two sizes: 64M elements
@@ -39,7 +39,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-CODECS = ("fp4", "int8", "bf16")
+CODECS = ("fp4", "fp4-e2m1", "int8", "bf16")
 # The slow-link benchmark's model and streaming settings, with H so large nothing is sent.
 MODEL = ["--mock-data", "--num-layers", "4", "--hidden-size", "128", "--num-attention-heads",
          "4", "--seq-length", "128", "--micro-batch-size", "8", "--eval-iters", "0",

@@ -39,8 +39,8 @@ def method_of(flags):
     def value(name, default):
         return type(default)(flags[flags.index(name) + 1]) if name in flags else default
 
-    bits = {"fp4": FP4_BITS, "int8": 8 + 32 / 128, "bf16": 16, "none": 32}[
-        value("--diloco-quantize", "fp4")]
+    bits = {"fp4": FP4_BITS, "fp4-e2m1": FP4_BITS, "int8": 8 + 32 / 128, "bf16": 16,
+            "none": 32}[value("--diloco-quantize", "fp4")]
     return (value("--diloco-inner-steps", 100), value("--diloco-fragments", 1),
             value("--diloco-overlap-steps", 0), "--diloco-eager" in flags, bits)
 

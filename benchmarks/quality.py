@@ -132,6 +132,9 @@ VARIANTS = {
                            "--diloco-alpha", "0.5", *PAPER]),
     "defaults": ("the library's defaults with H=30, P=3, tau=1, FP4",
                  ["--diloco-inner-steps", "30", *STREAM, "--diloco-quantize", "fp4"]),
+    # The same bytes, the 4-bit values as E2M1 (a mantissa bit) instead of E3M0.
+    "defaults_e2m1": ("defaults with FP4 as E2M1 (--diloco-quantize fp4-e2m1, same bytes)",
+                      ["--diloco-inner-steps", "30", *STREAM, "--diloco-quantize", "fp4-e2m1"]),
     # As many syncs, placed at equal shares of the summed lr (often early, seldom late).
     "h30_lr_spaced": ("h30 with --diloco-sync-spacing lr",
                       [*PLAIN, "--diloco-inner-steps", "30", "--diloco-quantize", "none",

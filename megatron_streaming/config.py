@@ -248,7 +248,7 @@ class StreamingConfig:
     diloco_outer_momentum: float = arg(0.0, "Outer SGD momentum.")
     diloco_nesterov: bool = arg(True, "Nesterov outer momentum.")
     diloco_quantize: str = arg("fp4", "Outer-gradient wire format.",
-                               choices=["none", "bf16", "int8", "fp4"])
+                               choices=["none", "bf16", "int8", "fp4", "fp4-e2m1"])
     diloco_quant_block: int = arg(128, "Elements per quantization scale.")
     diloco_error_feedback: bool = arg(
         False, "Carry each rank's quantization error into its next send of the fragment.")

@@ -32,6 +32,17 @@ Codecs, chosen by ``--diloco-quantize`` with block size ``--diloco-quant-block``
   (s >= 2^-119). Two codes per byte, paired within a block of b codes: byte i holds code i
   in its low nibble and code i + b/2 in its high one (``pack_nibbles``); a short last block
   pairs the same way over its own length, rounded up to even with a zero code.
+* ``fp4-e2m1``: the same scale, packing and bytes as ``fp4``, the four bits as E2M1 (OCP FP4:
+  one sign, two exponent bits and one mantissa bit). Magnitudes in units of s/6:
+
+      index       000  001  010  011  100  101  110  111
+      |value|*6/s  0   0.5   1   1.5   2    3    4    6
+
+  Rounding to the nearest on ``|x| * 6 / s`` computed in fp32 (ties to the larger; a value
+  within a few ulps of a midpoint may go either way). Error <= |x|/5 for ``|x| >= s/6``,
+  <= |x|/3 for ``s/12 <= |x| < s/6``, <= s/24 below: coarser than E3M0 for the smallest
+  elements of a block, finer for the rest (relative error over a Gaussian block of 128:
+  0.11 against E3M0's 0.19).
 
 Blocks are consecutive runs of ``block`` elements of the flat tensor; the last may be short.
 An all-zero block has scale 0 and decodes to exact zeros. ``encode`` requires finite input and
@@ -49,7 +60,7 @@ import torch
 
 from megatron_streaming.errors import UsageError
 
-CODECS = ("none", "bf16", "int8", "fp4")
+CODECS = ("none", "bf16", "int8", "fp4", "fp4-e2m1")
 FP4_MIN_EXPONENT = -6  # smallest nonzero magnitude is 2^-6 of the block scale
 INT8_MAX = 127
 
@@ -360,6 +371,31 @@ def _fp4_values(codes: torch.Tensor) -> torch.Tensor:
     return torch.where(field > 0, signed, 0.0)
 
 
+# E2M1 magnitudes (OCP FP4: one sign bit, two exponent bits, one mantissa bit), in units of
+# 1/6 of the block scale, so that the block's largest element is exactly the scale.
+E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+_E2M1_MIDPOINTS = tuple((a + b) / 2 for a, b in zip(E2M1_MAGNITUDES, E2M1_MAGNITUDES[1:]))
+_E2M1_VALUES = tuple(m / 6 for m in E2M1_MAGNITUDES) + tuple(-m / 6 for m in E2M1_MAGNITUDES)
+
+
+def _e2m1_codes(blocks: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Nearest E2M1 codes (uint8) for ``blocks`` (nb, block) with per-block ``scale`` (nb, 1),
+    the magnitudes ``E2M1_MAGNITUDES / 6 * scale``: |x| * 6 / s in fp32 against the midpoints,
+    ties to the larger magnitude. Code = sign << 3 | index; negative zero is never emitted."""
+    mag = blocks.abs()
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))  # all-zero block: no 0/0
+    ratio = mag / safe * 6.0
+    index = torch.bucketize(ratio, torch.tensor(_E2M1_MIDPOINTS, device=blocks.device),
+                            right=True)
+    negative = (blocks < 0) & (index > 0)
+    return index.add_(negative.to(index.dtype) * 8).to(torch.uint8)
+
+
+def _e2m1_values(codes: torch.Tensor) -> torch.Tensor:
+    """fp32 values of E2M1 codes for scale 1 (index 7 is exactly 1)."""
+    return torch.tensor(_E2M1_VALUES, device=codes.device)[codes.to(torch.int64)]
+
+
 class Fp4Codec(_BlockCodec):
     """``fp4``: E3M0 with a per-block absmax scale (table in the module docstring).
 
@@ -369,22 +405,34 @@ class Fp4Codec(_BlockCodec):
 
     name = "fp4"
     _codes_per_item = 2  # two nibbles per byte
+    _codes = staticmethod(_fp4_codes)
+    _values = staticmethod(_fp4_values)
 
-    @staticmethod
-    def _encode_rows(rows: torch.Tensor):
+    @classmethod
+    def _encode_rows(cls, rows: torch.Tensor):
         absmax = rows.abs().amax(dim=1)
-        return _pack_rows(_fp4_codes(rows, absmax[:, None])), absmax
+        return _pack_rows(cls._codes(rows, absmax[:, None])), absmax
 
-    @staticmethod
-    def _decode_rows(packed: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
+    @classmethod
+    def _decode_rows(cls, packed: torch.Tensor, scales: torch.Tensor,
+                     out: torch.Tensor) -> None:
         # Each half straight into its place: unpacking first (a cat) costs a temporary of a
         # byte per element, which for large tensors is mapped and faulted in on every call.
         half = packed.shape[1]
-        out[:, :half].copy_(_fp4_values(packed & 0x0F) * scales[:, None])
-        out[:, half:].copy_(_fp4_values(packed >> 4) * scales[:, None])
+        out[:, :half].copy_(cls._values(packed & 0x0F) * scales[:, None])
+        out[:, half:].copy_(cls._values(packed >> 4) * scales[:, None])
 
     def wire_bytes(self, numel: int) -> int:
         return _ceil_div(numel, 2) + 4 * _ceil_div(numel, self.block)
+
+
+class Fp4E2M1Codec(Fp4Codec):
+    """``fp4-e2m1``: E2M1 (OCP FP4) with the same per-block absmax scale and packing as
+    ``fp4``, so the same bytes on the wire (module docstring)."""
+
+    name = "fp4-e2m1"
+    _codes = staticmethod(_e2m1_codes)
+    _values = staticmethod(_e2m1_values)
 
 
 def make_codec(name: str, block: int = 128) -> Codec:
@@ -393,11 +441,11 @@ def make_codec(name: str, block: int = 128) -> Codec:
         raise UsageError(f"--diloco-quantize {name!r}: expected one of {', '.join(CODECS)}")
     if isinstance(block, bool) or not isinstance(block, int) or block < 1:
         raise UsageError(f"--diloco-quant-block {block!r}: must be a positive integer")
-    if name == "fp4" and block % 2:
-        raise UsageError(f"--diloco-quant-block {block}: fp4 packs two codes per byte, so the "
-                         "block must be even (--diloco-quantize fp4)")
-    if name in ("int8", "fp4"):
-        return (Int8Codec if name == "int8" else Fp4Codec)(block)
+    if name.startswith("fp4") and block % 2:
+        raise UsageError(f"--diloco-quant-block {block}: {name} packs two codes per byte, so "
+                         f"the block must be even (--diloco-quantize {name})")
+    if name in ("int8", "fp4", "fp4-e2m1"):
+        return {"int8": Int8Codec, "fp4": Fp4Codec, "fp4-e2m1": Fp4E2M1Codec}[name](block)
     return Fp32Codec() if name == "none" else Bf16Codec()
 
 
