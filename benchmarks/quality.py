@@ -130,10 +130,12 @@ VARIANTS = {
                           "outer 0.7 / Nesterov 0.9",
                           ["--diloco-inner-steps", "30", *STREAM, "--diloco-quantize", "fp4",
                            "--diloco-alpha", "0.5", *PAPER]),
-    "defaults": ("the library's defaults with H=30, P=3, tau=1, FP4",
+    "defaults": ("H=30, P=3, tau=1, FP4 as E3M0 (--diloco-quantize fp4; the library's "
+                 "defaults until 2026-11-28)",
                  ["--diloco-inner-steps", "30", *STREAM, "--diloco-quantize", "fp4"]),
     # The same bytes, the 4-bit values as E2M1 (a mantissa bit) instead of E3M0.
-    "defaults_e2m1": ("defaults with FP4 as E2M1 (--diloco-quantize fp4-e2m1, same bytes)",
+    "defaults_e2m1": ("the library's defaults with H=30, P=3, tau=1, FP4 as E2M1 "
+                      "(--diloco-quantize fp4-e2m1: the same bytes)",
                       ["--diloco-inner-steps", "30", *STREAM, "--diloco-quantize", "fp4-e2m1"]),
     # As many syncs, placed at equal shares of the summed lr (often early, seldom late).
     "h30_lr_spaced": ("h30 with --diloco-sync-spacing lr",
@@ -478,7 +480,7 @@ def plot(rows: list[dict], path: Path) -> None:
             if (c, s) != cell or not r["curve"] or not math.isfinite(r["test_loss"]):
                 continue
             tok, loss = zip(*r["curve"])
-            ax.plot(tok, loss, marker=".", lw=1.2 if v in ("dp", "defaults") else 0.8,
+            ax.plot(tok, loss, marker=".", lw=1.2 if v in ("dp", "defaults_e2m1") else 0.8,
                     label=f"{v} ({r['test_loss']:.3f})")
             finals.append(r["test_loss"])
         lo = min(finals)

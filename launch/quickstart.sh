@@ -19,7 +19,7 @@ rm -rf "$out/tensorboard" "$out/checkpoints"
 exec .venv/bin/deepspeed --num_gpus 4 pretrain_gpt.py \
   --data-path "$data" --tokenizer-model "$data.model" \
   --diloco-workers 2 --tensor-model-parallel-size 2 \
-  --diloco-inner-steps 20 --diloco-fragments 2 --diloco-overlap-steps 1 --diloco-quantize fp4 \
+  --diloco-inner-steps 20 --diloco-fragments 2 --diloco-overlap-steps 1 --diloco-quantize fp4-e2m1 \
   --num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 128 \
   --micro-batch-size 4 --global-batch-size 8 --train-iters 100 \
   --lr 3e-3 --min-lr 3e-4 --lr-warmup-iters 10 --lr-decay-style cosine --adam-beta2 0.95 \

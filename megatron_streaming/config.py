@@ -247,8 +247,10 @@ class StreamingConfig:
         "workers' mean; the papers' 0.7 / 0.9 needs hundreds of outer steps, docs/RESULTS.md).")
     diloco_outer_momentum: float = arg(0.0, "Outer SGD momentum.")
     diloco_nesterov: bool = arg(True, "Nesterov outer momentum.")
-    diloco_quantize: str = arg("fp4", "Outer-gradient wire format.",
-                               choices=["none", "bf16", "int8", "fp4", "fp4-e2m1"])
+    diloco_quantize: str = arg(
+        "fp4-e2m1", "Outer-gradient wire format: 4-bit E2M1 with a scale per block (fp4-e2m1), "
+        "the Streaming DiLoCo paper's E3M0 in the same bytes (fp4), int8, bf16, or fp32 "
+        "(none).", choices=["none", "bf16", "int8", "fp4", "fp4-e2m1"])
     diloco_quant_block: int = arg(128, "Elements per quantization scale.")
     diloco_error_feedback: bool = arg(
         False, "Carry each rank's quantization error into its next send of the fragment.")

@@ -51,7 +51,7 @@ def test_alpha_above_zero_warns():
 def test_advice_keeps_enough_outer_steps_and_parses(iters, layers, link_h, expect):
     a = rule.advise(iters, layers, link_h)
     assert (a.inner_steps, a.fragments, a.overlap_steps) == expect
-    assert (a.outer_lr, a.outer_momentum, a.alpha, a.quantize) == (1.0, 0.0, 0.0, "fp4")
+    assert (a.outer_lr, a.outer_momentum, a.alpha, a.quantize) == (1.0, 0.0, 0.0, "fp4-e2m1")
     cfg = parse_args(["--mock-data", "--diloco-workers", "2", "--num-layers", str(layers),
                       "--train-iters", str(iters), *a.flags()])
     assert rule.warnings(cfg.streaming, cfg.optimizer.lr) == []
