@@ -97,7 +97,7 @@ def test_door_on_a_store_agrees_refuses_a_difference_and_a_taken_index(monkeypat
         t.join(30)
     assert out[(0, 0)] == out[(1, 0)] == (
         "workers launched with different settings (every worker stops here): worker 0 and "
-        "worker 1 differ: --diloco-quantize fp4 vs int8")
+        "worker 1 differ: --diloco-quantize fp4-e2m1 vs int8")
 
     # A second launch claiming worker 1's index, then a worker that never comes.
     with pytest.raises(ConfigError, match=r"--diloco-worker-index 1: another launch \(.+\) "
@@ -184,7 +184,7 @@ def test_mismatched_launches_stop_every_worker_naming_the_flags(tmp_path):
     cases = {  # three jobs: two sync flags in one, the model's width, the tokenizer
         "sync": (["--diloco-inner-steps", "4"],
                  ["--diloco-inner-steps", "8", "--diloco-quantize", "int8"],
-                 "--diloco-inner-steps 4 vs 8; --diloco-quantize fp4 vs int8"),
+                 "--diloco-inner-steps 4 vs 8; --diloco-quantize fp4-e2m1 vs int8"),
         "width": ([], ["--hidden-size", "128"], "--hidden-size 64 vs 128; parameters "),
         "tokenizer": (tok[0], tok[1], "--vocab-file (sha256 of its contents) "),
         # The same flags, another join secret in worker 1's environment.
