@@ -28,8 +28,9 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from megatron_streaming.plan.search import (FP4_BITS, link_utilisation,  # noqa
+from megatron_streaming.plan.search import (link_utilisation,  # noqa
                                             steady_exchange_seconds)
+from megatron_streaming.streaming.codec import make_codec  # noqa
 
 CEILING = "ceiling (no cross-worker sync)"
 
@@ -39,8 +40,8 @@ def method_of(flags):
     def value(name, default):
         return type(default)(flags[flags.index(name) + 1]) if name in flags else default
 
-    bits = {"fp4": FP4_BITS, "fp4-e2m1": FP4_BITS, "int8": 8 + 32 / 128, "bf16": 16,
-            "none": 32}[value("--diloco-quantize", "fp4")]
+    values = 1 << 20  # bits per value on the wire, as the codec counts them
+    bits = make_codec(value("--diloco-quantize", "fp4")).wire_bytes(values) * 8 / values
     return (value("--diloco-inner-steps", 100), value("--diloco-fragments", 1),
             value("--diloco-overlap-steps", 0), "--diloco-eager" in flags, bits)
 

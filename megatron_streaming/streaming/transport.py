@@ -127,8 +127,8 @@ class Transport:
     def __init__(self, group, group_ranks: List[int], rank: int, codec: Codec,
                  timeout: float, wire_device: str = "cpu", use_cuda_stream: bool = False,
                  codec_device: Optional[str] = None):
-        self.group, self.group_ranks = group, list(group_ranks)
-        self.post = Poster(group)
+        self.post = Poster(group)  # every collective on the group goes through it
+        self.group_ranks = list(group_ranks)
         self.workers = len(group_ranks)
         self.index = self.group_ranks.index(rank)
         self.codec, self.timeout = codec, timeout
@@ -180,7 +180,6 @@ class Transport:
         it)."""
         self.post.release()
         self._executor.shutdown(wait=False)
-        self.group = None
 
     # ---- the exchange, on the background thread ----------------------------------------
     def _exchange(self, xs, feedbacks, futures) -> None:
