@@ -5,12 +5,13 @@
 * ``StopAgreement`` makes every rank of every worker stop after the *same* iteration, so the
   checkpoint written on the way out is one consistent job-wide checkpoint. A signal may reach
   only one cluster (one job per cluster), and ranks see it at different moments, so the flag is
-  reduced every step: MAX over the worker (in-worker traffic), then MAX over the rank's
-  cross-worker control group, issued asynchronously and read ``--diloco-control-lag`` steps
-  later (default 1; more when the link's latency, or a fragment queued ahead on it, exceeds a
-  step), so no step waits for a round trip over the slow link. Every rank reads the same
-  reduced value at the same iteration, hence the same decision. The same exchange notices a
-  dead peer within a step.
+  reduced every step: MAX over the worker (in-worker traffic, posted asynchronously and read
+  on the host a step later, so the host never waits for the GPU to finish the step it just
+  queued), then MAX over the rank's cross-worker control group, issued asynchronously and
+  read ``--diloco-control-lag`` steps later (default 1; more when the link's latency, or a
+  fragment queued ahead on it, exceeds a step), so no step waits for a round trip over the
+  slow link. Every rank reads the same reduced value at the same iteration, hence the same
+  decision. The same exchange notices a dead peer within a step.
 * ``Liveness`` keeps a heartbeat (and the current iteration) per rank in the job's rendezvous
   store, on a background thread. When a collective fails, it tells a dead rank (heartbeat
   frozen, no exit note) from a live but stuck one, so the error names the lost rank. The same
@@ -88,6 +89,7 @@ class StopAgreement:
         self.cross = topology.cross
         self.device = device_of(self.worker_group)
         self._pending = collections.deque()  # (work, tensor) of the last ``lag`` steps
+        self._in_worker: Optional[_HostRead] = None  # the worker's MAX posted a step ago
         self.carries_join = False  # elastic runs: the flag also says "a worker asks to join"
         self.join_agreed = False  # the flag just read asks every live worker to admit one
         # Elastic runs (``elastic.Elastic``): a failed reduction is handed here instead of
@@ -113,10 +115,15 @@ class StopAgreement:
         if self.carries_join:
             values.append(int(self.request.join_pending))
         flag = torch.tensor(values, dtype=torch.int32, device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.worker_group)
+        posted = _HostRead(dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.worker_group,
+                                           async_op=True), flag)
         self.join_agreed = False
+        previous, self._in_worker = self._in_worker, posted
+        # Every call posts one reduction across workers (their counts pair up), the first
+        # one with nothing asked: nothing was posted a step before it.
+        flag = previous.read() if previous is not None else torch.zeros_like(flag, device="cpu")
         if self.workers == 1:
-            return _signal_name(int(flag[0].item()))
+            return _signal_name(int(flag[0]))
         try:
             work, posted = self.cross.all_reduce_control(flag, dist.ReduceOp.MAX,
                                                          async_op=True)
@@ -140,8 +147,33 @@ class StopAgreement:
 
     def close(self) -> None:
         """Completes the reductions still in flight (every rank issued the same ones)."""
+        if self._in_worker is not None:
+            self._in_worker.read()
+            self._in_worker = None
         while self._pending:
             self._finish_oldest()
+
+
+class _HostRead:
+    """An in-worker reduction posted asynchronously, read on the host later. On a GPU its
+    result is copied to pinned host memory right behind it on the stream and an event marks
+    the copy, so reading it waits for that step's work only, not for the steps queued since."""
+
+    def __init__(self, work, tensor: torch.Tensor):
+        self.work, self.tensor, self.event = work, tensor, None
+        if tensor.is_cuda:
+            work.wait()  # NCCL: the stream waits for the reduction, the host does not
+            self.tensor = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            self.tensor.copy_(tensor, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def read(self) -> torch.Tensor:
+        if self.event is not None:
+            self.event.synchronize()
+        else:
+            self.work.wait()
+        return self.tensor
 
 
 def beating(store, rank: int, seconds: float = 2.5 * HEARTBEAT_SECONDS) -> bool:

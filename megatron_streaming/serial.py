@@ -14,8 +14,9 @@ class SerialThread:
     keep a failed process from exiting (``ThreadPoolExecutor``'s threads are joined at
     interpreter exit)."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, initializer=None):
         self._queue: "queue.Queue" = queue.Queue()
+        self._initializer = initializer  # run first on the thread (e.g. its CUDA device)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -23,6 +24,8 @@ class SerialThread:
         self._queue.put((fn, args))
 
     def _run(self) -> None:
+        if self._initializer is not None:
+            self._initializer()
         while True:
             item = self._queue.get()
             if item is None:

@@ -188,6 +188,42 @@ def test_sync_on_one_worker_matches_hand_computed_outer_steps(H, P, tau, alpha):
     assert bool(pushes) == (tau == 0)
 
 
+class _HeldTransport(Transport):
+    """Records what a send hands over and completes it at once, on the caller's thread."""
+
+    def all_reduce_mean_many(self, xs, step, tags, feedbacks, numels=None):
+        from megatron_streaming.streaming.transport import ExchangeResult, Pending
+
+        self.handed = list(zip(xs, numels))
+        return [Pending.completed(ExchangeResult(x[:n], True, 0, 0, 0.0, 0.0), step, tag)
+                for x, n, tag in zip(xs, numels, tags)]
+
+
+def test_a_send_makes_its_outer_gradient_in_the_buffer_that_travels():
+    """No copy between the sync and the wire, and no fp64 copy for the norm: all a send
+    allocates is the padded buffer its outer gradient travels in."""
+    from torch.profiler import ProfilerActivity, profile
+
+    n = 200_000
+    local = torch.randn(n, generator=_gen(3))
+    transport = _HeldTransport(None, [0], 0, make_codec("fp4", 128), 30.0)
+    sync = StreamingSync([ShardGroup(0, 0, 0, [local])], SyncSchedule(2, 1, 1), transport,
+                         OuterOptimizer(1.0, 0.0, False), 0.0, False, False, lambda: None)
+    theta_g = sync.theta_g[0].clone()
+    local.add_(torch.randn(n, generator=_gen(4)))
+    sync.before_step(2)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        _hook(sync, 0)
+    allocated = sum(e.self_cpu_memory_usage for e in prof.key_averages()
+                    if e.self_cpu_memory_usage > 0)
+    (buffer, numel), = transport.handed
+    assert numel == n and buffer.numel() == transport.padded_numel(n)
+    assert torch.equal(buffer[:n], theta_g - local) and not buffer[n:].any()
+    assert sync.stats[0].grad_sq == pytest.approx(float((theta_g - local).double().pow(2).sum()),
+                                                  rel=1e-5)
+    assert allocated < 4 * buffer.numel() + 4096, allocated  # the buffer, nothing shard-sized
+
+
 def _sgd_over(layout):
     """The layout's tensors as parameters, and an SGD optimizer with one param group per
     inner param group (tagged as the engine tags them)."""

@@ -147,9 +147,9 @@ class _GatedTransport(Transport):
         super().__init__(*args, **kwargs)
         self.gate = threading.Event()
 
-    def _exchange_on_current_stream(self, xs, feedbacks):
+    def _exchange_on_current_stream(self, xs, numels, feedbacks):
         self.gate.wait()
-        return super()._exchange_on_current_stream(xs, feedbacks)
+        return super()._exchange_on_current_stream(xs, numels, feedbacks)
 
 
 def _transport_worker(rank, world, group):
@@ -441,3 +441,76 @@ def test_exchanges_run_in_order_on_a_daemon_thread_that_close_drains():
     assert done == list(range(5))
     assert all(t.daemon and t.name == "cross-worker" for t in names)
     worker.shutdown()  # twice: nothing left to stop
+
+
+class _RecordingCuda:
+    """Stands in for ``torch.cuda`` where the transport touches it: records, per thread,
+    which device was set and when a stream was entered, left or waited for."""
+
+    def __init__(self):
+        self.events = []  # (thread name, what, device or None)
+        self.current = {}  # thread name -> device set on it
+
+    def _me(self):
+        return threading.current_thread().name
+
+    def set_device(self, device):
+        self.current[self._me()] = torch.device(device)
+        self.events.append((self._me(), "set_device", torch.device(device)))
+
+    def stream(self, s):
+        import contextlib
+
+        @contextlib.contextmanager
+        def entered():
+            # torch's StreamContext asks for the current stream of the thread's current
+            # device: where none was set, device 0 (and a CUDA context there).
+            self.events.append((self._me(), "enter", self.current.get(self._me(), 0)))
+            yield
+        return entered()
+
+    def make_stream(self, device=None):
+        cuda = self
+
+        class Stream:
+            def __init__(self):
+                self.device = device
+
+            def synchronize(self):
+                cuda.events.append((cuda._me(), "synchronize", None))
+
+            def wait_stream(self, other):
+                pass
+        return Stream()
+
+
+def test_the_exchange_thread_works_on_its_ranks_gpu_and_waits_for_its_stream_on_failure(
+        monkeypatch):
+    """A new thread starts on device 0: entering a stream there makes a CUDA context on GPU 0
+    in every process of a node. The exchange's thread sets the rank's device first; and when
+    an exchange fails, its side stream is waited for before the tensors it reads are freed."""
+    cuda = _RecordingCuda()
+    monkeypatch.setattr(torch.cuda, "set_device", cuda.set_device)
+    monkeypatch.setattr(torch.cuda, "stream", cuda.stream)
+    monkeypatch.setattr(torch.cuda, "Stream", cuda.make_stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: None)
+    t = Transport(None, [0], 0, make_codec("none"), 10.0, codec_device="cuda:3")
+    assert t.cuda_device == torch.device("cuda", 3)
+    # The codec device is a GPU this machine lacks: hand the thread CPU tensors directly.
+    import concurrent.futures
+
+    ok = concurrent.futures.Future()
+    t._executor.submit(t._exchange, [torch.ones(4)], [4], [None], [ok])
+    assert torch.equal(ok.result(10).mean, torch.ones(4))
+    failed = concurrent.futures.Future()
+    monkeypatch.setattr(t, "_exchange_on_current_stream",
+                        lambda *a: (_ for _ in ()).throw(RuntimeError("peer gone")))
+    t._executor.submit(t._exchange, [torch.ones(4)], [4], [None], [failed])
+    with pytest.raises(RuntimeError, match="peer gone"):
+        failed.result(10)
+    t.close()
+    on_thread = [(what, device) for name, what, device in cuda.events
+                 if name == "cross-worker"]
+    assert on_thread == [("set_device", torch.device("cuda", 3)),
+                         ("enter", torch.device("cuda", 3)), ("synchronize", None),
+                         ("enter", torch.device("cuda", 3)), ("synchronize", None)], on_thread

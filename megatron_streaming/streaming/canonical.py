@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from .codec import ErrorFeedback
-from .sync import StreamingSync, timed
+from .sync import StreamingSync, sum_of_squares, timed
 from .transport import ExchangeResult, Pending
 
 log = logging.getLogger("megatron_streaming")
@@ -272,8 +272,8 @@ class CanonicalSync(StreamingSync):
         stats.grad_sq, stats.send_step = 0.0, self.step
         for g in groups:
             theta_g = self.theta_g[g.index]
-            delta = theta_g - g.read().to(theta_g.device)
-            stats.grad_sq += float(delta.double().pow(2).sum())
+            delta = theta_g - self._local_on(g, theta_g.device)
+            stats.grad_sq += sum_of_squares(delta)
             if self.share != 1.0:
                 delta.mul_(self.share)
             deltas.append(delta)

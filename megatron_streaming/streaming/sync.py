@@ -77,6 +77,12 @@ class ShardGroup:
             offset += t.numel()
 
 
+def sum_of_squares(x: torch.Tensor) -> float:
+    """``||x||^2`` of a flat fp32 tensor, accumulated in fp32 without a copy (a monitoring
+    number: an fp64 cast would hold two shard-sized copies at the send)."""
+    return float(torch.dot(x, x))
+
+
 def timed(method):
     """Adds the call's seconds to the sync's ``hook_seconds`` (its work on the training
     thread, --timing-log-level 2)."""
@@ -112,10 +118,8 @@ class StreamingSync:
         self.groups, self.schedule, self.transport = groups, schedule, transport
         self.outer, self.alpha = outer, alpha
         self.push_to_model = push_to_model  # fp32 partitions -> model weights, outside a step
-        device = torch.device("cpu") if offload else None
-        self.theta_g = [g.read().detach().clone().float().to(device or g.read().device)
-                        for g in groups]
-        self.momentum = [torch.zeros_like(t) for t in self.theta_g]
+        self.theta_g = [_outer_state(g.read(), offload, copy=True) for g in groups]
+        self.momentum = [_outer_state(t, offload, copy=False) for t in self.theta_g]
         self.feedback: List[Optional[ErrorFeedback]] = [
             # Where the transport encodes (its codec device), whatever the outer state's.
             ErrorFeedback(transport.codec, transport.padded_numel(g.numel), transport.codec_device)
@@ -235,28 +239,30 @@ class StreamingSync:
     # ---- the algorithm ----------------------------------------------------------------
     def _send(self, g: ShardGroup) -> None:
         theta_g = self.theta_g[g.index]
-        delta = theta_g - g.read().to(theta_g.device)
+        # The outer gradient is made in the buffer that travels: no copy on the way out.
+        buffer = self.transport.buffer(g.numel, theta_g.device)
+        delta = torch.sub(theta_g, self._local_on(g, theta_g.device), out=buffer[:g.numel])
         # A fragment's shard on this rank spans several param groups (decay / no decay),
         # each sent by its own call at the same step: the norm covers all of them.
         stats = self.stats[g.fragment]
         if stats.send_step != self.step:
             stats.grad_sq, stats.send_step = 0.0, self.step
-        stats.grad_sq += float(delta.double().pow(2).sum())
+        stats.grad_sq += sum_of_squares(delta)
         if self.share != 1.0:
             delta.mul_(self.share)
         if self.own is not None:
             self._eager_step(g, delta)
         self._event("send", g)
         outbox = self._outbox.setdefault(g.fragment, [])
-        outbox.append((g, delta))
+        outbox.append((g, buffer))
         if len(outbox) < self._shards_of[g.fragment]:
             return
         del self._outbox[g.fragment]
         shards = [s for s, _ in outbox]
         pendings = self.transport.all_reduce_mean_many(
-            [d for _, d in outbox], self.step,
+            [b for _, b in outbox], self.step,
             [f"fragment {s.fragment} (param group {s.param_group})" for s in shards],
-            [self.feedback[s.index] for s in shards])
+            [self.feedback[s.index] for s in shards], numels=[s.numel for s in shards])
         for s, pending in zip(shards, pendings):
             self.pending[s.index] = pending
         later = [s for s in self._merge_later if s.fragment == g.fragment]
@@ -342,12 +348,29 @@ class StreamingSync:
         self._event("merge", g)
         return result.mean
 
+    def _local_on(self, g: ShardGroup, device: torch.device) -> torch.Tensor:
+        """The shard's local parameters on ``device`` (the outer state's). From a GPU to an
+        offloaded outer state through pinned memory: a pageable copy stages through a
+        driver buffer at a fraction of the rate."""
+        local = g.read()
+        if local.device == device:
+            return local
+        if local.is_cuda and device.type == "cpu":
+            host = torch.empty(local.shape, dtype=local.dtype, pin_memory=True)
+            host.copy_(local, non_blocking=True)
+            torch.cuda.current_stream().synchronize()
+            return host
+        return local.to(device)
+
     def _apply(self, g: ShardGroup, grad: torch.Tensor) -> None:
         """Outer step on the shard's ``theta_g`` with ``grad``, then the local merge."""
         theta_g = self.theta_g[g.index]
-        self.outer.step(theta_g, self.momentum[g.index], grad.to(theta_g.device))
         local = g.read()
-        merge(local, theta_g.to(local.device), self.alpha)
+        offloaded = local.is_cuda and not theta_g.is_cuda
+        if offloaded:  # the last copy out of the pinned theta_g may still be reading it
+            torch.cuda.current_stream().synchronize()
+        self.outer.step(theta_g, self.momentum[g.index], grad.to(theta_g.device))
+        merge(local, theta_g.to(local.device, non_blocking=offloaded), self.alpha)
         g.write(local)
 
     # ---- evaluation with the global parameters ------------------------------------------
@@ -372,7 +395,7 @@ class StreamingSync:
         in fp64 with temporaries."""
         out = torch.zeros(self.schedule.num_fragments, 2, dtype=torch.float64)
         for g, theta in zip(self.groups, self.theta_g):
-            diff = torch.sub(g.read().to(theta.device), theta)
+            diff = torch.sub(self._local_on(g, theta.device), theta)
             out[g.fragment, 0] += float(torch.dot(diff, diff))
             out[g.fragment, 1] += float(torch.dot(theta, theta))
         return out
@@ -405,6 +428,8 @@ class StreamingSync:
         every member (collective over the cross-worker data groups; counted as control)."""
         import torch.distributed as dist
 
+        if torch.cuda.is_available():  # copies out of a pinned theta_g may still read it
+            torch.cuda.current_stream().synchronize()
         for tensors in (self.theta_g, self.momentum):
             for t in tensors:
                 on_wire = t.to(cross.data_device)
@@ -437,6 +462,18 @@ class StreamingSync:
         Their results are not merged (after ``finish`` there are none; a run stopped early
         keeps them in its checkpoint instead)."""
         self.transport.close()
+
+
+def _outer_state(like: torch.Tensor, offload: bool, copy: bool) -> torch.Tensor:
+    """An fp32 outer-state tensor shaped as ``like``: a copy of it or zeros; where ``like``
+    lives, or in host memory with ``offload`` (pinned where there is a GPU, so the copies
+    to and from the GPU run asynchronously at full rate)."""
+    pinned = offload and torch.cuda.is_available()
+    device = torch.device("cpu") if offload else like.device
+    out = torch.zeros(like.shape, dtype=torch.float32, device=device, pin_memory=pinned)
+    if copy:
+        out.copy_(like.detach())
+    return out
 
 
 class NoSync:

@@ -140,12 +140,18 @@ class Transport:
         self.codec_device = torch.device(codec_device) if codec_device is not None \
             else self.wire_device
         use_cuda_stream = use_cuda_stream or self.codec_device.type == "cuda"
+        # The GPU this rank's exchange touches (None: none). A new thread starts on device 0:
+        # entering a stream there would create a CUDA context on GPU 0 in every process of
+        # the node (hundreds of MB each; an error in exclusive-process mode), so the
+        # exchange's thread sets this device before anything else.
+        self.cuda_device = _cuda_device(self.codec_device, self.wire_device) \
+            if use_cuda_stream else None
         self.bytes_sent = 0
         self.bytes_received = 0
         self.collectives = 0  # issued on the cross-worker group: 2 per exchange
         self._lock = threading.Lock()
-        self._executor = SerialThread("cross-worker")
-        self._stream = torch.cuda.Stream() if use_cuda_stream else None
+        self._executor = SerialThread("cross-worker", initializer=self._set_device)
+        self._stream = torch.cuda.Stream(self.cuda_device) if use_cuda_stream else None
 
     def padded_numel(self, numel: int) -> int:
         """Shards are padded so that each worker's chunk is a whole number of blocks."""
@@ -157,18 +163,42 @@ class Transport:
         """Start averaging ``x`` (flat fp32) over the workers; returns at once."""
         return self.all_reduce_mean_many([x], step, [tag], [feedback])[0]
 
+    def buffer(self, numel: int, device) -> torch.Tensor:
+        """A zeroed fp32 buffer of ``padded_numel(numel)`` elements on ``device`` (the codec's),
+        to hand a shard over without a copy: write it into the first ``numel`` elements and
+        pass the buffer with ``numels`` to ``all_reduce_mean_many``."""
+        return torch.zeros(self.padded_numel(numel), dtype=torch.float32, device=device)
+
     def all_reduce_mean_many(self, xs: List[torch.Tensor], step: int, tags: List[str],
-                             feedbacks: List[Optional[ErrorFeedback]]) -> List[Pending]:
+                             feedbacks: List[Optional[ErrorFeedback]],
+                             numels: Optional[List[int]] = None) -> List[Pending]:
         """Start averaging several flat fp32 tensors (a fragment's shards on this rank) in one
-        exchange: two collectives whatever their number. One ``Pending`` per tensor."""
-        # Copies: the caller keeps training on the originals while these travel.
-        xs = [x.detach().to(self.codec_device, copy=True) for x in xs]
+        exchange: two collectives whatever their number. One ``Pending`` per tensor.
+
+        Without ``numels`` the caller keeps its tensors (and may train on): a padded copy of
+        each travels. With ``numels`` the caller hands over buffers from ``buffer`` holding a
+        shard of that many elements each, and reads them, never writes them, from now on:
+        they travel as they are, with no copy."""
+        if numels is None:
+            numels = [x.numel() for x in xs]
+            xs = [self._padded_copy(x) for x in xs]
+        else:
+            for x, n in zip(xs, numels):
+                if x.numel() != self.padded_numel(n) or x.device != self.codec_device:
+                    raise ValueError(f"a handed-over shard of {n} elements needs a buffer of "
+                                     f"{self.padded_numel(n)} on {self.codec_device}, got "
+                                     f"{x.numel()} on {x.device} (Transport.buffer)")
         if self._stream is not None:
             self._stream.wait_stream(torch.cuda.current_stream())
         futures = [concurrent.futures.Future() for _ in xs]
-        self._executor.submit(self._exchange, xs, feedbacks, futures)
+        self._executor.submit(self._exchange, xs, numels, feedbacks, futures)
         return [Pending(f, step, tag, self.group_ranks, self.timeout)
                 for f, tag in zip(futures, tags)]
+
+    def _padded_copy(self, x: torch.Tensor) -> torch.Tensor:
+        padded = self.buffer(x.numel(), self.codec_device)
+        padded[:x.numel()].copy_(x.detach().view(-1))
+        return padded
 
     def close(self) -> None:
         """Wait for the exchanges submitted so far (their peers run them too), then stop."""
@@ -182,13 +212,22 @@ class Transport:
         self._executor.shutdown(wait=False)
 
     # ---- the exchange, on the background thread ----------------------------------------
-    def _exchange(self, xs, feedbacks, futures) -> None:
+    def _set_device(self) -> None:
+        if self.cuda_device is not None:
+            torch.cuda.set_device(self.cuda_device)
+
+    def _exchange(self, xs, numels, feedbacks, futures) -> None:
         try:
             if self._stream is None:
-                results = self._exchange_on_current_stream(xs, feedbacks)
+                results = self._exchange_on_current_stream(xs, numels, feedbacks)
             else:
-                with torch.cuda.stream(self._stream):
-                    results = self._exchange_on_current_stream(xs, feedbacks)
+                try:
+                    with torch.cuda.stream(self._stream):
+                        results = self._exchange_on_current_stream(xs, numels, feedbacks)
+                finally:
+                    # Also when it failed: ``xs`` were made on the training stream and are
+                    # freed with this frame; the allocator may hand their memory back to that
+                    # stream only once this one has stopped reading them.
                     self._stream.synchronize()
         except BaseException as e:  # every waiter hears of it
             for f in futures:
@@ -197,21 +236,20 @@ class Transport:
         for f, r in zip(futures, results):
             f.set_result(r)
 
-    def _exchange_on_current_stream(self, xs, feedbacks) -> List[ExchangeResult]:
+    def _exchange_on_current_stream(self, xs, numels, feedbacks) -> List[ExchangeResult]:
+        """``xs``: padded shards (``buffer``), ``numels`` of their elements each."""
         started = time.perf_counter()
         finite = [is_finite(x) for x in xs]
         if self.workers == 1:  # nothing crosses a wire: the mean is the value itself
-            return [ExchangeResult(x, f, 0, 0, 0.0, time.perf_counter() - started)
-                    for x, f in zip(xs, finite)]
+            return [ExchangeResult(x[:n], f, 0, 0, 0.0, time.perf_counter() - started)
+                    for x, n, f in zip(xs, numels, finite)]
         shards = []
-        for x, ok, feedback in zip(xs, finite, feedbacks):
-            padded = torch.zeros(self.padded_numel(x.numel()), dtype=torch.float32,
-                                 device=x.device)
+        for padded, ok, feedback in zip(xs, finite, feedbacks):
             # A non-finite gradient is replaced by zeros on the wire; its flag tells every
             # worker to skip this shard's outer step, so it never reaches the global
-            # parameters.
-            if ok:
-                padded[:x.numel()] = x
+            # parameters. (The caller's buffer is read, never written.)
+            if not ok:
+                padded = torch.zeros_like(padded)
             encoded = feedback.encode(padded) if (feedback is not None and ok) else \
                 self.codec.encode(padded)
             shards.append((padded, encoded))
@@ -222,10 +260,24 @@ class Transport:
             self.bytes_sent += sum(b1) + sum(b2)
             self.bytes_received += sum(b1) + sum(b2)
         seconds = time.perf_counter() - started
-        return [ExchangeResult(mean[:x.numel()], all_finite, s1 + s2, s1 + s2, quant_error,
-                               seconds)
-                for x, mean, (all_finite, _, quant_error), s1, s2
-                in zip(xs, means, reduced, b1, b2)]
+        return [ExchangeResult(mean[:n], all_finite, s1 + s2, s1 + s2, quant_error, seconds)
+                for n, mean, (all_finite, _, quant_error), s1, s2
+                in zip(numels, means, reduced, b1, b2)]
+
+    def _to_wire(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` on the wire's device. From a GPU to gloo's host memory through a pinned
+        buffer (a pageable copy would stage through a driver buffer at a fraction of the
+        rate), complete before the wire reads it; what comes back lands in pinned buffers
+        too (``_all_to_all``, ``_all_gather``), so the copies back run asynchronously on
+        this stream, ordered before the decoding that reads them."""
+        if t.device == self.wire_device:
+            return t
+        if t.is_cuda and self.wire_device.type == "cpu":
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host.copy_(t, non_blocking=True)
+            torch.cuda.current_stream().synchronize()
+            return host
+        return t.to(self.wire_device)
 
     def _reduce_scatter(self, finite: List[bool], shards):
         """One all-to-all: worker j receives every worker's j-th chunk of each shard (codes,
@@ -243,8 +295,8 @@ class Transport:
                 layout.append(encoded.scales.view(M, -1))
             layout.append(encoded.payload.view(M, -1))
         rows = _pack(layout)
-        received = _all_to_all(rows.view(-1).to(self.wire_device), self.post)
-        received = received.to(device).view(M, -1)
+        received = _all_to_all(self._to_wire(rows.view(-1)), self.post)
+        received = received.to(device, non_blocking=True).view(M, -1)
         self.collectives += 1
         flags_of, parts_of = [], []  # per worker: its flags; its (scales, codes) per shard
         for w in range(M):
@@ -280,7 +332,8 @@ class Transport:
                 layout.append(e.scales.view(1, -1))
             layout.append(e.payload.view(1, -1))
         row = _pack(layout).view(-1)
-        rows = [r.to(row.device) for r in _all_gather(row.to(self.wire_device), self.post, M)]
+        rows = [r.to(row.device, non_blocking=True)
+                for r in _all_gather(self._to_wire(row), self.post, M)]
         self.collectives += 1
         means = [torch.empty(M * e.numel, dtype=torch.float32, device=row.device)
                  for e in encoded]
@@ -290,6 +343,13 @@ class Transport:
                 self.codec.decode(Encoded(codes, scales, e.numel),
                                   out=mean[w * e.numel:(w + 1) * e.numel])
         return means, [e.nbytes() * (M - 1) for e in encoded]
+
+
+def _cuda_device(*devices: torch.device) -> torch.device:
+    """The first CUDA device among ``devices``, with its index (the current one if unset)."""
+    device = next(d for d in devices if d.type == "cuda")
+    return torch.device("cuda", torch.cuda.current_device() if device.index is None
+                        else device.index)
 
 
 def _per_shard(parts: List[torch.Tensor], encoded: List[Encoded]) -> List[tuple]:
@@ -349,8 +409,15 @@ def _swap(sends: List[torch.Tensor], recvs: List[torch.Tensor], post: Poster) ->
         work.wait()
 
 
+def _like(t: torch.Tensor) -> torch.Tensor:
+    """An empty tensor like ``t``, pinned where ``t`` is (a receive buffer for staged rows)."""
+    if t.device.type == "cpu" and t.is_pinned():
+        return torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return torch.empty_like(t)
+
+
 def _all_to_all(t: torch.Tensor, post: Poster) -> torch.Tensor:
-    out = torch.empty_like(t)
+    out = _like(t)
     if t.device.type != "cpu":
         post(dist.all_to_all_single, out, t)
         return out
@@ -360,7 +427,7 @@ def _all_to_all(t: torch.Tensor, post: Poster) -> torch.Tensor:
 
 
 def _all_gather(t: torch.Tensor, post: Poster, parts: int) -> List[torch.Tensor]:
-    out = [torch.empty_like(t) for _ in range(parts)]
+    out = [_like(t) for _ in range(parts)]
     if t.device.type != "cpu":
         post(dist.all_gather, out, t)
         return out
