@@ -204,6 +204,7 @@ def validate(cfg: Config, world_size: int) -> None:
              f"({m.seq_length})")
     _validate_layer_kinds(cfg)
     _validate_gpu_features(cfg)
+    _say_which_layers(cfg)
     _validate_streaming(cfg)
     _validate_zero(cfg, pp)
     _validate_precision(cfg)
@@ -301,6 +302,16 @@ def _validate_layer_kinds(cfg: Config) -> None:
              "--ds-sequence-parallel-size > 1 needs --transformer-impl local (or auto)")
 
 
+def _say_which_layers(cfg: Config) -> None:
+    """Which layer implementation runs and why, once at start (a warning where it is a path
+    this project's tests have not run)."""
+    from .model import transformer_impl_note
+
+    note = transformer_impl_note(cfg.model.transformer_impl)
+    (cfg.warnings if cfg.model.transformer_impl == "transformer_engine" else cfg.notes).append(
+        note)
+
+
 def _validate_gpu_features(cfg: Config) -> None:
     """FP8 and the flash/fused attention kernels exist only in Transformer Engine's layers on
     a GPU: one line per flag where they cannot run."""
@@ -318,11 +329,37 @@ def _validate_gpu_features(cfg: Config) -> None:
             for flag in flags))
     m, p = cfg.model, cfg.parallel
     local_only = [name for name, on in (
-        ("--transformer-impl local", m.transformer_impl == "local"),
+        (f"--transformer-impl {m.transformer_impl}", m.transformer_impl != "transformer_engine"),
         ("--ladder-residual / --ladder-layers", m.ladder_residual or m.ladder_layers),
         ("--ds-sequence-parallel-size > 1", p.ds_sequence_parallel_size > 1)) if on]
     _require(not local_only, f"{', '.join(flags)} need Transformer Engine's layers, which "
              f"{local_only[0] if local_only else ''} replaces with megatron-core's local ones")
+
+
+def _check_cross_worker_nccl(cfg: Config, have_cuda: bool) -> None:
+    """NCCL across workers is opt-in: refuse what cannot work with it, say once that it has
+    not run here. A stuck or lost peer of an NCCL group blocks the GPU stream (and a host
+    that reads a result) until NCCL's watchdog ends the process: the survivors cannot go on
+    without the lost worker, and only a cross-worker timeout below the in-worker one lets the
+    job's own error (and its checkpoint on the way out) come first."""
+    s, p = cfg.streaming, cfg.parallel
+    if s.diloco_backend != "nccl":
+        return
+    _require(have_cuda, "--diloco-backend nccl needs CUDA, and this machine has no GPU")
+    _require(s.diloco_min_workers is None or s.diloco_min_workers >= s.diloco_workers,
+             f"--diloco-min-workers {s.diloco_min_workers} needs --diloco-backend gloo: a lost "
+             "worker's NCCL peers block until NCCL's watchdog ends their process, so the "
+             "survivors cannot go on without it")
+    in_worker = 60.0 * p.distributed_timeout_minutes
+    _require(s.diloco_timeout < in_worker,
+             f"--diloco-backend nccl: --diloco-timeout {s.diloco_timeout:g} s must be below "
+             f"--distributed-timeout-minutes {p.distributed_timeout_minutes:g} "
+             f"({in_worker:g} s), or the in-worker watchdog ends the process before the "
+             "cross-worker exchange reports its stuck peer")
+    cfg.warnings.append(
+        "--diloco-backend nccl: NCCL across workers has not run in this project's tests; it "
+        "needs a network both clusters' NCCL can use (docs/gpu_clusters.md), and a lost "
+        "worker ends the job")
 
 
 def _validate_streaming(cfg: Config) -> None:
@@ -349,8 +386,7 @@ def _validate_streaming(cfg: Config) -> None:
              f"--diloco-control-lag must be >= 1, got {s.diloco_control_lag}")
     import torch
 
-    _require(s.diloco_backend != "nccl" or torch.cuda.is_available(),
-             "--diloco-backend nccl needs CUDA, and this machine has no GPU")
+    _check_cross_worker_nccl(cfg, torch.cuda.is_available())
     if cfg.parallel.distributed_backend == "nccl" and not torch.cuda.is_available():
         # Megatron launch scripts pass it as a matter of course; on CPU gloo is the only one.
         cfg.parallel.distributed_backend = "gloo"

@@ -162,7 +162,6 @@ class TransformerEngineConfig:
     fp8_amax_history_len: int = arg(1, "FP8 amax history length.")
     fp8_amax_compute_algo: str = arg("most_recent", "FP8 amax from the history.",
                                      choices=["most_recent", "max"])
-    fp8_param_gather: bool = arg(False, "Keep parameters in FP8 (Transformer Engine).")
 
     def gpu_only_flags(self) -> list:
         """The flags given that need Transformer Engine on a GPU."""
@@ -171,8 +170,6 @@ class TransformerEngineConfig:
             flags.append(f"--attention-backend {self.attention_backend}")
         if self.fp8_format:
             flags.append(f"--fp8-format {self.fp8_format}")
-        if self.fp8_param_gather:
-            flags.append("--fp8-param-gather")
         return flags
 
 
@@ -256,8 +253,11 @@ class StreamingConfig:
         False, "Carry each rank's quantization error into its next send of the fragment.")
     diloco_offload_outer_state: bool = arg(
         False, "Keep the outer state (global copy, momentum, residual) in CPU memory.")
-    diloco_backend: str = arg("auto", "Backend of the cross-worker groups (auto: as in-worker).",
-                              choices=["auto", "gloo", "nccl"])
+    diloco_backend: str = arg(
+        "gloo", "Backend of the cross-worker groups: gloo on every device (a GPU job stages "
+        "the packed codes through pinned host memory), or nccl (opt-in, never run here: "
+        "docs/gpu_clusters.md says what it needs); auto means gloo.",
+        choices=["auto", "gloo", "nccl"])
     diloco_timeout: float = arg(
         600.0, "Seconds to wait for a cross-worker exchange before failing.")
     diloco_min_workers: Optional[int] = arg(
@@ -267,7 +267,8 @@ class StreamingConfig:
         "stop with the reason. Default: --diloco-workers (a lost worker stops the job).")
     diloco_control_lag: int = arg(
         1, "Steps between posting the per-step cross-worker stop flag and reading it: hides "
-        "link latency up to this many steps; a SIGTERM stops the job this many steps later.")
+        "link latency up to this many steps; a SIGTERM stops the job this many steps later, plus "
+        "one (the worker's own reduction is read a step after it is posted).")
     diloco_new_worker_optimizer: str = arg(
         "copy", "On resume with more workers than the checkpoint has: a new worker starts from "
         "the global parameters with worker 0's inner optimizer state (copy) or a fresh one "

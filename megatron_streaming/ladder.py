@@ -350,7 +350,7 @@ def _ladder_layer_spec(base, chain: LadderChain, **roles):
 
 
 def ladder_block_spec(config, layer_spec, ladder_layers: Set[int], pp_rank: int = 0,
-                      trace: Optional[LadderTrace] = None):
+                      trace: Optional[LadderTrace] = None, final_norm=None):
     """Block spec for this pipeline stage: ladder layers where ``ladder_layers`` (0-based
     global indices) says, megatron's ``layer_spec`` elsewhere. Pass it to ``GPTModel`` as
     ``transformer_layer_spec``. Each call makes a fresh ``LadderChain``: build one model per
@@ -362,6 +362,8 @@ def ladder_block_spec(config, layer_spec, ladder_layers: Set[int], pp_rank: int 
         TransformerBlockSubmodules,
         get_num_layers_to_build,
     )
+
+    final_norm = final_norm or LayerNormImpl
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     pp = config.pipeline_model_parallel_size
@@ -386,7 +388,7 @@ def ladder_block_spec(config, layer_spec, ladder_layers: Set[int], pp_rank: int 
             starts_run=not continues_in, receives=stage_first and continues_in,
             ends_run=i == last or not continues_out,
             sends=stage_last and continues_out and i != last))
-    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=LayerNormImpl)
+    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=final_norm)
 
 
 def ladder_chain_of(model) -> Optional[LadderChain]:

@@ -236,6 +236,10 @@ FLAGS: List[ForeignFlag] = [
     ForeignFlag("--decoupled-min-lr", REFUSED,
                 "a separate learning rate for the embedding and output layers is not "
                 "supported; every parameter decays to --min-lr", ONE),
+    ForeignFlag("--fp8-param-gather", REFUSED,
+                "FP8 parameters cannot go into DeepSpeed ZeRO's flat 16/32-bit parameter and "
+                "master buffers; drop it (--fp8-format keeps FP8 compute with bf16 "
+                "parameters)"),
     ForeignFlag("--use-torch-fsdp2", REFUSED,
                 "data parallelism inside a worker is DeepSpeed ZeRO; use --zero-stage"),
     ForeignFlag("--cpu-optimizer", REFUSED,

@@ -31,35 +31,100 @@ def have_transformer_engine() -> bool:
 
 
 def resolve_transformer_impl(requested: str) -> str:
-    """``auto`` takes Transformer Engine only where it can run (importable, and a GPU)."""
-    if requested == "local":
+    """``auto`` is megatron-core's local layers: Transformer Engine's have not run in this
+    project's tests, so they are opt-in (``transformer_engine``: the package and a GPU)."""
+    if requested != "transformer_engine":
         return "local"
-    usable = have_transformer_engine() and torch.cuda.is_available()
-    if requested == "transformer_engine" and not usable:
+    if not (have_transformer_engine() and torch.cuda.is_available()):
         raise ValueError(
             "--transformer-impl transformer_engine needs the transformer_engine package and a "
             "GPU; use --transformer-impl local (or auto) on this machine")
-    return "transformer_engine" if usable else "local"
+    return "transformer_engine"
+
+
+def transformer_impl_note(requested: str) -> str:
+    """Which layers run and why, said once at start."""
+    if requested == "transformer_engine":
+        return ("--transformer-impl transformer_engine: Transformer Engine's layers, which have "
+                "not run in this project's tests; their checkpoints use its parameter names "
+                "(local-layer runs and the HF converters read megatron-core's local names)")
+    why = "asked for" if requested == "local" else (
+        "Transformer Engine imports, but its layers are opt-in (--transformer-impl "
+        "transformer_engine)" if have_transformer_engine() else
+        "Transformer Engine does not import")
+    return f"--transformer-impl {requested}: megatron-core's local layers ({why})"
+
+
+def layer_impl(model_cfg: ModelConfig) -> str:
+    """The layer implementation this model runs: Ulysses and Ladder residual build on the
+    local spec, whatever ``--transformer-impl`` asks."""
+    if model_cfg.ladder_residual or model_cfg.ladder_layers:
+        return "local"
+    return resolve_transformer_impl(model_cfg.transformer_impl)
+
+
+def norm_impl(model_cfg: ModelConfig, impl: str):
+    """The norm module of every norm of the model, chosen here rather than by which packages
+    megatron-core found importable (its local spec takes apex's ``FusedLayerNorm`` whenever
+    apex imports, which refuses RMSNorm; its block's final norm is Transformer Engine's
+    whenever that imports): Transformer Engine's norm in its layers; apex's fused LayerNorm
+    where the norm is a LayerNorm and apex's kernels import; torch's elsewhere
+    (``patches.megatron_norm`` lets it take sequence parallelism and zero-centred weights)."""
+    from patches.optional import have_apex_layer_norm
+
+    if impl == "transformer_engine":
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        return TENorm
+    if model_cfg.normalization == "LayerNorm" and have_apex_layer_norm():
+        from megatron.core.fusions.fused_layer_norm import FusedLayerNorm
+
+        return FusedLayerNorm
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    return WrappedTorchNorm
 
 
 def layer_spec(model_cfg: ModelConfig, sp_group=None):
     """The transformer layer spec: the one place that chooses layer implementations.
 
     Ulysses (``sp_group`` of more than one rank) wraps the local spec's core attention; Ladder
-    residual builds on the local spec too, so both take it whatever ``--transformer-impl auto``
-    would pick."""
+    residual builds on the local spec too, so both take it whatever ``--transformer-impl``
+    asks. The local spec's norms are ``norm_impl``'s."""
     from megatron.core.models.gpt import gpt_layer_specs
 
-    ulysses = sp_group is not None and sp_group.size() > 1
-    ladder = model_cfg.ladder_residual or model_cfg.ladder_layers
-    if ulysses:
+    impl = layer_impl(model_cfg)
+    if sp_group is not None and sp_group.size() > 1:
         from .ulysses import ulysses_layer_spec
 
-        return ulysses_layer_spec(sp_group, model_cfg.normalization)
-    if not ladder and resolve_transformer_impl(model_cfg.transformer_impl) == \
-            "transformer_engine":
+        spec = ulysses_layer_spec(sp_group, model_cfg.normalization)
+    elif impl == "transformer_engine":
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
-    return gpt_layer_specs.get_gpt_layer_local_spec(normalization=model_cfg.normalization)
+    else:
+        spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization=model_cfg.normalization)
+    norm = norm_impl(model_cfg, "local")
+    spec.submodules.input_layernorm = norm
+    spec.submodules.pre_mlp_layernorm = norm
+    return spec
+
+
+def block_spec(config, model_cfg: ModelConfig, spec, pp_rank: int):
+    """This pipeline stage's block: its layers' specs and the final norm (``norm_impl``'s),
+    as megatron-core's ``TransformerBlock`` takes them; Ladder residual's where asked."""
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
+
+    final_norm = norm_impl(model_cfg, layer_impl(model_cfg))
+    if model_cfg.ladder_residual or model_cfg.ladder_layers:
+        from .ladder import ladder_block_spec, ladder_layer_set
+
+        ladder = ladder_layer_set(model_cfg.ladder_residual, model_cfg.ladder_layers,
+                                  model_cfg.num_layers)
+        return ladder_block_spec(config, spec, ladder, pp_rank=pp_rank, final_norm=final_norm)
+    layers = get_num_layers_to_build(config, vp_stage=None, pp_rank=pp_rank)
+    return TransformerBlockSubmodules(layer_specs=[spec] * layers, layer_norm=final_norm)
 
 
 def recompute_settings(model_cfg: ModelConfig) -> dict:
@@ -85,8 +150,7 @@ def transformer_engine_settings(te_cfg: Optional[TransformerEngineConfig]) -> di
         settings.update(fp8=te_cfg.fp8_format, fp8_recipe=te_cfg.fp8_recipe,
                         fp8_margin=te_cfg.fp8_margin,
                         fp8_amax_history_len=te_cfg.fp8_amax_history_len,
-                        fp8_amax_compute_algo=te_cfg.fp8_amax_compute_algo,
-                        fp8_param=te_cfg.fp8_param_gather)
+                        fp8_amax_compute_algo=te_cfg.fp8_amax_compute_algo)
     return settings
 
 
@@ -101,7 +165,7 @@ def transformer_config(model_cfg: ModelConfig, parallel_cfg: ParallelConfig,
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision.dtype_name,
                                                                  torch.float32)
     on_gpu = torch.cuda.is_available()
-    from patches.optional import have_apex, have_fused_softmax
+    from patches.optional import have_apex_persistent_layer_norm, have_fused_softmax
 
     return TransformerConfig(
         num_layers=model_cfg.num_layers,
@@ -135,8 +199,9 @@ def transformer_config(model_cfg: ModelConfig, parallel_cfg: ParallelConfig,
         bias_activation_fusion=on_gpu and (model_cfg.swiglu or not model_cfg.disable_bias_linear),
         bias_dropout_fusion=on_gpu,
         masked_softmax_fusion=on_gpu and have_fused_softmax(),
-        # apex's persistent layer norm; the torch norm that stands in without apex refuses it.
-        persist_layer_norm=on_gpu and have_apex(),
+        # apex's persistent layer norm kernel, for apex's fused LayerNorm (``norm_impl``);
+        # the torch norm leaves it alone (``patches.megatron_norm``).
+        persist_layer_norm=on_gpu and have_apex_persistent_layer_norm(),
         apply_rope_fusion=False,
         **recompute_settings(model_cfg),
         **transformer_engine_settings(te_cfg),
@@ -150,13 +215,8 @@ def build_model(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, topology: 
     from megatron.core.models.gpt import GPTModel
 
     config = transformer_config(model_cfg, parallel_cfg, te_cfg, precision)
-    spec = layer_spec(model_cfg, topology.groups.get("sp"))
-    if model_cfg.ladder_residual or model_cfg.ladder_layers:
-        from .ladder import ladder_block_spec, ladder_layer_set
-
-        ladder = ladder_layer_set(model_cfg.ladder_residual, model_cfg.ladder_layers,
-                                  model_cfg.num_layers)
-        spec = ladder_block_spec(config, spec, ladder, pp_rank=topology.pp_rank)
+    spec = block_spec(config, model_cfg, layer_spec(model_cfg, topology.groups.get("sp")),
+                      topology.pp_rank)
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,

@@ -167,6 +167,9 @@ class RankLayout:
             # ZeRO's reduction group: the ranks that share a model shard (sequence x data).
             "sdp": self._groups_varying(("sp", "dp")),
             "mp": self._groups_varying(("tp", "pp")),
+            # megatron-core's tensor-and-data-parallel group: Transformer Engine's FP8 amax
+            # reduction (the ranks whose activations share the scaling; no Ulysses with FP8).
+            "tp_dp": self._groups_varying(("tp", "dp")),
             "worker": self._groups_varying(("tp", "sp", "dp", "pp")),
             "embd": self.embedding_groups(),
             "pos_embd": self.position_embedding_groups(),
@@ -209,12 +212,12 @@ class Topology:
 
     @classmethod
     def create(cls, layout: RankLayout, rank: int, timeout=None,
-               cross_worker_backend: Optional[str] = None,
+               cross_worker_backend: str = "gloo",
                cross_worker_timeout=None, backend: Optional[str] = None,
                store=None, cross_members: Optional[List[int]] = None) -> "Topology":
-        """Create every group. The cross-worker groups may use their own backend (gloo over
-        a slow link while NCCL runs inside the worker) and their own timeout; the in-worker
-        groups use ``backend`` (default: the world group's).
+        """Create every group. The cross-worker groups have their own backend (gloo over
+        the slow link, also where NCCL runs inside the worker; NCCL only when asked for) and
+        their own timeout; the in-worker groups use ``backend`` (default: the world group's).
 
         The world (default group) is either this rank's worker (each worker its own world,
         as a launch makes it) or the whole job. The in-worker groups are subgroups of the
@@ -225,7 +228,7 @@ class Topology:
 
         members = list(range(layout.workers)) if cross_members is None else cross_members
         topo = cls(layout=layout, rank=rank, members=tuple(members))
-        topo.cross_worker_backend = cross_worker_backend or dist.get_backend()
+        topo.cross_worker_backend = cross_worker_backend
         per_worker = dist.get_world_size() != layout.world_size
         if per_worker and dist.get_world_size() != layout.ranks_per_worker:
             raise ValueError(f"the default group has {dist.get_world_size()} ranks: neither "

@@ -163,7 +163,7 @@ class Run:
         distributed.cpu_threads()
         self.topology = Topology.create(
             layout, rank, timeout=datetime.timedelta(minutes=p.distributed_timeout_minutes),
-            cross_worker_backend=None if s.diloco_backend == "auto" else s.diloco_backend,
+            cross_worker_backend="nccl" if s.diloco_backend == "nccl" else "gloo",
             cross_worker_timeout=datetime.timedelta(seconds=s.diloco_timeout),
             backend=distributed.backend_for(p.distributed_backend), store=store,
             cross_members=[] if self.rejoin else None)  # a newcomer's come when admitted

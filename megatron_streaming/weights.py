@@ -53,10 +53,12 @@ def _draw(name: str, shape, std: float, seed: int) -> torch.Tensor:
 def init_value(name: str, shape, std: float, num_layers: int, seed: int,
                zero_centered_norms: bool = False) -> torch.Tensor:
     """Megatron's scheme: N(0, std); std/sqrt(2L) for residual-branch outputs; norms 1, 0
-    (weights 0 for zero-centred norms, which scale by weight + 1)."""
+    (weights 0 for zero-centred norms, which scale by weight + 1). Biases are zero whatever
+    their leaf name: Transformer Engine's fused norm-and-linear layers name a norm's
+    ``layer_norm_weight`` and ``layer_norm_bias``."""
     leaf = name.rsplit(".", 1)[-1]
     is_norm = "norm" in name
-    if leaf == "bias":
+    if leaf == "bias" or leaf.endswith("_bias"):
         return torch.zeros(shape)
     if is_norm:
         return torch.zeros(shape) if zero_centered_norms else torch.ones(shape)

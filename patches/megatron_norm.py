@@ -1,9 +1,11 @@
-"""Torch norms that do what apex's FusedLayerNorm does (megatron-core 0.16.1, no apex).
+"""Torch norms that do what apex's FusedLayerNorm does (megatron-core 0.16.1).
 
-Why: without apex, the local GPT spec (``get_gpt_layer_local_spec``, and ``LocalSpecProvider``)
-builds its norms with ``transformer.torch_norm.WrappedTorchNorm``, whose ``__new__`` asserts
-``not config.sequence_parallel`` and ``not config.layernorm_zero_centered_gamma``. Neither is
-incompatible with a torch norm:
+Why: the model's norms are torch's ``transformer.torch_norm.WrappedTorchNorm`` wherever apex's
+fused LayerNorm is not used (``model.norm_impl``: RMSNorm models, and every model without
+apex), and its ``__new__`` asserts ``not config.sequence_parallel``,
+``not config.layernorm_zero_centered_gamma`` and ``not config.persist_layer_norm`` (set where
+apex's persistent kernel imports, for apex's own norm). None is incompatible with a torch
+norm:
 
 * Sequence parallelism: a norm normalizes each token over the hidden dimension, so running it
   on a sequence shard is exactly what megatron's apex ``FusedLayerNorm`` does. The one
@@ -15,13 +17,14 @@ incompatible with a torch norm:
   the norm scales by ``weight + 1`` and its weight starts at 0, as ``FusedLayerNorm`` and
   Transformer Engine's norms do with ``zero_centered_gamma``.
 
+* The persistent kernel is apex's; a torch norm simply does not use it.
+
 Fix: wrap ``WrappedTorchNorm.__new__``: build the norm from a shallow copy of the config with
-both switched off (the caller's config is never mutated); with sequence parallelism set
+the three switched off (the caller's config is never mutated); with sequence parallelism set
 ``sequence_parallel=True`` on the norm's parameters; with zero-centred weights give the norm
 a subclass whose forward adds 1 to the weight, and zero the weight.
 
-Needed whenever apex is not importable, since that alone makes megatron pick WrappedTorchNorm
-for the local spec (Transformer Engine does not change that choice; its own spec uses TENorm).
+Needed always: with or without apex some model's norms are torch's.
 """
 
 import copy
@@ -33,9 +36,7 @@ NAME = "megatron_norm"
 
 
 def _is_needed() -> bool:
-    from . import optional
-
-    return not optional.HAVE_APEX
+    return True
 
 
 def _zero_centered(norm):
@@ -72,11 +73,12 @@ def install() -> None:
     def __new__(cls, config, hidden_size, *args, **kwargs):
         sequence_parallel = config.sequence_parallel
         zero_centered = config.layernorm_zero_centered_gamma
-        if not (sequence_parallel or zero_centered):
+        if not (sequence_parallel or zero_centered or config.persist_layer_norm):
             return original_new(cls, config, hidden_size, *args, **kwargs)
         plain_config = copy.copy(config)
         plain_config.sequence_parallel = False
         plain_config.layernorm_zero_centered_gamma = False
+        plain_config.persist_layer_norm = False
         norm = original_new(cls, plain_config, hidden_size, *args, **kwargs)
         if zero_centered:
             norm = _zero_centered(norm)

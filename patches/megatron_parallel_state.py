@@ -19,7 +19,8 @@ PACKAGE, VERSION = "megatron-core", "0.16.1"
 
 def install_groups(groups: Dict[str, object], ranks: Dict[str, list]) -> None:
     """``groups`` / ``ranks``: the worker's groups and their global ranks by role (``tp``,
-    ``pp``, ``mp``, ``dp``, ``single``; ``embd`` and ``pos_embd`` where the stage has them)."""
+    ``pp``, ``mp``, ``dp``, ``tp_dp``, ``single``; ``embd`` and ``pos_embd`` where the stage has
+    them)."""
     require_version(PACKAGE, VERSION, NAME)
     from megatron.core import parallel_state as ps
 
@@ -35,6 +36,10 @@ def install_groups(groups: Dict[str, object], ranks: Dict[str, list]) -> None:
     ps._POSITION_EMBEDDING_GLOBAL_RANKS = ranks.get("pos_embd")
     for name in ("_DATA_PARALLEL_GROUP", "_DATA_PARALLEL_GROUP_WITH_CP"):
         setattr(ps, name, groups["dp"])
+    # Transformer Engine's FP8 amax reduction asserts these once model_parallel_is_initialized
+    # answers yes (megatron's context parallelism is 1 here: WITH_CP is the same group).
+    for name in ("_TENSOR_AND_DATA_PARALLEL_GROUP", "_TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP"):
+        setattr(ps, name, groups["tp_dp"])
     ps._DATA_PARALLEL_GLOBAL_RANKS = ranks["dp"]
     ps._DATA_PARALLEL_GLOBAL_RANKS_WITH_CP = ranks["dp"]
     ps._CONTEXT_PARALLEL_GROUP = groups["single"]

@@ -8,7 +8,8 @@ tries (``import apex``, ``import transformer_engine``), so importing this module
 import functools
 import importlib
 
-__all__ = ["HAVE_APEX", "HAVE_TE", "have_apex", "have_te", "have_fused_softmax"]
+__all__ = ["HAVE_APEX", "HAVE_TE", "have_apex", "have_apex_layer_norm",
+           "have_apex_persistent_layer_norm", "have_te", "have_fused_softmax"]
 
 
 def _importable(module_name: str) -> bool:
@@ -23,6 +24,27 @@ def _importable(module_name: str) -> bool:
 def have_apex() -> bool:
     """Whether apex imports (megatron then uses its FusedLayerNorm in the local spec)."""
     return _importable("apex")
+
+
+@functools.cache
+def have_apex_layer_norm() -> bool:
+    """Whether apex's fused LayerNorm kernel imports (what megatron-core's ``FusedLayerNorm``
+    runs; ``model.norm_impl`` then takes it for LayerNorm models)."""
+    try:
+        from apex.normalization.fused_layer_norm import FusedLayerNormAffineFunction  # noqa
+    except ImportError:
+        return False
+    return True
+
+
+@functools.cache
+def have_apex_persistent_layer_norm() -> bool:
+    """Whether apex's persistent LayerNorm kernel imports (``persist_layer_norm``)."""
+    try:
+        from apex.contrib.layer_norm.layer_norm import FastLayerNormFN  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 @functools.cache

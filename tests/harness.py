@@ -9,6 +9,16 @@ from typing import Optional
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
+STAND_INS = REPO / "tests" / "stand_ins"  # apex and Transformer Engine (stand_ins/README.md)
+
+
+def with_stand_ins(*packages: str, record=None) -> dict:
+    """The environment that makes the stand-in ``packages`` ("apex", "transformer_engine")
+    importable; ``record``: the file their kernels note themselves in."""
+    out = {"PYTHONPATH": os.pathsep.join(str(STAND_INS / p) for p in packages)}
+    if record is not None:
+        out["STAND_IN_RECORD"] = str(record)
+    return out
 
 # Dropout draws different masks under different layouts: off wherever runs are compared.
 NO_DROPOUT = ["--hidden-dropout", "0", "--attention-dropout", "0"]
@@ -132,13 +142,14 @@ def train_losses(nproc: int, args, tmp_path, name: str = "run") -> list:
 
 
 def train_losses_together(runs, tmp_path, timeout: float = 300) -> dict:
-    """``train_losses`` of several independent runs at once, ``{name: (nproc, args)}``: a
-    one-rank run beside a two-rank one fills the cores that start-up leaves idle."""
+    """``train_losses`` of several independent runs at once, ``{name: (nproc, args)}`` or
+    ``(nproc, args, extra_env)``: a one-rank run beside a two-rank one fills the cores that
+    start-up leaves idle."""
     procs = {}
     try:
-        for name, (nproc, args) in runs.items():
+        for name, (nproc, args, *extra_env) in runs.items():
             procs[name] = start(nproc, [*args, "--log-jsonl", str(tmp_path / f"{name}.jsonl")],
-                                tmp_path / f"{name}.log")
+                                tmp_path / f"{name}.log", *extra_env)
         for name, proc in procs.items():
             assert proc.wait(timeout=timeout) == 0, \
                 (tmp_path / f"{name}.log").read_text()[-4000:]

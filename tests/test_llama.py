@@ -11,7 +11,7 @@ here (tests/local_tokenizers.py); the streaming case uses mock data, as its refe
 
 import pytest
 
-from harness import SHARED_DATA, TINY, train_losses, train_losses_together
+from harness import SHARED_DATA, TINY, train_losses, train_losses_together, with_stand_ins
 from local_tokenizers import gpt2_bpe, write_jsonl
 from megatron_streaming.arguments import ConfigError, parse_args, validate
 
@@ -49,12 +49,15 @@ def wiki_data(tmp_path_factory):
 
 @pytest.mark.timeout(600)
 def test_llama_layouts_match_single_process(tmp_path, wiki_data):
-    """On GPT-2 BPE tokens of JSON-lines wikitext: TP=2, PP=2, Ulysses SP=2 and ZeRO-2 over
-    DP=2 against one process; Ladder residual at TP=2 against its own single-process run."""
+    """On GPT-2 BPE tokens of JSON-lines wikitext: TP=2 with Megatron sequence parallelism
+    (and apex importable, as in NVIDIA's containers: RMSNorm is torch's norm there too), PP=2,
+    Ulysses SP=2 and ZeRO-2 over DP=2 against one process; Ladder residual at TP=2 against
+    its own single-process run."""
     args = [*[a for a in TINY if a != "--mock-data"], *wiki_data, *LLAMA, *ITERS]
     ladder = [*args, "--ladder-residual"]
     # Two at a time: a one-rank reference beside a two-rank layout.
-    got = train_losses_together({"ref": (1, args), "tp2": (2, [*args, *TP2])}, tmp_path)
+    got = train_losses_together({"ref": (1, args), "tp2": (2, [*args, *TP2, "--sequence-parallel"],
+                                                           with_stand_ins("apex"))}, tmp_path)
     got.update(train_losses_together({"ladder_ref": (1, ladder),
                                       "ladder": (2, [*ladder, *TP2])}, tmp_path))
     for name, extra in (("pp2", ["--pipeline-model-parallel-size", "2"]),

@@ -87,13 +87,12 @@ def test_lenient_where_megatron_is():
 
 
 def test_gpu_only_features_are_refused_on_cpu_one_line_each():
-    cfg = parse_args([*MOCK, "--attention-backend", "fused", "--fp8-format", "hybrid",
-                      "--fp8-param-gather"])
+    cfg = parse_args([*MOCK, "--attention-backend", "fused", "--fp8-format", "hybrid"])
     with pytest.raises(ConfigError) as err:
         validate(cfg, 1)
     lines = str(err.value).splitlines()
     assert [line.split(":")[0] for line in lines] == [
-        "--attention-backend fused", "--fp8-format hybrid", "--fp8-param-gather"]
+        "--attention-backend fused", "--fp8-format hybrid"]
     assert all("needs Transformer Engine on a GPU" in line for line in lines)
     validate(parse_args([*MOCK, "--attention-backend", "unfused"]), 1)
 

@@ -13,12 +13,19 @@ def test_transformer_engine_is_optional(monkeypatch):
     assert model.resolve_transformer_impl("local") == "local"
     with pytest.raises(ValueError, match="--transformer-impl transformer_engine"):
         model.resolve_transformer_impl("transformer_engine")
-    # Importable but no GPU: still the local spec.
+    assert "does not import" in model.transformer_impl_note("auto")
+    # Importable, with or without a GPU: still the local spec unless asked for (its layers
+    # have not run here), and the run says why.
     monkeypatch.setattr(model, "have_transformer_engine", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert model.resolve_transformer_impl("auto") == "local"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert model.resolve_transformer_impl("auto") == "transformer_engine"
+    assert model.resolve_transformer_impl("auto") == "local"
+    assert "opt-in (--transformer-impl transformer_engine)" in \
+        model.transformer_impl_note("auto")
+    assert model.resolve_transformer_impl("transformer_engine") == "transformer_engine"
+    assert "not run in this project's tests" in \
+        model.transformer_impl_note("transformer_engine")
 
 
 def test_local_spec_falls_back_to_torch_norm_without_apex():

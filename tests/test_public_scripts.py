@@ -29,6 +29,7 @@ REFUSED = {
     "llama3_8b": [
         "--decoupled-lr: a separate learning rate",
         "--decoupled-min-lr: a separate learning rate",
+        "--fp8-param-gather: FP8 parameters cannot go into DeepSpeed ZeRO",
     ],
     "gpt_1.3b_sequence_parallel_32k": ["--use-flash-attn-triton: flash attention needs a GPU"],
 }

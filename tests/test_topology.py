@@ -32,7 +32,8 @@ EXPECTED_DP = {(8, 2, 2, 2): 1, (8, 2, 2, 1): 2, (16, 2, 2, 2): 2, (12, 3, 2, 1)
                (16, 2, 2, 1, 2): 2, (32, 2, 2, 2, 2): 2}
 # Groups whose members differ only along these axes (same worker, same other coordinates).
 VARYING = {"tp": ("tp",), "sp": ("sp",), "dp": ("dp",), "pp": ("pp",), "sdp": ("sp", "dp"),
-           "mp": ("tp", "pp"), "worker": ("tp", "sp", "dp", "pp"), "single": ()}
+           "mp": ("tp", "pp"), "tp_dp": ("tp", "dp"), "worker": ("tp", "sp", "dp", "pp"),
+           "single": ()}
 
 
 def _ids(shape):
