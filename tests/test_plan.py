@@ -60,6 +60,30 @@ def test_memory_terms_move_with_the_layout():
     assert offloaded.parts["outer state"] < estimate(shape, Layout(), t).parts["outer state"]
 
 
+def test_deepspeeds_reduce_bucket_and_the_exchange_are_counted_where_they_live():
+    """DeepSpeed allocates its whole reduce bucket (5e8 elements of the gradients' dtype, two
+    with overlap_comm) at the first backward on CUDA, whatever the model's size; the sync's
+    exchange holds the mean it returns and its chunk sums on the outer state's device."""
+    from megatron_streaming.plan.memory import EXCHANGE_BYTES, REDUCE_BUCKET
+
+    shape = ModelShape.from_config(parse_args(MODEL).model, 32000)
+
+    def parts(layout=Layout(), **kw):
+        return estimate(shape, layout, Training("bf16", global_batch=8, **kw)).parts
+
+    assert parts()["reduce bucket"] == REDUCE_BUCKET * 2
+    assert parts(overlap_comm=True)["reduce bucket"] == REDUCE_BUCKET * 2 * 2
+    assert "reduce bucket" not in parts(device="cpu")
+    assert "reduce bucket" not in parts(Layout(zero_stage=0))
+    partition = shape.stage_parameters(1, 1, 0)
+    one, three = parts(fragments=1), parts(fragments=3)
+    offloaded = parts(fragments=1, offload_outer_state=True)["outer state"]
+    assert one["outer state"] - offloaded == pytest.approx(
+        8 * partition + EXCHANGE_BYTES * partition)  # theta_g, momentum, the exchange
+    assert one["outer state"] - three["outer state"] == pytest.approx(
+        (EXCHANGE_BYTES + 4) * partition * 2 / 3)  # a third of the exchange and its delta
+
+
 @pytest.mark.parametrize("recompute", ["none", "selective", "full"])
 def test_layout_flags_are_megatrons_and_the_launch_accepts_them(recompute):
     """A layout's recompute becomes Megatron's flags (selective: the core attention), which

@@ -126,7 +126,8 @@ def main(argv=None) -> int:
         training = Training(precision, cfg.training.global_batch_size, True,
                             error_feedback=s.diloco_error_feedback,
                             offload_outer_state=s.diloco_offload_outer_state,
-                            attention=attention_kernel(cfg))
+                            attention=attention_kernel(cfg),
+                            overlap_comm=cfg.parallel.overlap_grad_reduce)
         result = plan(shape, clusters, link, cfg.training.global_batch_size,
                       cfg.training.train_iters, training, args.memory_headroom,
                       launcher_check(cfg, len(clusters)), args.link_share, args.max_workers)

@@ -18,7 +18,14 @@ residual that grows with that term, not as a constant.
   two moments, over the ZeRO partition (the data-parallel and Ulysses ranks together).
 * Outer state (streaming): theta_g and the outer momentum, fp32, partition-sized; the
   error-feedback residual when on; the exchanges in flight (tau of the P fragments, fp32
-  deltas). ``--diloco-offload-outer-state`` moves theta_g and momentum off the device.
+  deltas, each the very buffer that travels) and one exchange's working set on the codec's
+  device (``EXCHANGE_BYTES`` per element of a fragment's shard: the fp32 mean it returns and
+  the reduce-scatter's fp32 chunk sums). ``--diloco-offload-outer-state`` moves theta_g,
+  momentum and the exchange off the device.
+* DeepSpeed's reduce bucket (on CUDA, ZeRO 1-2): ``reduce_bucket_size`` elements (5e8 unless
+  the DeepSpeed JSON says otherwise) of the gradients' dtype, allocated whole at the first
+  backward whatever the model's size (``setup_buckets``; two with ``overlap_comm``). On the
+  CPU an allocation commits only the pages written: at most the gradients, counted already.
 * Activations: per layer per micro-batch, what Megatron-core's local layers keep for the
   backward (Korthikanti et al. 2022, "Reducing activation recomputation", Table 2, without
   sequence parallelism: ``s b h (10 + 24/t + 5 a s / (h t))`` at 2-byte activations and
@@ -58,6 +65,12 @@ STEP_COPIES = 4  # fp32 copies of the ZeRO partition the optimizer step holds at
 STEP_COPIES_FUSED = 1.3  # the same with CUDA's fused AdamW (memory_phases.py, one H200)
 STEP_COPIES_IN_PLACE = 1  # the same for torch's AdamW on the module's parameters (ZeRO-0 fp32)
 RECOMPUTE = ("none", "selective", "full")  # the planner's order of preference at a tie
+# Bytes per element of a fragment's shard that one exchange holds on the codec's device
+# beyond the delta it sends: the fp32 mean it returns (4) and the reduce-scatter's fp32 chunk
+# sum, its decoded part and one decoded chunk (12 / workers: 6 at two workers, the most),
+# with the 4-bit codes each way (1) and the quantization error's difference (4 / workers).
+EXCHANGE_BYTES = 4 + 6 + 1 + 2
+REDUCE_BUCKET = 5e8  # DeepSpeed's default reduce_bucket_size (elements)
 
 
 @dataclass(frozen=True)
@@ -258,6 +271,9 @@ class Training:
     # The attention: "unfused" (megatron-core's local layers, Ulysses and Ladder: the scores
     # kept and passed through memory) or "flash" (Transformer Engine's fused kernels).
     attention: str = "unfused"
+    # DeepSpeed's gradient reduction: its bucket (elements) and overlap_comm (two buckets).
+    reduce_bucket: float = REDUCE_BUCKET
+    overlap_comm: bool = False
 
     @property
     def weight_bytes(self) -> int:
@@ -309,10 +325,13 @@ def estimate_stage(shape: ModelShape, layout: Layout, training: Training,
     partition = zero_partition(params, layout)
     w = training.weight_bytes
     parts = {"runtime": runtime_bytes, "weights": params * w}
-    if layout.zero_stage >= 2:
-        gradients = 4 * min(params, partition + 5e8 / zero)
+    cuda = training.device == "cuda"
+    if layout.zero_stage >= 2:  # on CUDA the bucket is counted apart, whole
+        gradients = 4 * min(params, partition + (0 if cuda else training.reduce_bucket / zero))
     else:
         gradients = 4 * params
+    if cuda and layout.zero_stage >= 1:
+        parts["reduce bucket"] = training.reduce_bucket * w * (1 + training.overlap_comm)
     in_place = steps_in_place(layout, training)
     master = 0 if in_place else 4 * partition
     parts["optimizer"] = master + 8 * partition
@@ -321,7 +340,10 @@ def estimate_stage(shape: ModelShape, layout: Layout, training: Training,
         if training.error_feedback:
             outer += 4 * partition
         in_flight = min(training.overlap_steps, training.fragments) / training.fragments
-        parts["outer state"] = outer + 4 * partition * max(in_flight, 1 / training.fragments)
+        exchange = 0 if training.offload_outer_state else \
+            EXCHANGE_BYTES * partition / training.fragments
+        parts["outer state"] = outer + exchange + \
+            4 * partition * max(in_flight, 1 / training.fragments)
     # The optimizer step's transient: DeepSpeed's flat fp32 gradient partition for the step,
     # Adam's multi-tensor temporaries (the square root of the second moment, the
     # weight-decayed gradient) and the updated partition on its way back into the weights:
@@ -369,5 +391,6 @@ def estimate_stage(shape: ModelShape, layout: Layout, training: Training,
     return Memory(parts)
 
 
-__all__ = ["GIB", "RECOMPUTE", "STEP_COPIES", "STEP_COPIES_FUSED", "Layout", "ModelShape",
-           "Memory", "Training", "estimate", "estimate_stage", "steps_in_place", "zero_partition"]
+__all__ = ["EXCHANGE_BYTES", "GIB", "RECOMPUTE", "REDUCE_BUCKET", "STEP_COPIES",
+           "STEP_COPIES_FUSED", "Layout", "ModelShape", "Memory", "Training", "estimate",
+           "estimate_stage", "steps_in_place", "zero_partition"]
