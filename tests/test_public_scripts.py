@@ -30,11 +30,10 @@ REFUSED = {
         "--decoupled-lr: a separate learning rate",
         "--decoupled-min-lr: a separate learning rate",
     ],
-    "gpt_1.3b_sequence_parallel_32k": ["--use-flash-attn-triton: flash attention needs a GPU"],
 }
 # Refused at validation on a machine without a GPU / Transformer Engine.
 REFUSED_ON_CPU = {
-    "llama3_8b": ["--attention-backend fused", "--fp8-format hybrid"],
+    "llama3_8b": ["--fp8-format hybrid"],
 }
 
 # Size flags -> the value of the scaled-down job.
