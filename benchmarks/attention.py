@@ -60,14 +60,18 @@ def _parser():
 
 # ---- one configuration (child process) ----------------------------------------------------
 
+def _status_bytes(key: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
+
+
 def _memory_now(device) -> int:
     import torch
 
     if device == "cuda":
         torch.cuda.synchronize()
         return torch.cuda.memory_allocated()
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS"))
+    return _status_bytes("VmRSS")
 
 
 def _reset_peak(device) -> None:
@@ -86,8 +90,7 @@ def _peak(device) -> int:
     if device == "cuda":
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated()
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
+    return _status_bytes("VmHWM")
 
 
 def _modules(kind: str, dtype: str, heads: int, groups: int, head_dim: int, dropout: float):

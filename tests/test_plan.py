@@ -140,6 +140,17 @@ def test_attention_and_dropout_terms_follow_the_kernels_each_device_runs():
     assert accumulating["gradients"] == pytest.approx(4 * shape.parameters())
 
 
+@pytest.mark.parametrize("flags, kernel", [
+    ([], "flash"), (["--attention-backend", "fused"], "flash"), (["--use-flash-attn"], "flash"),
+    (["--ladder-residual"], "flash"), (["--attention-backend", "unfused"], "unfused"),
+    (["--attention-backend", "local"], "unfused")])
+def test_plan_takes_the_attention_the_flags_run(flags, kernel):
+    """``auto`` runs torch's fused attention on the local layers (Ladder's too): no scores."""
+    from megatron_streaming.plan.__main__ import attention_kernel
+
+    assert attention_kernel(parse_args([*MODEL, *flags])) == kernel
+
+
 def test_step_time_counts_the_unfused_attention_and_the_optimizers_host_time():
     """The local attention's scores cost SCORE_BYTES each at the memory's speed (a
     recompute, full or selective, adds the forward's share; flash none, under Ulysses too,
