@@ -57,10 +57,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 # About 0.8 s per step on one core: 2.4M parameters, 2 micro-batches of 4 x 256 tokens.
+# megatron-core's unfused attention in ours too: the bare loop's local spec runs it.
 MODEL = ["--mock-data", "--num-layers", "4", "--hidden-size", "256", "--num-attention-heads",
          "8", "--seq-length", "256", "--micro-batch-size", "4", "--eval-iters", "0",
          "--lr-decay-style", "constant", "--lr", "3e-4", "--hidden-dropout", "0",
-         "--attention-dropout", "0", "--clip-grad", "1.0", "--weight-decay", "0.01"]
+         "--attention-dropout", "0", "--clip-grad", "1.0", "--weight-decay", "0.01",
+         "--attention-backend", "unfused"]
 MICRO_BATCHES = 2  # per rank and step, for both loops
 DISTINCT_BATCHES = 16  # micro-batches cycled through (the same ones for both loops)
 

@@ -42,15 +42,17 @@ from megatron_streaming.plan.memory import GIB, Layout, ModelShape, Training, es
 from megatron_streaming.plan.step_time import step_flops_per_token, step_time  # noqa: E402
 from plan_validation import step_means  # noqa: E402
 
+# megatron-core's unfused attention, whose score passes SCORE_BYTES prices (``auto`` would
+# run torch's fused one): the runs these rows were measured with.
 GPT = ["--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16",
        "--seq-length", "2048", "--max-position-embeddings", "2048", "--vocab-size", "32000",
-       "--bf16"]
+       "--bf16", "--attention-backend", "unfused"]
 LLAMA = ["--num-layers", "16", "--hidden-size", "2048", "--ffn-hidden-size", "5632",
          "--num-attention-heads", "16", "--group-query-attention", "--num-query-groups", "4",
          "--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
          "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--hidden-dropout",
          "0", "--attention-dropout", "0", "--seq-length", "4096", "--max-position-embeddings",
-         "4096", "--vocab-size", "32000", "--bf16"]
+         "4096", "--vocab-size", "32000", "--bf16", "--attention-backend", "unfused"]
 TINY = ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4",
         "--seq-length", "128", "--max-position-embeddings", "128", "--vocab-size", "1024"]
 GLOBAL_BATCH = 8

@@ -64,9 +64,11 @@ from megatron_streaming.plan.memory import GIB, Layout, ModelShape, Training, es
 from megatron_streaming.plan.step_time import (  # noqa: E402
     Fabric, optimizer_bytes, step_flops_per_token, step_time)
 
+# megatron-core's unfused attention: the one whose score passes the step-time model prices
+# (``Training.attention`` "unfused"); ``auto`` would run torch's fused one.
 MODEL = ["--num-layers", "8", "--hidden-size", "512", "--num-attention-heads", "8",
          "--seq-length", "256", "--vocab-size", "8192", "--hidden-dropout", "0.1",
-         "--attention-dropout", "0.1"]
+         "--attention-dropout", "0.1", "--attention-backend", "unfused"]
 TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8",
         "--seq-length", "256", "--vocab-size", "512"]
 GLOBAL_BATCH = 4

@@ -300,6 +300,9 @@ def _validate_layer_kinds(cfg: Config) -> None:
              "--ladder-residual / --ladder-layers need --transformer-impl local (or auto)")
     _require(not (p.ds_sequence_parallel_size > 1 and m.transformer_impl == "transformer_engine"),
              "--ds-sequence-parallel-size > 1 needs --transformer-impl local (or auto)")
+    _require(not (m.attention_backend == "local" and m.transformer_impl == "transformer_engine"),
+             "--attention-backend local is megatron-core's own attention on its local layers: "
+             "use --transformer-impl local (or auto), as Megatron-LM's --spec local")
 
 
 def _say_which_layers(cfg: Config) -> None:
@@ -313,8 +316,8 @@ def _say_which_layers(cfg: Config) -> None:
 
 
 def _validate_gpu_features(cfg: Config) -> None:
-    """FP8 and the flash/fused attention kernels exist only in Transformer Engine's layers on
-    a GPU: one line per flag where they cannot run."""
+    """FP8 exists only in Transformer Engine's layers on a GPU: one line per flag where it
+    cannot run."""
     flags = cfg.te.gpu_only_flags()
     if not flags:
         return
@@ -325,11 +328,12 @@ def _validate_gpu_features(cfg: Config) -> None:
     if not (torch.cuda.is_available() and have_transformer_engine()):
         raise ConfigError("\n".join(
             f"{flag}: needs Transformer Engine on a GPU, which this machine lacks; drop it "
-            "(attention then runs megatron-core's unfused kernel, the same math)"
+            "(training then runs in the precision of --bf16/--fp16)"
             for flag in flags))
     m, p = cfg.model, cfg.parallel
     local_only = [name for name, on in (
         (f"--transformer-impl {m.transformer_impl}", m.transformer_impl != "transformer_engine"),
+        ("--attention-backend local", m.attention_backend == "local"),
         ("--ladder-residual / --ladder-layers", m.ladder_residual or m.ladder_layers),
         ("--ds-sequence-parallel-size > 1", p.ds_sequence_parallel_size > 1)) if on]
     _require(not local_only, f"{', '.join(flags)} need Transformer Engine's layers, which "

@@ -72,6 +72,11 @@ class ModelConfig:
     init_method_std: float = arg(0.02, "Std of the normal weight initialisation.")
     make_vocab_size_divisible_by: int = arg(
         128, "Pad the vocabulary to a multiple of this times the tensor-parallel size.")
+    attention_backend: str = arg(
+        "auto", "Core attention: flash and fused run torch's fused "
+        "scaled_dot_product_attention (Transformer Engine's kernels on its layers), unfused "
+        "and local megatron-core's own; auto the faster: the fused one (docs/RESULTS.md).",
+        choices=["auto", "flash", "fused", "unfused", "local"])
     transformer_impl: str = arg(
         "auto", "Layer implementation: Transformer Engine when importable on a GPU (auto), "
         "or megatron-core's local spec.", choices=["auto", "local", "transformer_engine"])
@@ -149,10 +154,6 @@ class TransformerEngineConfig:
     """GPU-only features, through Transformer Engine when it is importable on a GPU; refused
     on a machine without them."""
 
-    attention_backend: str = arg(
-        "auto", "Attention kernel: flash and fused need Transformer Engine on a GPU; auto, "
-        "unfused and local run megatron-core's own attention anywhere.",
-        choices=["auto", "flash", "fused", "unfused", "local"])
     fp8_format: Optional[str] = arg(
         None, "FP8 training through Transformer Engine: e4m3 or hybrid.",
         choices=["e4m3", "hybrid"])
@@ -166,8 +167,6 @@ class TransformerEngineConfig:
     def gpu_only_flags(self) -> list:
         """The flags given that need Transformer Engine on a GPU."""
         flags = []
-        if self.attention_backend in ("flash", "fused"):
-            flags.append(f"--attention-backend {self.attention_backend}")
         if self.fp8_format:
             flags.append(f"--fp8-format {self.fp8_format}")
         return flags

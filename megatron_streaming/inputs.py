@@ -16,6 +16,7 @@ from .config import Config
 from .data import MicroBatchSampler, MockTokenizer, build_datasets, build_iterator
 from .data.sampler import WorkerBlockSampler
 from .data.tokenizers import TokenizerSpec, build_tokenizer
+from .model import loader_makes_mask
 from .schedules import BatchSchedule
 from .topology import Topology
 
@@ -50,7 +51,8 @@ class RunData:
             train_data_path=d.train_data_path or None,
             valid_data_path=d.valid_data_path or None,
             test_data_path=d.test_data_path or None,
-            mock=d.mock_data, data_cache_path=d.data_cache_path)
+            mock=d.mock_data, data_cache_path=d.data_cache_path,
+            create_attention_mask=loader_makes_mask(cfg.model, layout.sp))
 
     def samples_through(self, iteration: int) -> int:
         """Training samples all workers consumed in iterations ``0 .. iteration - 1``: a

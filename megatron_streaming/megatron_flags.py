@@ -104,20 +104,22 @@ def _rotary(cfg, value, given):
 
 
 def _flash_attention(flag: str) -> Callable:
+    """Megatron-DeepSpeed's flash-attention switches: ``--attention-backend flash`` on every
+    device (torch's fused attention on the local layers, Transformer Engine's on its own)."""
     def act(cfg, value, given):
-        from patches.optional import have_te
-        import torch
-
-        if not (torch.cuda.is_available() and have_te()):
-            raise Refusal(f"{flag}: flash attention needs a GPU and Transformer Engine; drop "
-                          "it on this machine (attention runs unfused, same math)")
-        cfg.te.attention_backend = "flash"
+        m = cfg.model
+        if "--attention-backend" in given and m.attention_backend not in ("flash", "auto"):
+            raise Refusal(f"{flag}: conflicts with --attention-backend {m.attention_backend}; "
+                          "drop one of the two")
+        m.attention_backend = "flash"
     return act
 
 
 _FUSION = "a CUDA kernel-fusion switch: the math is the same fused or not"
 _LOG_ALWAYS = "TensorBoard always gets this here (see the README's Monitoring section)"
 _NO_EFFECT_LOG = "a logging option of a report this project does not make; no effect"
+_FLASH = ("--attention-backend flash on every device: torch's fused scaled_dot_product_attention "
+          "on the local layers, Transformer Engine's flash kernel on its own")
 _DENSE = "mixture-of-experts is not supported; a value of 1 (dense) is accepted"
 
 FLAGS: List[ForeignFlag] = [
@@ -190,6 +192,8 @@ FLAGS: List[ForeignFlag] = [
                 "--ds-sequence-parallel-size N (DeepSpeed-Ulysses: the same model, the "
                 "sequence split over N ranks with all-to-all attention)", ONE,
                 _context_parallel),
+    *[ForeignFlag(flag, MAPPED, _FLASH, act=_flash_attention(flag))
+      for flag in ("--use-flash-attn", "--use-flash-attn-v2", "--use-flash-attn-triton")],
     ForeignFlag("--overlap-param-gather", ACCEPTED,
                 "ZeRO-1/2 all-gather the updated weights inside DeepSpeed's step"),
     ForeignFlag("--calculate-per-token-loss", ACCEPTED,
@@ -212,13 +216,6 @@ FLAGS: List[ForeignFlag] = [
     *[ForeignFlag(flag, ACCEPTED, "goes with --profile", ONE)
       for flag in ("--profile-step-start", "--profile-step-end")],
     # --- refused ---------------------------------------------------------------------------
-    ForeignFlag("--use-flash-attn", REFUSED, "flash attention through Transformer Engine",
-                act=_flash_attention("--use-flash-attn")),
-    ForeignFlag("--use-flash-attn-v2", REFUSED, "flash attention through Transformer Engine",
-                act=_flash_attention("--use-flash-attn-v2")),
-    ForeignFlag("--use-flash-attn-triton", REFUSED,
-                "flash attention through Transformer Engine",
-                act=_flash_attention("--use-flash-attn-triton")),
     ForeignFlag("--use-legacy-models", REFUSED,
                 "only megatron-core models exist here; drop the flag"),
     ForeignFlag("--num-layers-per-virtual-pipeline-stage", REFUSED,

@@ -55,15 +55,7 @@ def transformer_impl_note(requested: str) -> str:
     return f"--transformer-impl {requested}: megatron-core's local layers ({why})"
 
 
-def layer_impl(model_cfg: ModelConfig) -> str:
-    """The layer implementation this model runs: Ulysses and Ladder residual build on the
-    local spec, whatever ``--transformer-impl`` asks."""
-    if model_cfg.ladder_residual or model_cfg.ladder_layers:
-        return "local"
-    return resolve_transformer_impl(model_cfg.transformer_impl)
-
-
-def norm_impl(model_cfg: ModelConfig, impl: str):
+def norm_impl(model_cfg: ModelConfig, transformer_engine: bool):
     """The norm module of every norm of the model, chosen here rather than by which packages
     megatron-core found importable (its local spec takes apex's ``FusedLayerNorm`` whenever
     apex imports, which refuses RMSNorm; its block's final norm is Transformer Engine's
@@ -72,7 +64,7 @@ def norm_impl(model_cfg: ModelConfig, impl: str):
     (``patches.megatron_norm`` lets it take sequence parallelism and zero-centred weights)."""
     from patches.optional import have_apex_layer_norm
 
-    if impl == "transformer_engine":
+    if transformer_engine:
         from megatron.core.extensions.transformer_engine import TENorm
 
         return TENorm
@@ -85,30 +77,88 @@ def norm_impl(model_cfg: ModelConfig, impl: str):
     return WrappedTorchNorm
 
 
+# What --attention-backend auto runs on megatron-core's local layers: the fused attention,
+# faster than the unfused one at every length, precision and dropout measured on the CPU
+# (1.5-7.8x without dropout at 512-4096 tokens, 1.1-1.35x with it) and without dropout
+# holding no O(s^2) scores (benchmarks/attention.py; docs/RESULTS.md, "Core attention").
+AUTO_ATTENTION = "sdpa"
+_LOCAL_ATTENTION = {"flash": "sdpa", "fused": "sdpa", "unfused": "unfused", "local": "unfused",
+                    "auto": AUTO_ATTENTION}
+
+
+def local_attention(backend: str) -> str:
+    """The core attention of megatron-core's local layers for Megatron's ``--attention-backend``
+    name: ``sdpa`` (``attention.SDPAttention``) or ``unfused`` (``DotProductAttention``)."""
+    return _LOCAL_ATTENTION[backend]
+
+
+def core_attention_class(backend: str):
+    if local_attention(backend) == "sdpa":
+        from .attention import SDPAttention
+
+        return SDPAttention
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    return DotProductAttention
+
+
+def te_layers(model_cfg: ModelConfig, sp: int = 1) -> bool:
+    """Whether Transformer Engine's layer spec runs: not under Ulysses or Ladder residual
+    (both build on the local spec), nor with ``--attention-backend local`` (megatron-core's
+    own attention, as Megatron-LM's ``local`` asks), and only where TE can run."""
+    if sp > 1 or model_cfg.ladder_residual or model_cfg.ladder_layers or \
+            model_cfg.attention_backend == "local":
+        return False
+    return resolve_transformer_impl(model_cfg.transformer_impl) == "transformer_engine"
+
+
+def loader_makes_mask(model_cfg: ModelConfig, sp: int = 1) -> bool:
+    """Whether the data loader makes the ``[s, s]`` causal mask: not for torch's fused attention,
+    which applies the causal mask in its kernel. The loader's mask is always the plain causal
+    one (no per-document reset), and given it the kernel would take its masked path (no flash
+    kernel on a GPU, no skipped upper half anywhere)."""
+    return te_layers(model_cfg, sp) or local_attention(model_cfg.attention_backend) != "sdpa"
+
+
+def describe_attention(model_cfg: ModelConfig, sp: int = 1) -> str:
+    """Which core attention runs and why, for the run's start."""
+    backend = model_cfg.attention_backend
+    if te_layers(model_cfg, sp):
+        return f"Transformer Engine's (--attention-backend {backend})"
+    if local_attention(backend) == "unfused":
+        return f"megatron-core's unfused DotProductAttention (--attention-backend {backend})"
+    why = ("auto: faster than the unfused one and no O(s^2) scores, docs/RESULTS.md"
+           if backend == "auto" else f"--attention-backend {backend}")
+    return f"torch's scaled_dot_product_attention ({why})"
+
+
 def layer_spec(model_cfg: ModelConfig, sp_group=None):
     """The transformer layer spec: the one place that chooses layer implementations.
 
     Ulysses (``sp_group`` of more than one rank) wraps the local spec's core attention; Ladder
     residual builds on the local spec too, so both take it whatever ``--transformer-impl``
-    asks. The local spec's norms are ``norm_impl``'s."""
+    asks. The local spec's core attention is the one ``--attention-backend`` names, its
+    norms ``norm_impl``'s."""
     from megatron.core.models.gpt import gpt_layer_specs
 
-    impl = layer_impl(model_cfg)
-    if sp_group is not None and sp_group.size() > 1:
+    sp = sp_group.size() if sp_group is not None else 1
+    if te_layers(model_cfg, sp):
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+    core_attention = core_attention_class(model_cfg.attention_backend)
+    if sp > 1:
         from .ulysses import ulysses_layer_spec
 
-        spec = ulysses_layer_spec(sp_group, model_cfg.normalization)
-    elif impl == "transformer_engine":
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+        spec = ulysses_layer_spec(sp_group, model_cfg.normalization, core_attention)
     else:
         spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization=model_cfg.normalization)
-    norm = norm_impl(model_cfg, "local")
+        spec.submodules.self_attention.submodules.core_attention = core_attention
+    norm = norm_impl(model_cfg, transformer_engine=False)
     spec.submodules.input_layernorm = norm
     spec.submodules.pre_mlp_layernorm = norm
     return spec
 
 
-def block_spec(config, model_cfg: ModelConfig, spec, pp_rank: int):
+def block_spec(config, model_cfg: ModelConfig, spec, pp_rank: int, sp: int = 1):
     """This pipeline stage's block: its layers' specs and the final norm (``norm_impl``'s),
     as megatron-core's ``TransformerBlock`` takes them; Ladder residual's where asked."""
     from megatron.core.transformer.transformer_block import (
@@ -116,7 +166,7 @@ def block_spec(config, model_cfg: ModelConfig, spec, pp_rank: int):
         get_num_layers_to_build,
     )
 
-    final_norm = norm_impl(model_cfg, layer_impl(model_cfg))
+    final_norm = norm_impl(model_cfg, transformer_engine=te_layers(model_cfg, sp))
     if model_cfg.ladder_residual or model_cfg.ladder_layers:
         from .ladder import ladder_block_spec, ladder_layer_set
 
@@ -139,13 +189,18 @@ def recompute_settings(model_cfg: ModelConfig) -> dict:
     return settings
 
 
-def transformer_engine_settings(te_cfg: Optional[TransformerEngineConfig]) -> dict:
-    """TransformerConfig fields of the GPU-only features (validated to have TE and a GPU)."""
-    if te_cfg is None:
+def transformer_engine_settings(model_cfg: ModelConfig, sp: int,
+                                te_cfg: Optional[TransformerEngineConfig]) -> dict:
+    """TransformerConfig fields of Transformer Engine's layers (validated to have TE and a GPU):
+    its attention kernels, FP8. megatron-core's model sets TE's kernel switches (NVTE_*) from
+    ``attention_backend``; on the local layers it stays at megatron-core's default."""
+    if not te_layers(model_cfg, sp):
         return {}
     from megatron.core.transformer.enums import AttnBackend
 
-    settings = {"attention_backend": AttnBackend[te_cfg.attention_backend]}
+    settings = {"attention_backend": AttnBackend[model_cfg.attention_backend]}
+    if te_cfg is None:
+        return settings
     if te_cfg.fp8_format:
         settings.update(fp8=te_cfg.fp8_format, fp8_recipe=te_cfg.fp8_recipe,
                         fp8_margin=te_cfg.fp8_margin,
@@ -204,7 +259,8 @@ def transformer_config(model_cfg: ModelConfig, parallel_cfg: ParallelConfig,
         persist_layer_norm=on_gpu and have_apex_persistent_layer_norm(),
         apply_rope_fusion=False,
         **recompute_settings(model_cfg),
-        **transformer_engine_settings(te_cfg),
+        **transformer_engine_settings(model_cfg,
+                                      parallel_cfg.ds_sequence_parallel_size, te_cfg),
     )
 
 
@@ -216,7 +272,7 @@ def build_model(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, topology: 
 
     config = transformer_config(model_cfg, parallel_cfg, te_cfg, precision)
     spec = block_spec(config, model_cfg, layer_spec(model_cfg, topology.groups.get("sp")),
-                      topology.pp_rank)
+                      topology.pp_rank, topology.layout.sp)
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,

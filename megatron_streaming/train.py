@@ -244,9 +244,10 @@ class Run:
 
     def _build_model(self) -> None:
         from . import distributed, weights
-        from .model import build_model
+        from .model import build_model, describe_attention
 
         cfg, topo = self.cfg, self.topology
+        log.info("core attention: %s", describe_attention(cfg.model, topo.layout.sp))
         distributed.seed_everything(cfg.training.seed, topo.tp_rank)
         self.model = build_model(cfg.model, cfg.parallel, topo, self.tokenizer.vocab_size,
                                  cfg.te, cfg.precision)

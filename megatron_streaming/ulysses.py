@@ -1,4 +1,4 @@
-"""Ulysses sequence parallelism: Megatron-core's core attention inside DeepSpeed's all-to-all.
+"""Ulysses sequence parallelism: the core attention inside DeepSpeed's all-to-all.
 
 DeepSpeed-Ulysses (Jacobs et al., arXiv 2309.14509). Every rank of a sequence-parallel (SP)
 group holds ``seq / SP`` contiguous tokens of the same samples from the embedding to the loss.
@@ -92,28 +92,30 @@ def _define_core_attention():
         """Drop-in for Megatron's ``core_attention``: q, k, v ``[s/SP, b, heads/TP, d]``
         in, context ``[s/SP, b, hidden/TP]`` out, full-sequence attention in between.
 
-        The constructor is Megatron's core-attention signature plus ``sp_group`` (keyword),
-        bound by the layer spec with ``functools.partial``: SelfAttention calls the builder
-        directly with keywords, so the group arrives through the builder, not a global.
+        The constructor is Megatron's core-attention signature plus ``sp_group`` and the
+        inner attention's class (keywords), bound by the layer spec with ``functools.partial``:
+        SelfAttention calls the builder directly with keywords, so the group arrives through
+        the builder, not a global.
         """
 
         def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
                      attention_dropout: Optional[float] = None,
                      softmax_scale: Optional[float] = None, cp_comm_type: Optional[str] = None,
-                     pg_collection=None, *, sp_group):
+                     pg_collection=None, *, sp_group, inner_class=None):
             super().__init__(config=config)
             import torch.distributed as dist
             from deepspeed.sequence.layer import DistributedAttention
-            from megatron.core.transformer.dot_product_attention import (
-                DotProductAttention,
-            )
 
+            if inner_class is None:
+                from megatron.core.transformer.dot_product_attention import (
+                    DotProductAttention as inner_class,
+                )
             sp = dist.get_world_size(group=sp_group)
             tp = pg_collection.tp.size() if pg_collection is not None else 1
             check_heads(config.num_attention_heads, config.num_query_groups, tp, sp)
             self.sp_size = sp
             self.sp_group = sp_group
-            self.inner = DotProductAttention(
+            self.inner = inner_class(
                 _head_split_config(config, sp), layer_number=layer_number,
                 attn_mask_type=attn_mask_type, attention_type=attention_type,
                 attention_dropout=attention_dropout, softmax_scale=softmax_scale,
@@ -151,24 +153,28 @@ def _define_core_attention():
 
 def _local_attention(inner, query, key, value, attention_mask=None, attn_mask_type=None,
                      attention_bias=None):
-    """Megatron's DotProductAttention on the full sequence and this rank's heads; its
+    """The inner core attention on the full sequence and this rank's heads; its
     ``[s, b, heads*d]`` output is given its head dim back for the return all-to-all."""
     context = inner(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
                     attention_bias=attention_bias)
     return context.view(context.size(0), context.size(1), query.size(2), query.size(3))
 
 
-def ulysses_core_attention(sp_group):
-    """The ``core_attention`` builder bound to one SP group."""
-    return functools.partial(_core_attention_class(), sp_group=sp_group)
+def ulysses_core_attention(sp_group, inner_class=None):
+    """The ``core_attention`` builder bound to one SP group, wrapping ``inner_class`` (a core
+    attention of megatron-core's signature; default its ``DotProductAttention``)."""
+    return functools.partial(_core_attention_class(), sp_group=sp_group,
+                             inner_class=inner_class)
 
 
-def ulysses_layer_spec(sp_group, normalization: str = "LayerNorm"):
-    """Megatron's GPT local layer spec with core attention replaced by Ulysses attention."""
+def ulysses_layer_spec(sp_group, normalization: str = "LayerNorm", inner_class=None):
+    """Megatron's GPT local layer spec with core attention replaced by Ulysses attention
+    around ``inner_class`` (the core attention ``--attention-backend`` names)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization=normalization)
-    spec.submodules.self_attention.submodules.core_attention = ulysses_core_attention(sp_group)
+    spec.submodules.self_attention.submodules.core_attention = ulysses_core_attention(
+        sp_group, inner_class)
     return spec
 
 

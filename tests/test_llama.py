@@ -5,6 +5,8 @@ heads), RoPE with Llama 3's base of 500000, RMSNorm with eps 1e-5, untied output
 linear biases, zero-centred norm weights (``--apply-layernorm-1p``, as Megatron-LM's Llama 3
 script). TP, PP, Ulysses SP and Ladder residual must reproduce the single-process losses,
 and two streaming workers the single-process DiLoCo reference (tests/diloco_reference.py).
+The layouts run torch's fused attention (``--attention-backend auto``, and the flag
+Megatron-DeepSpeed scripts pass), the single-process run megatron-core's unfused one.
 The layouts train on real text: JSON lines of wikitext through a GPT-2 BPE tokenizer built
 here (tests/local_tokenizers.py); the streaming case uses mock data, as its reference does.
 """
@@ -51,13 +53,20 @@ def wiki_data(tmp_path_factory):
 def test_llama_layouts_match_single_process(tmp_path, wiki_data):
     """On GPT-2 BPE tokens of JSON-lines wikitext: TP=2 with Megatron sequence parallelism
     (and apex importable, as in NVIDIA's containers: RMSNorm is torch's norm there too), PP=2,
-    Ulysses SP=2 and ZeRO-2 over DP=2 against one process; Ladder residual at TP=2 against
-    its own single-process run."""
+    Ulysses SP=2 and ZeRO-2 over DP=2 with the fused attention against one process with the
+    unfused one; Ladder residual at TP=2 against its own single-process run. Each run says
+    which attention it runs."""
     args = [*[a for a in TINY if a != "--mock-data"], *wiki_data, *LLAMA, *ITERS]
     ladder = [*args, "--ladder-residual"]
     # Two at a time: a one-rank reference beside a two-rank layout.
-    got = train_losses_together({"ref": (1, args), "tp2": (2, [*args, *TP2, "--sequence-parallel"],
-                                                           with_stand_ins("apex"))}, tmp_path)
+    got = train_losses_together({
+        "ref": (1, [*args, "--attention-backend", "unfused"]),
+        "tp2": (2, [*args, *TP2, "--sequence-parallel", "--use-flash-attn-v2"],
+                with_stand_ins("apex"))}, tmp_path)
+    assert "core attention: megatron-core's unfused DotProductAttention" in \
+        (tmp_path / "ref.log").read_text()
+    assert "core attention: torch's scaled_dot_product_attention (--attention-backend flash)" \
+        in (tmp_path / "tp2.log").read_text()
     got.update(train_losses_together({"ladder_ref": (1, ladder),
                                       "ladder": (2, [*ladder, *TP2])}, tmp_path))
     for name, extra in (("pp2", ["--pipeline-model-parallel-size", "2"]),

@@ -67,6 +67,10 @@ def test_accepted_flags_change_nothing_and_are_noted():
     (["--overlap-grad-reduce"], lambda c: c.parallel.overlap_grad_reduce),
     (["--normalization", "rmsnorm"], lambda c: c.model.normalization == "RMSNorm"),
     (["--layernorm-epsilon", "1e-6"], lambda c: c.model.norm_epsilon == 1e-6),
+    *[([flag], lambda c: c.model.attention_backend == "flash")
+      for flag in ("--use-flash-attn", "--use-flash-attn-v2", "--use-flash-attn-triton")],
+    (["--attention-backend", "flash", "--use-flash-attn"],
+     lambda c: c.model.attention_backend == "flash"),
 ])
 def test_mapped_flags_set_our_equivalent(argv, check):
     assert check(parse_args([*MOCK, *argv]))
@@ -87,14 +91,24 @@ def test_lenient_where_megatron_is():
 
 
 def test_gpu_only_features_are_refused_on_cpu_one_line_each():
+    """FP8 needs Transformer Engine on a GPU; every attention backend runs anywhere (flash and
+    fused: torch's fused attention on the local layers)."""
     cfg = parse_args([*MOCK, "--attention-backend", "fused", "--fp8-format", "hybrid"])
     with pytest.raises(ConfigError) as err:
         validate(cfg, 1)
     lines = str(err.value).splitlines()
-    assert [line.split(":")[0] for line in lines] == [
-        "--attention-backend fused", "--fp8-format hybrid"]
+    assert [line.split(":")[0] for line in lines] == ["--fp8-format hybrid"]
     assert all("needs Transformer Engine on a GPU" in line for line in lines)
-    validate(parse_args([*MOCK, "--attention-backend", "unfused"]), 1)
+    for backend in ("auto", "flash", "fused", "unfused", "local"):
+        validate(parse_args([*MOCK, "--attention-backend", backend]), 1)
+
+
+def test_flash_flags_conflict_with_another_backend_and_local_with_te_layers():
+    assert _errors([*MOCK, "--attention-backend", "unfused", "--use-flash-attn-v2"]) == [
+        "--use-flash-attn-v2: conflicts with --attention-backend unfused; drop one of the two"]
+    with pytest.raises(ConfigError, match="--attention-backend local is megatron-core's own"):
+        validate(parse_args([*MOCK, "--attention-backend", "local", "--transformer-impl",
+                             "transformer_engine"]), 1)
 
 
 def test_every_foreign_flag_is_distinct_from_our_own():

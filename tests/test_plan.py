@@ -164,10 +164,21 @@ def test_attention_and_dropout_terms_follow_the_kernels_each_device_runs():
     assert accumulating["gradients"] == pytest.approx(4 * shape.parameters())
 
 
+@pytest.mark.parametrize("flags, kernel", [
+    ([], "flash"), (["--attention-backend", "fused"], "flash"), (["--use-flash-attn"], "flash"),
+    (["--ladder-residual"], "flash"), (["--attention-backend", "unfused"], "unfused"),
+    (["--attention-backend", "local"], "unfused")])
+def test_plan_takes_the_attention_the_flags_run(flags, kernel):
+    """``auto`` runs torch's fused attention on the local layers (Ladder's too): no scores."""
+    from megatron_streaming.plan.__main__ import attention_kernel
+
+    assert attention_kernel(parse_args([*MODEL, *flags])) == kernel
+
+
 def test_step_time_counts_the_unfused_attention_and_the_optimizers_host_time():
     """The local attention's scores cost SCORE_BYTES each at the memory's speed (a
-    recompute, full or selective, adds the forward's share; flash none; Ulysses is unfused
-    whatever is asked);
+    recompute, full or selective, adds the forward's share; flash none, under Ulysses too,
+    which wraps the same core attention);
     the fused optimizer path takes the longer of its bytes and HOST_SECONDS_PER_TENSOR per
     parameter tensor (292 in this 24-layer GPT, as DeepSpeed's per-tensor checks ran on the
     H200; 6 a layer and 3 more for a Llama without biases)."""
@@ -208,7 +219,9 @@ def test_step_time_counts_the_unfused_attention_and_the_optimizers_host_time():
         assert again_only["attention scores"] == pytest.approx(scores * 120.0 / 1e12)
     flash = dataclasses.replace(t, attention="flash")
     assert "attention scores" not in step_time(shape, Layout(micro_batch=2), flash, fabric)
-    assert "attention scores" in step_time(shape, Layout(sp=2, micro_batch=2), flash, fabric)
+    assert "attention scores" not in step_time(shape, Layout(sp=2, micro_batch=2), flash,
+                                               fabric)
+    assert "attention scores" in step_time(shape, Layout(sp=2, micro_batch=2), t, fabric)
     moved = optimizer_bytes(shape, Layout(micro_batch=2), t)
     assert plain["optimizer"] == pytest.approx(max(moved / 1e12, 292 * HOST_SECONDS_PER_TENSOR))
     cpu = dataclasses.replace(fabric, fused_optimizer=False)

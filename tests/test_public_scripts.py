@@ -31,11 +31,10 @@ REFUSED = {
         "--decoupled-min-lr: a separate learning rate",
         "--fp8-param-gather: FP8 parameters cannot go into DeepSpeed ZeRO",
     ],
-    "gpt_1.3b_sequence_parallel_32k": ["--use-flash-attn-triton: flash attention needs a GPU"],
 }
 # Refused at validation on a machine without a GPU / Transformer Engine.
 REFUSED_ON_CPU = {
-    "llama3_8b": ["--attention-backend fused", "--fp8-format hybrid"],
+    "llama3_8b": ["--fp8-format hybrid"],
 }
 
 # Size flags -> the value of the scaled-down job.

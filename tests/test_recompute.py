@@ -58,11 +58,14 @@ def _assert_same(got, want, name):
         assert torch.equal(got[1][key], grad), (name, key)
 
 
-def test_recompute_keeps_loss_and_gradients(megatron_world):
-    """Every mode against no recompute, bit for bit, with dropout on."""
-    plain = _loss_and_grads(megatron_world, [])
+@pytest.mark.parametrize("backend", ["flash", "unfused"])
+def test_recompute_keeps_loss_and_gradients(megatron_world, backend):
+    """Every mode against no recompute, bit for bit, with dropout on, for torch's fused core
+    attention and megatron-core's unfused one."""
+    attention = ["--attention-backend", backend]
+    plain = _loss_and_grads(megatron_world, attention)
     for name, flags in MODES.items():
-        _assert_same(_loss_and_grads(megatron_world, flags), plain, name)
+        _assert_same(_loss_and_grads(megatron_world, [*attention, *flags]), plain, name)
 
 
 def _tp2_worker(rank, world, group):

@@ -117,7 +117,8 @@ def _max_diff(a, b):
     return (a.detach().float() - b.detach().float()).abs().max().item()
 
 
-def _core_attention_case(topo, group, rank, world, num_query_groups, with_mask):
+def _core_attention_case(topo, group, rank, world, num_query_groups, with_mask,
+                         inner_class=None):
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
 
@@ -125,7 +126,7 @@ def _core_attention_case(topo, group, rank, world, num_query_groups, with_mask):
     kw = dict(layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self",
               pg_collection=topo.pg_collection())
     plain = DotProductAttention(config, **kw)
-    wrapped = ulysses.ulysses_core_attention(group)(config=config, **kw)
+    wrapped = ulysses.ulysses_core_attention(group, inner_class)(config=config, **kw)
     d, groups = HIDDEN // HEADS, num_query_groups or HEADS
     g = torch.Generator().manual_seed(11)
     q = torch.randn(SEQ, BATCH, HEADS, d, generator=g)
@@ -158,8 +159,9 @@ def _core_attention_case(topo, group, rank, world, num_query_groups, with_mask):
     return {
         "short_mask_refused": short_mask_refused,
         "shape_ok": out.shape == (chunk, BATCH, HIDDEN),
-        "inner_heads": wrapped.inner.num_attention_heads_per_partition,
-        "inner_groups": wrapped.inner.num_query_groups_per_partition,
+        "inner": type(wrapped.inner).__name__,
+        "inner_heads": wrapped.inner.config.num_attention_heads,
+        "inner_groups": wrapped.inner.config.num_query_groups,
         "scale": (wrapped.softmax_scale, plain.softmax_scale),
         "out": _max_diff(out, part(out_ref)),
         "dq": _max_diff(local[0].grad, part(ref[0].grad)),
@@ -192,8 +194,9 @@ def _gpt(topo, layer_spec, position_embedding_type, tp=1, megatron_sp=False):
 
 
 def _gpt_case(topo, group, rank, world, position_embedding_type, tp=1, megatron_sp=False,
-              rotary_offset=True):
-    """SP=``world`` (this rank: ``rank``) against SP=1, both at the same TP."""
+              rotary_offset=True, inner_class=None):
+    """SP=``world`` (this rank: ``rank``) against SP=1 with megatron-core's unfused attention,
+    both at the same TP; ``inner_class``: the core attention Ulysses wraps."""
     import torch.distributed as dist
     from megatron.core.models.gpt import gpt_layer_specs
 
@@ -206,8 +209,8 @@ def _gpt_case(topo, group, rank, world, position_embedding_type, tp=1, megatron_
     ref_loss = (losses.float() * mask).sum() / mask.sum()
     ref_loss.backward()
 
-    model = _gpt(topo, ulysses.ulysses_layer_spec(group, "LayerNorm"), position_embedding_type,
-                 tp, megatron_sp)
+    model = _gpt(topo, ulysses.ulysses_layer_spec(group, "LayerNorm", inner_class),
+                 position_embedding_type, tp, megatron_sp)
     if rotary_offset:
         ulysses.offset_rotary_for_sequence_parallel(model, rank)
     local = ulysses.slice_for_sequence_parallel(batch, rank, world)
@@ -238,12 +241,19 @@ def _sp_topology(rank, world, tp=1):
 
 
 def _ulysses_worker(rank, world, _all):
+    from megatron_streaming.attention import SDPAttention
+
     topo, group, rank, world = _sp_topology(rank, world)
     out = {}
     for name, groups, with_mask in (("mha", None, False), ("mha_mask", None, True),
                                     ("gqa", 2, False)):
         out[f"core_{name}"] = _core_attention_case(topo, group, rank, world, groups, with_mask)
+        # torch's fused attention inside the all-to-alls, against the unfused full sequence
+        out[f"core_{name}_sdpa"] = _core_attention_case(topo, group, rank, world, groups,
+                                                        with_mask, SDPAttention)
     out["gpt_learned"] = _gpt_case(topo, group, rank, world, "learned_absolute")
+    out["gpt_learned_sdpa"] = _gpt_case(topo, group, rank, world, "learned_absolute",
+                                        inner_class=SDPAttention)
     # megatron-core 0.16.1's RotaryEmbedding.get_emb moves its frequencies to
     # ``torch.cuda.current_device()`` when they are on the CPU, and the project's patches do
     # not cover that call yet: point it at the CPU for this case only (this process only).
@@ -266,13 +276,15 @@ def ulysses_run(tmp_path_factory):
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("case", ["mha", "mha_mask", "gqa"])
+@pytest.mark.parametrize("case", ["mha", "mha_mask", "gqa", "mha_sdpa", "mha_mask_sdpa",
+                                  "gqa_sdpa"])
 def test_core_attention_matches_full_sequence_attention(ulysses_run, case):
     for rank, result in enumerate(ulysses_run):
         r = result[f"core_{case}"]
+        assert r["inner"] == ("SDPAttention" if case.endswith("sdpa") else "DotProductAttention")
         assert r["shape_ok"] and r["short_mask_refused"]
         assert r["inner_heads"] == HEADS // 2
-        assert r["inner_groups"] == (2 if case == "gqa" else HEADS) // 2
+        assert r["inner_groups"] == (2 if case.startswith("gqa") else HEADS) // 2
         assert r["scale"][0] == pytest.approx(r["scale"][1]) == (HIDDEN // HEADS) ** -0.5
         for key in ("out", "dq", "dk", "dv"):
             assert r[key] < 1e-6, (rank, key, r[key])
@@ -281,7 +293,7 @@ def test_core_attention_matches_full_sequence_attention(ulysses_run, case):
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("embedding", ["learned", "rope"])
+@pytest.mark.parametrize("embedding", ["learned", "rope", "learned_sdpa"])
 def test_gpt_on_two_sequence_ranks_matches_one(ulysses_run, embedding):
     for result in ulysses_run:
         r = result[f"gpt_{embedding}"]

@@ -94,14 +94,13 @@ def launcher_check(cfg, workers: int):
 
 
 def attention_kernel(cfg) -> str:
-    """``flash`` where the flags ask for Transformer Engine (its layers or its fused kernels)
-    and no Ladder blocks (built on the local layers); else ``unfused``, megatron-core's own
-    attention, which ``auto`` also is where Transformer Engine is not installed: the plan
-    keeps to the slower, larger one unless told."""
-    m = cfg.model
-    asked = m.transformer_impl == "transformer_engine" or \
-        cfg.te.attention_backend in ("flash", "fused")
-    return "flash" if asked and not (m.ladder_residual or m.ladder_layers) else "unfused"
+    """``unfused`` where the core attention keeps its scores (``--attention-backend unfused``
+    or ``local``: megatron-core's, or Transformer Engine's unfused one); else ``flash``:
+    Transformer Engine's fused kernels on its layers, torch's fused attention on the local
+    ones (Ulysses and Ladder included), which ``auto`` runs there."""
+    from ..model import local_attention
+
+    return "unfused" if local_attention(cfg.model.attention_backend) == "unfused" else "flash"
 
 
 def main(argv=None) -> int:

@@ -268,8 +268,9 @@ class Training:
     # The kernels the ranks run: "cuda" (dropout keeps bool masks, AdamW is fused) or "cpu"
     # (masks of the activations' width, torch's single-tensor AdamW).
     device: str = "cuda"
-    # The attention: "unfused" (megatron-core's local layers, Ulysses and Ladder: the scores
-    # kept and passed through memory) or "flash" (Transformer Engine's fused kernels).
+    # The core attention: "unfused" (megatron-core's, --attention-backend unfused/local: the
+    # scores kept and passed through memory) or "flash" (a fused kernel: torch's on the local
+    # layers, Ulysses and Ladder included, or Transformer Engine's on its own).
     attention: str = "unfused"
     # DeepSpeed's gradient reduction: its bucket (elements) and overlap_comm (two buckets).
     reduce_bucket: float = REDUCE_BUCKET
@@ -288,9 +289,8 @@ class Training:
         return 1 if self.device == "cuda" else self.activation_bytes
 
     def unfused(self, layout: Layout) -> bool:
-        """Whether the attention keeps its scores: the local layers', and Ulysses' (which
-        wraps the local core attention whatever the layer implementation)."""
-        return self.attention == "unfused" or layout.sp > 1
+        """Whether the attention keeps its scores (Ulysses wraps the same core attention)."""
+        return self.attention == "unfused"
 
     @property
     def step_copies(self) -> float:

@@ -5,13 +5,14 @@
   once more under a selective one) split over the rank's share of the
   model (TP, PP) and of the sequence (Ulysses), at the cluster's sustained FLOP/s per device
   (peak x MFU, or what a measured step implies).
-* Unfused attention (megatron-core's local layers): the scores' passes through memory, the
-  fp32 softmax's casts, mask, dropout and their gradients, ``SCORE_BYTES`` per score
-  element forward and backward (``SCORE_BYTES_FORWARD`` more under a recompute, full or
-  selective: the scores' forward runs again) at the device's memory bandwidth. It is most
-  of a step at a long sequence (one H200, its profile: 423 of 620 ms of a 1.28B GPT's
-  forward-backward at sequence 2048, 1029 of 1335 ms of a 0.85B Llama's at 4096; the GEMMs
-  ran at 0.7 of the peak). Flash attention has none.
+* Unfused attention (megatron-core's, ``--attention-backend unfused``): the scores' passes
+  through memory, the fp32 softmax's casts, mask, dropout and their gradients,
+  ``SCORE_BYTES`` per score element forward and backward (``SCORE_BYTES_FORWARD`` more under
+  a recompute, full or selective: the scores' forward runs again) at the device's memory
+  bandwidth. It is most of a step at a long sequence (one H200, its profile: 423 of 620 ms
+  of a 1.28B GPT's forward-backward at sequence 2048, 1029 of 1335 ms of a 0.85B Llama's at
+  4096; the GEMMs ran at 0.7 of the peak). A fused attention (torch's or Transformer
+  Engine's) has none.
 * Pipeline bubble (1F1B): the compute stretched by ``(pp - 1) / m`` for ``m`` micro-batches
   per data-parallel replica (Narayanan et al. 2021).
 * Tensor parallel: four all-reduces of ``b s h`` activations per layer per micro-batch (two
