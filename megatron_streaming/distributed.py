@@ -145,11 +145,11 @@ def worker_world_store(job_store, layout, rank: int, incarnation: int, timeout_m
     for it: ``(store, bytes)``.
 
     The worker's first rank (``local`` 0) hosts a TCPStore on a free port and publishes
-    ``host:port`` once, in the worker's part of the job's store; its other ranks read it there
-    and connect. So the in-worker set-up (the default group, every in-worker group, NCCL's
-    communicator ids) stays inside the worker: only that one key crosses the link. The host
-    published: ``MEGATRON_STREAMING_WORKER_STORE`` (``host`` or ``host:port``, also the port
-    bound) if set; else ``own_host`` (``join_worker_launch``: the worker's own launcher's
+    ``host:port`` once in the job's store (``worker_store_key``); its other ranks read it
+    there and connect. So the in-worker set-up (the default group, every in-worker group,
+    NCCL's communicator ids) stays inside the worker: only that one key crosses the link. The
+    host published: ``MEGATRON_STREAMING_WORKER_STORE`` (``host`` or ``host:port``, also the
+    port bound) if set; else ``own_host`` (``join_worker_launch``: the worker's own launcher's
     MASTER_ADDR); else this node's address towards MASTER_ADDR (``address_towards``). A
     one-rank worker needs no meeting: an in-process store, nothing published. A job of one
     worker has no link to spare: its world meets on the job's store."""
@@ -166,9 +166,16 @@ def worker_world_store(job_store, layout, rank: int, incarnation: int, timeout_m
     timeout = datetime.timedelta(minutes=timeout_minutes)
     key = worker_store_key(worker, incarnation)
     if local == 0:
+        from .errors import JobFailure
+
         host, port = store_address(os.environ, own_host)
-        store = dist.TCPStore(host, port or 0, ranks, is_master=True, wait_for_workers=False,
-                              timeout=timeout)
+        try:
+            store = dist.TCPStore(host, port or 0, ranks, is_master=True,
+                                  wait_for_workers=False, timeout=timeout)
+        except dist.DistNetworkError as err:
+            raise JobFailure(f"worker {worker}'s own store cannot start at {host}:{port or 0}"
+                             f": {str(err).splitlines()[0]} (set {WORKER_STORE_ENV} to an "
+                             "address of this node, with a free port or none)") from None
         address = f"{host}:{store.port}"
         job_store.set(key, address)
         return store, len(key) + len(address)

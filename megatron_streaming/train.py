@@ -110,7 +110,8 @@ class Run:
         from .topology import RankLayout, Topology
 
         cfg, p, s = self.cfg, self.cfg.parallel, self.cfg.streaming
-        launched_by = slurm.task_environment(os.environ)  # a bare srun: its tasks as ranks
+        launched_by = None if distributed.is_initialized() else \
+            slurm.task_environment(os.environ)  # a bare srun: its tasks as the job's ranks
         own_host = distributed.join_worker_launch(os.environ, s.diloco_workers,
                                                   s.diloco_worker_index, p.master_addr,
                                                   p.master_port)

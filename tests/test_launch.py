@@ -288,3 +288,16 @@ class socket_closed:
 
     def __exit__(self, *exc):
         self.sock.close()
+
+
+def test_a_first_rank_that_cannot_host_the_store_says_where_and_what_to_set(monkeypatch):
+    from megatron_streaming.errors import JobFailure
+    from megatron_streaming.topology import RankLayout
+
+    job = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                        timeout=datetime.timedelta(seconds=30))
+    monkeypatch.setenv(distributed.WORKER_STORE_ENV, f"127.0.0.1:{job.port}")  # taken
+    with pytest.raises(JobFailure, match=rf"^worker 1's own store cannot start at 127.0.0.1:"
+                       rf"{job.port}: .* \(set {distributed.WORKER_STORE_ENV} to an address "
+                       r"of this node, with a free port or none\)$"):
+        distributed.worker_world_store(job, RankLayout(4, workers=2, tp=2), 2, 0, 0.1)
