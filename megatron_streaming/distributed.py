@@ -1,7 +1,14 @@
 """Process start-up: torch.distributed from the launcher's environment, device and seeds.
 
 Works under ``torchrun`` and the ``deepspeed`` launcher (both set RANK, WORLD_SIZE,
-LOCAL_RANK, MASTER_ADDR, MASTER_PORT), and as a single process with none of them.
+LOCAL_RANK, MASTER_ADDR, MASTER_PORT), under a bare ``srun`` (``slurm.task_environment`` sets
+them from the step), and as a single process with none of them.
+
+Two stores: the job's (``rendezvous_store``: global rank 0 hosts it, or a standalone
+rendezvous) carries what crosses workers: the door, membership, heartbeats and the
+cross-worker groups. Each worker's own world (its default group, the in-worker groups, NCCL's
+unique ids) meets on a store its first rank hosts (``worker_world_store``), so none of that
+crosses the link between clusters; one key in the job's store says where it is.
 """
 
 from __future__ import annotations
@@ -15,21 +22,26 @@ import torch
 
 
 def join_worker_launch(env, workers: int, worker_index: Optional[int],
-                       master_addr: Optional[str], master_port: Optional[int]) -> None:
+                       master_addr: Optional[str], master_port: Optional[int]) -> Optional[str]:
     """Turn a launch of one worker's ranks into its share of the whole job, in ``env``.
 
     With ``--diloco-worker-index W`` the launcher (one per cluster) numbered only this
     worker's R ranks: rank r becomes global rank ``W*R + r`` of ``M*R``, and every worker
     meets at the same rendezvous (global rank 0 hosts the store), so only the cross-worker
-    groups span the clusters. Raises ConfigError naming the flag on a bad index."""
+    groups span the clusters. Raises ConfigError naming the flag on a bad index.
+
+    Returns the launcher's own MASTER_ADDR where it is this worker's alone (a launch of one
+    worker, its rendezvous moved by ``--master-addr``): the worker's first node, which its
+    other nodes reach, so the worker's own store is published there; else None."""
     from .arguments import ConfigError
 
+    launched_at = env.get("MASTER_ADDR")
     if master_addr:
         env["MASTER_ADDR"] = master_addr
     if master_port:
         env["MASTER_PORT"] = str(master_port)
     if worker_index is None:
-        return
+        return None
     if not 0 <= worker_index < workers:
         raise ConfigError(f"--diloco-worker-index must be in [0, --diloco-workers ({workers})), "
                           f"got {worker_index}")
@@ -44,6 +56,7 @@ def join_worker_launch(env, workers: int, worker_index: Optional[int],
     env.setdefault("LOCAL_RANK", "0")
     # torchrun's agent hosts a store per launch; the job's one store is global rank 0's.
     env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    return launched_at if master_addr else None  # without the flag it is the job's
 
 
 def renumber(env, layout, worker: int, local: int) -> None:
@@ -114,28 +127,150 @@ def rendezvous_store(timeout_minutes: float, external: bool = False):
                 from None
 
 
-def worker_store(store, worker: int, incarnation: int = 0):
-    """The part of the job's store where worker ``worker``'s own world meets (a restarted
-    worker's, rejoining after membership epoch ``incarnation``, meets apart from the keys
-    its predecessor left)."""
+def worker_store_key(worker: int, incarnation: int = 0) -> str:
+    """The key of the job's store where worker ``worker``'s first rank says where the
+    worker's own store is (``worker_world_store``); a restarted worker's, rejoining after
+    membership epoch ``incarnation``, apart from what its predecessor left."""
+    return f"{WORKER_PREFIX}{worker}/{f'epoch{incarnation}/' if incarnation else ''}store"
+
+
+WORKER_PREFIX = "megatron_streaming/worker"
+WORKER_STORE_ENV = "MEGATRON_STREAMING_WORKER_STORE"  # host[:port]: where the first rank binds
+
+
+def worker_world_store(job_store, layout, rank: int, incarnation: int, timeout_minutes: float,
+                       own_host: Optional[str] = None) -> tuple:
+    """The store global rank ``rank``'s worker's own world meets on (``layout``: the job's
+    ``topology.RankLayout``), and the bytes this rank sent and read through the job's store
+    for it: ``(store, bytes)``.
+
+    The worker's first rank (``local`` 0) hosts a TCPStore on a free port and publishes
+    ``host:port`` once in the job's store (``worker_store_key``); its other ranks read it
+    there and connect. So the in-worker set-up (the default group, every in-worker group,
+    NCCL's communicator ids) stays inside the worker: only that one key crosses the link. The
+    host published: ``MEGATRON_STREAMING_WORKER_STORE`` (``host`` or ``host:port``, also the
+    port bound) if set; else ``own_host`` (``join_worker_launch``: the worker's own launcher's
+    MASTER_ADDR); else this node's address towards MASTER_ADDR (``address_towards``). A
+    one-rank worker needs no meeting: an in-process store, nothing published. A job of one
+    worker has no link to spare: its world meets on the job's store."""
+    import datetime
+
     import torch.distributed as dist
 
-    again = f"epoch{incarnation}/" if incarnation else ""
-    return dist.PrefixStore(f"megatron_streaming/worker{worker}/{again}", store)
+    coords, ranks = layout.coords(rank), layout.ranks_per_worker
+    worker, local = coords["worker"], coords["local"]
+    if layout.workers == 1:  # apart from the job's own keys, as torchrun's agent's store
+        return dist.PrefixStore(f"{WORKER_PREFIX}0/", job_store), 0
+    if ranks == 1:
+        return dist.HashStore(), 0
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    key = worker_store_key(worker, incarnation)
+    if local == 0:
+        from .errors import JobFailure
+
+        host, port = store_address(os.environ, own_host)
+        try:
+            store = dist.TCPStore(host, port or 0, ranks, is_master=True,
+                                  wait_for_workers=False, timeout=timeout)
+        except dist.DistNetworkError as err:
+            raise JobFailure(f"worker {worker}'s own store cannot start at {host}:{port or 0}"
+                             f": {str(err).splitlines()[0]} (set {WORKER_STORE_ENV} to an "
+                             "address of this node, with a free port or none)") from None
+        address = f"{host}:{store.port}"
+        job_store.set(key, address)
+        return store, len(key) + len(address)
+    address, crossed = _published_address(job_store, key, worker, timeout)
+    host, port = address.rsplit(":", 1)
+    return dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
+                         timeout=timeout), crossed
+
+
+def _published_address(job_store, key: str, worker: int, timeout) -> tuple:
+    """The address worker ``worker``'s first rank published, once it takes a connection (a
+    launch that took over a predecessor's claim may find the predecessor's address first)."""
+    import socket
+    import time
+
+    from .errors import JobFailure
+
+    deadline = time.monotonic() + timeout.total_seconds()
+    crossed, address, error = 0, None, None
+    while time.monotonic() < deadline:
+        crossed += len(key)
+        if job_store.check([key]):  # polled: a timed-out wait logs in C++
+            address = job_store.get(key).decode()
+            crossed += len(key) + len(address)
+            host, port = address.rsplit(":", 1)
+            try:
+                socket.create_connection((host, int(port)), timeout=10).close()
+                return address, crossed
+            except OSError as e:
+                error = e
+        time.sleep(0.5)
+    where = f"worker {worker}'s store at {address}, as its first rank published it," \
+        if address else f"no address of worker {worker}'s own store from its first rank"
+    raise JobFailure(f"{where} within {timeout.total_seconds():.0f} s "
+                     f"(--distributed-timeout-minutes){f': {error}' if error else ''}; "
+                     f"set {WORKER_STORE_ENV}=HOST[:PORT] to an address of the worker's "
+                     "first node its other nodes reach")
+
+
+def store_address(env, own_host: Optional[str] = None) -> tuple:
+    """(host, port or None) where a worker's first rank hosts the worker's store: see
+    ``worker_world_store``."""
+    override = env.get(WORKER_STORE_ENV, "").strip()
+    if override:
+        host, sep, port = override.rpartition(":")
+        if sep and port.isdigit() and (override.count(":") == 1 or host.endswith("]")):
+            return host.strip("[]"), int(port)
+        return override.strip("[]"), None  # a name, or an IPv6 address alone
+    if own_host:
+        return own_host, None
+    return address_towards(env.get("MASTER_ADDR", "127.0.0.1")), None
+
+
+def address_towards(master: str) -> str:
+    """This node's address on the route to ``master`` (the job's rendezvous host, which every
+    node of a launch reaches): the interface's own address, or ``master`` itself where the
+    route is the loopback (this node is the master's host, or the launch is one node), since
+    the other nodes reach it by that name."""
+    import ipaddress
+    import socket
+
+    try:
+        family, _, _, _, target = socket.getaddrinfo(master, 9, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect(target)  # no packet: only picks the route
+            mine = s.getsockname()[0]
+    except OSError:
+        return socket.gethostname()
+    return master if ipaddress.ip_address(mine).is_loopback else mine
+
+
+def set_device(local_rank: int) -> Optional[int]:
+    """This rank's GPU, for every backend (gloo on a GPU node too, or every rank would make
+    its tensors on cuda:0): the launcher's LOCAL_RANK, modulo the devices seen (more local
+    ranks than GPUs share them: two one-rank workers on one test GPU; NCCL refuses two ranks
+    of one device only within one group). None without CUDA."""
+    if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
+        return None
+    device = local_rank % torch.cuda.device_count()
+    torch.cuda.set_device(device)
+    return device
 
 
 def init_distributed(backend: str, timeout_minutes: float, store=None,
-                     layout=None, incarnation: int = 0) -> tuple:
+                     layout=None) -> tuple:
     """Initialise the default process group once, on ``store`` (else on a new
     ``rendezvous_store``), with the in-worker ``backend``; returns this rank's (global rank,
     job size), from the launcher's numbering.
 
     With the job's ``layout`` (``topology.RankLayout``) the default group is this rank's
     worker, not the job: global rank ``g`` is its local rank in its worker's world, made on
-    the worker's own part of the store. Each worker is then a plain Megatron/DeepSpeed job
-    (its checkpoint, its barriers, its object collectives) and losing another worker breaks
-    nothing of it; the groups that cross workers are made on the store by their members alone
-    (``Topology``)."""
+    ``store``, the worker's own (``worker_world_store``). Each worker is then a plain
+    Megatron/DeepSpeed job (its checkpoint, its barriers, its object collectives) and losing
+    another worker breaks nothing of it; the groups that cross workers are made on the job's
+    store by their members alone (``Topology``)."""
     import torch.distributed as dist
 
     if dist.is_initialized():  # embedded: the caller's world is the job
@@ -145,14 +280,8 @@ def init_distributed(backend: str, timeout_minutes: float, store=None,
         rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         world_rank, world_size = rank, size
         if layout is not None:
-            coords = layout.coords(rank)
-            world_rank, world_size = coords["local"], layout.ranks_per_worker
-            store = worker_store(store, coords["worker"], incarnation)
-        if backend_for(backend) == "nccl":
-            # More local ranks than GPUs (two one-rank workers on one test GPU) share them;
-            # NCCL refuses two ranks of one device only within one group.
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0"))
-                                  % torch.cuda.device_count())
+            world_rank, world_size = layout.coords(rank)["local"], layout.ranks_per_worker
+        set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend=backend_for(backend), store=store, rank=world_rank,
                                 world_size=world_size,
                                 timeout=datetime.timedelta(minutes=timeout_minutes))

@@ -55,8 +55,9 @@ _FILTER = None  # the process's filter, so handlers made later can take it too
 
 
 def launch_rank() -> int:
-    """This process's rank as its launcher numbered it (0 when run alone)."""
-    return int(os.environ.get("RANK", "0"))
+    """This process's rank as its launcher numbered it (0 when run alone; a bare srun's task
+    number, which ``slurm.task_environment`` makes the rank later)."""
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
 
 
 def install(rank: int = None) -> OncePerJob:

@@ -6,10 +6,11 @@ not die with any one worker.
 By default global rank 0 hosts the job's store (``distributed.rendezvous_store``), so losing
 worker 0's first node ends the job's rendezvous with it. With ``--rendezvous-external`` no
 rank hosts it: every rank connects to ``--master-addr/--master-port``, where this process
-serves it (a login node, or a third site both clusters reach). The store carries the door, the
-process groups' set-up and the heartbeats; once training runs, losing it does not stop
-training (the heartbeats reconnect when it is back, and the job stops only when it stays away
-longer than ``--distributed-timeout-minutes``). A restarted store starts empty, which is
+serves it (a login node, or a third site both clusters reach). The store carries the door,
+membership, the cross-worker groups' set-up (each worker's own world meets on a store of the
+worker's) and the heartbeats; once training runs, losing it does not stop training (the
+heartbeats reconnect when it is back, and the job stops only when it stays away longer than
+``--distributed-timeout-minutes``). A restarted store starts empty, which is
 enough for that: what it held was only needed at start-up.
 """
 

@@ -104,14 +104,17 @@ class Run:
 
         import patches
 
-        from . import distributed
+        from . import distributed, slurm
         from .inputs import load_run_tokenizer
         from .metrics import setup_logging
         from .topology import RankLayout, Topology
 
         cfg, p, s = self.cfg, self.cfg.parallel, self.cfg.streaming
-        distributed.join_worker_launch(os.environ, s.diloco_workers, s.diloco_worker_index,
-                                       p.master_addr, p.master_port)
+        launched_by = None if distributed.is_initialized() else \
+            slurm.task_environment(os.environ)  # a bare srun: its tasks as the job's ranks
+        own_host = distributed.join_worker_launch(os.environ, s.diloco_workers,
+                                                  s.diloco_worker_index, p.master_addr,
+                                                  p.master_port)
         world = world_size_from_env()
         validate(cfg, world)
         layout = RankLayout(world, s.diloco_workers, p.tensor_model_parallel_size,
@@ -123,7 +126,8 @@ class Run:
         self.tokenizer = load_run_tokenizer(cfg)
         self.resume = self._resume_source(layout)
         self.patches = patches.apply()
-        door = store = None
+        door = store = world_store = None
+        crossed = 0  # bytes through the job's store to find this worker's own
         from .workers import JobShape, WorkerShape, check, from_records
 
         shape = WorkerShape.of(cfg, layout)
@@ -156,10 +160,13 @@ class Run:
                 layout = RankLayout(sum(sizes), layout.workers, layout.tp, layout.pp,
                                     layout.sp, sizes=sizes, worker=coords["worker"])
                 distributed.renumber(os.environ, layout, coords["worker"], coords["local"])
-        # Each worker is its own world (distributed.init_distributed).
+            world_store, crossed = distributed.worker_world_store(
+                store, layout, int(os.environ["RANK"]),
+                self.rejoin.epoch if self.rejoin else 0, p.distributed_timeout_minutes,
+                own_host)
+        # Each worker is its own world, on its own store (distributed.init_distributed).
         rank, _ = distributed.init_distributed(
-            p.distributed_backend, p.distributed_timeout_minutes, store, layout=layout,
-            incarnation=self.rejoin.epoch if self.rejoin else 0)
+            p.distributed_backend, p.distributed_timeout_minutes, world_store, layout=layout)
         distributed.cpu_threads()
         self.topology = Topology.create(
             layout, rank, timeout=datetime.timedelta(minutes=p.distributed_timeout_minutes),
@@ -169,7 +176,7 @@ class Run:
             cross_members=[] if self.rejoin else None)  # a newcomer's come when admitted
         self.topology.install_into_megatron()
         if door is not None and self.topology.worker != 0:  # worker 0 hosts the store
-            self.topology.cross.count_control(door.bytes)
+            self.topology.cross.count_control(door.bytes + crossed)
         from .lifecycle import Liveness, StopAgreement
 
         self.liveness = Liveness(self.topology, stop=self.stop_request,
@@ -178,6 +185,8 @@ class Run:
         self.stop = StopAgreement(self.topology, self.stop_request, s.diloco_control_lag)
         self.reports = self.topology.is_logging_rank()  # progress lines, the writers
         setup_logging(self.reports)
+        if launched_by:
+            log.info("launch: %s", launched_by)
         for note in cfg.notes:
             log.info("flag %s", note)
         if self.topology.is_logging_rank():  # the same on every rank: said once per job

@@ -58,6 +58,34 @@ class BytesByStep:
         pass
 
 
+# gloo's address of rank 0 in the default group, a key of the store the world met on
+# (torch 2.13: the default group is "0", its gloo device "cpu").
+IN_WORLD_KEY = "0//cpu//0/0"
+
+
+def stores(run) -> dict:
+    """Where this rank's world met (its default group's store, under torch's prefixes) and
+    the job's store: their addresses, the address the worker's first rank published in the
+    job's store, and whether an in-worker key is in each (in the job's, also where the
+    worker's part of it used to hold the worker's world)."""
+    from megatron_streaming.distributed import WORKER_PREFIX, worker_store_key
+
+    world = dist.distributed_c10d._get_default_store()
+    while isinstance(world, dist.PrefixStore):
+        world = world.underlying_store
+    job, worker = run.topology.store, run.topology.worker
+    key = worker_store_key(worker)
+
+    def where(store):
+        return f"{store.host}:{store.port}" if isinstance(store, dist.TCPStore) \
+            else type(store).__name__
+
+    return {"world": where(world), "job": where(job),
+            "published": job.get(key).decode() if job.check([key]) else None,
+            "in_world": world.check([IN_WORLD_KEY]),
+            "in_job": job.check([IN_WORLD_KEY, f"{WORKER_PREFIX}{worker}//{IN_WORLD_KEY}"])}
+
+
 def main():
     out_dir, argv = sys.argv[1], sys.argv[2:]
     hooks = []
@@ -67,6 +95,7 @@ def main():
         return hooks[-1]
 
     with Run(parse_args(argv), [Faults, bytes_by_step]) as run:
+        met = stores(run)
         run.sync.events = []  # what the sync did, step by step (off by default)
         run.train()
         run.stop.close()
@@ -82,6 +111,7 @@ def main():
             sent = {**hooks[0].sent, "end": sent_by(run)}
             torch.save({"local": local, "global": global_, "events": run.sync.events or [],
                         "cross_worker_bytes": sync_bytes, "epochs": epochs, "sent": sent,
+                        "stores": met,
                         # lanes (workers of different layouts): what moved inside the worker
                         "in_worker_bytes": getattr(run.sync, "in_worker_bytes", 0)},
                        os.path.join(out_dir, f"{tag}.pt"))

@@ -6,7 +6,9 @@ batch script the way the README submits it, in both forms:
   slots split 0,1 / 2,3 through the launcher's --include);
 * the multi-cluster form: one job per worker, both against a common --master-addr/--master-port;
 * the time-limit path: USR1 to the batch shell (what --signal=B:USR1@300 sends), SIGTERM to
-  the steps, a checkpoint, the job requeues itself and the rerun resumes from --load.
+  the steps, a checkpoint, the job requeues itself and the rerun resumes from --load;
+* no batch script of ours: a bare ``srun python pretrain_gpt.py`` whose two tasks are the
+  job's two ranks (SLURM's task variables read as a launcher's, ``megatron_streaming.slurm``).
 
 Each checks the job's final state in ``scontrol show job`` (no accounting, so no sacct) and the
 run's --summary-json. Skipped with the reason where the cluster cannot run: not root, no
@@ -17,6 +19,7 @@ import contextlib
 import json
 import math
 import re
+import shlex
 import time
 
 import pytest
@@ -130,3 +133,22 @@ def test_usr1_checkpoints_requeues_and_the_rerun_resumes(cluster, tmp_path):
     resumed = re.search(rf"resumed from {re.escape(str(ckpt))} at iteration (\d+)", text)
     assert resumed and 0 < int(resumed.group(1)) < REQUEUE_ITERS, text[-6000:]
     assert json.loads(summary.read_text())["iteration"] == REQUEUE_ITERS
+
+
+@pytest.mark.timeout(600)
+def test_a_bare_srun_runs_each_task_as_a_rank_of_the_job(cluster, tmp_path):
+    """Two tasks, two one-rank workers: one job of world size 2 (each task trained alone as
+    a world of one before), its rendezvous on the step's first node at the port drawn from
+    the job and step ids."""
+    out, summary = tmp_path / "job.out", tmp_path / "summary.json"
+    flags = [*TINY, "--tensor-model-parallel-size", "1", "--summary-json", str(summary)]
+    command = shlex.join([str(REPO / ".venv" / "bin" / "python"), "pretrain_gpt.py", *flags])
+    job = cluster.sbatch(["--ntasks=2", f"--output={out}", f"--wrap=srun {command}"],
+                         cwd=REPO, env=JOB_ENV)
+    text = finished(cluster, job, out)
+    result = json.loads(summary.read_text())
+    assert (result["iteration"], result["workers"], result["world_size"]) == (TRAIN_ITERS, 2, 2)
+    assert result["cross_worker_bytes"] > 0 and math.isfinite(result["train_loss"])
+    assert f"launch: SLURM step {job}.0: 2 tasks on {cluster.node} as the job's ranks " \
+        "(SLURM_PROCID, SLURM_LOCALID), rendezvous at " in text, text[-6000:]
+    assert text.count("launch: SLURM step") == 1, text[-6000:]  # said once, by rank 0

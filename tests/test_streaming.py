@@ -44,6 +44,7 @@ def dumps(out, worker):
         merged["cross_worker_bytes"] = part["cross_worker_bytes"]
         merged["epochs"] = part.get("epochs", [])
         merged["sent"] = part.get("sent", {})
+        merged["stores"] = part.get("stores")
         merged["in_worker_bytes"] = merged.get("in_worker_bytes", 0) + part.get(
             "in_worker_bytes", 0)
     return merged
@@ -123,6 +124,13 @@ CASES = {
 def test_distributed_matches_single_process_reference(name, tmp_path):
     nproc, extra = CASES[name]
     matches_reference(nproc, [*BASE, *extra], tmp_path)
+    for w in range(2):  # each worker's world met on a store of its own, not on the job's
+        met = dumps(tmp_path, w)["stores"]
+        assert met["world"] != met["job"] and not met["in_job"], (w, met)
+        if nproc == 4:  # two ranks a worker: its first rank's store, found in the job's
+            assert met["in_world"] and met["world"] == met["published"], (w, met)
+        else:  # one: a store of its own in the process, nothing published
+            assert met["world"] == "HashStore" and met["published"] is None, (w, met)
 
 
 def matches_reference(nproc, args, out, whole_tol=1e-6, worst_tol=1e-5, extra_env=None):

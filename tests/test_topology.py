@@ -283,12 +283,11 @@ def _check_topology_on_rank(rank, world, store_path):
     import torch
     import torch.distributed as dist
 
-    from megatron_streaming.distributed import worker_store
-
-    # As a launch makes it: each worker (4 ranks) is its own world, on its part of the store.
+    # As a launch makes it: each worker (4 ranks) is its own world, on its own store; the
+    # job's store is for the cross-worker groups.
     store = dist.FileStore(store_path, world)
-    dist.init_process_group("gloo", store=worker_store(store, rank // 4), rank=rank % 4,
-                            world_size=4)
+    dist.init_process_group("gloo", store=dist.FileStore(f"{store_path}.worker{rank // 4}", 4),
+                            rank=rank % 4, world_size=4)
     try:
         layout = RankLayout(world, workers=2, tp=2, pp=2)
         topo = Topology.create(layout, rank, store=store)
