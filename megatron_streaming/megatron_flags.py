@@ -230,12 +230,6 @@ FLAGS: List[ForeignFlag] = [
     ForeignFlag("--tp-comm-overlap", REFUSED,
                 "needs Transformer Engine's userbuffers; --ladder-residual overlaps the "
                 "tensor-parallel all-reduce instead"),
-    ForeignFlag("--decoupled-lr", REFUSED,
-                "a separate learning rate for the embedding and output layers is not "
-                "supported; every parameter trains at --lr", ONE),
-    ForeignFlag("--decoupled-min-lr", REFUSED,
-                "a separate learning rate for the embedding and output layers is not "
-                "supported; every parameter decays to --min-lr", ONE),
     ForeignFlag("--use-torch-fsdp2", REFUSED,
                 "data parallelism inside a worker is DeepSpeed ZeRO; use --zero-stage"),
     ForeignFlag("--cpu-optimizer", REFUSED,

@@ -26,10 +26,6 @@ BY_NAME = {s["name"]: s for s in SCRIPTS}
 
 # What stays refused on this CPU machine, per script, one line per flag (prefixes).
 REFUSED = {
-    "llama3_8b": [
-        "--decoupled-lr: a separate learning rate",
-        "--decoupled-min-lr: a separate learning rate",
-    ],
     "gpt_1.3b_sequence_parallel_32k": ["--use-flash-attn-triton: flash attention needs a GPU"],
 }
 # Refused at validation on a machine without a GPU / Transformer Engine.
