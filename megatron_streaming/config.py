@@ -288,6 +288,13 @@ class OptimizerConfig:
                          choices=["adam", "sgd"])
     lr: float = arg(1e-3, "Peak learning rate.")
     min_lr: float = arg(0.0, "Learning rate at the end of the decay.")
+    decoupled_lr: Optional[float] = arg(
+        None, "Peak learning rate of the word embedding and output layer weights (not the "
+        "position embedding): a param group of their own, on the warmup and decay of --lr "
+        "(default: --lr).")
+    decoupled_min_lr: Optional[float] = arg(
+        None, "Learning rate of the word embedding and output layer weights at the end of the "
+        "decay (with --decoupled-lr; default: --min-lr).")
     lr_decay_style: str = arg(
         "linear", "Decay after warmup (Megatron's default: linear); WSD: constant, then "
         "--lr-wsd-decay-style over the last --lr-wsd-decay-iters/-samples.",

@@ -30,12 +30,15 @@ from .topology import Topology
 log = logging.getLogger("megatron_streaming")
 
 
-def lr_at(iteration: int, cfg: Config, dp: int = 1) -> float:
+def lr_at(iteration: int, cfg: Config, dp: int = 1, max_lr: Optional[float] = None,
+          min_lr: Optional[float] = None) -> float:
     """The learning rate of step ``iteration`` (0-based), as Megatron's scheduler sets it
-    after the samples of the steps before (``schedules.LrSchedule``)."""
+    after the samples of the steps before (``schedules.LrSchedule``); ``max_lr`` / ``min_lr``:
+    a param group's own (default --lr and --min-lr)."""
     from .schedules import BatchSchedule, LrSchedule
 
-    return LrSchedule(cfg, BatchSchedule(cfg.training, cfg.model.seq_length, dp))(iteration)
+    return LrSchedule(cfg, BatchSchedule(cfg.training, cfg.model.seq_length, dp))(
+        iteration, max_lr, min_lr)
 
 
 def num_microbatches(cfg: Config, dp: int) -> int:
@@ -98,19 +101,44 @@ def inner_optimizer(cfg: Config, groups: List[dict]) -> torch.optim.Optimizer:
                              eps=o.adam_eps, fused=torch.cuda.is_available() or None)
 
 
-def param_groups(model: torch.nn.Module, weight_decay: float) -> List[dict]:
-    """AdamW groups: no decay on biases and norm weights (Megatron's rule).
+def param_groups(model: torch.nn.Module, optimizer_cfg) -> List[dict]:
+    """AdamW groups: no decay on biases and norm weights (Megatron's rule); with
+    --decoupled-lr, a third group of the weights megatron-core marks
+    ``is_embedding_or_output_parameter`` (the word embedding and the output layer, a tied
+    copy on the last stage included; not the position embedding), decayed like any weight.
+    Each group carries the ``max_lr`` / ``min_lr`` its schedule runs between, as Megatron's.
 
-    Every rank has the same two groups whatever its pipeline stage holds: DeepSpeed reduces
+    Every rank has the same groups whatever its pipeline stage holds: DeepSpeed reduces
     each group's gradient norm over the model-parallel group, so the group count must agree
-    across stages. ``sync_index`` lets a step hook tell which group is being stepped.
+    across stages, and ZeRO cannot flatten an empty group. A stage holding neither the
+    embedding nor the output layer (a middle one, PP >= 3) fills the third group with its last
+    decay weight at the regular schedule: AdamW and SGD step each element on its own and the
+    clipping norm covers all groups, so a group is only where a parameter takes its lr from.
+    ``sync_index`` lets a step hook tell which group is being stepped.
     """
-    decay, no_decay = [], []
+    from .schedules import decoupled_bounds
+
+    o = optimizer_cfg
+    bounds = decoupled_bounds(o)
+    decay, no_decay, decoupled = [], [], []
     for name, param in model.named_parameters():
-        if param.requires_grad:
-            (no_decay if param.ndim == 1 or name.endswith(".bias") else decay).append(param)
-    groups = [{"params": decay, "weight_decay": weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
+        if not param.requires_grad:
+            continue
+        if bounds is not None and getattr(param, "is_embedding_or_output_parameter", False):
+            decoupled.append(param)
+        elif param.ndim == 1 or name.endswith(".bias"):
+            no_decay.append(param)
+        else:
+            decay.append(param)
+    regular = {"max_lr": o.lr, "min_lr": o.min_lr}
+    groups = [{"params": decay, "weight_decay": o.weight_decay, **regular},
+              {"params": no_decay, "weight_decay": 0.0, **regular}]
+    if bounds is not None:
+        if decoupled:
+            third = {"max_lr": bounds[0], "min_lr": bounds[1]}
+        else:
+            decoupled, third = [decay.pop()], regular
+        groups.append({"params": decoupled, "weight_decay": o.weight_decay, **third})
     groups = [g for g in groups if g["params"]]
     for index, group in enumerate(groups):
         group["sync_index"] = index
@@ -124,6 +152,7 @@ class StepResult:
     lr: float
     skipped: bool = False  # the optimizer skipped the update (a gradient overflow)
     loss_scale: Optional[float] = None  # --fp16: the loss scale after this step
+    decoupled_lr: Optional[float] = None  # --decoupled-lr: the embedding and output layer's
 
 
 def _loss_func(loss_mask: torch.Tensor, sp_group, output_tensor: torch.Tensor):
@@ -179,7 +208,7 @@ class WorkerEngine:
         from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
         self.cfg, self.topology, self.model = cfg, topology, model
-        from .schedules import BatchSchedule, LrSchedule
+        from .schedules import BatchSchedule, LrSchedule, decoupled_bounds
         from .timers import StepTimers
 
         log_cfg = cfg.logging
@@ -190,10 +219,11 @@ class WorkerEngine:
         # The batch (and so the micro-batch count) and the learning rate of every step.
         self.batches = BatchSchedule(cfg.training, cfg.model.seq_length, topology.layout.dp)
         self.lr_at = LrSchedule(cfg, self.batches)
+        self.decoupled_bounds = decoupled_bounds(cfg.optimizer)
         self.num_microbatches = self.batches.final_micro_batches  # evaluation's
         grads.mark_pipeline_replicas(model, topology)
         self._hooks = grads.register_sequence_parallel_grad_hooks(model, topology.groups["tp"])
-        groups = param_groups(model, cfg.optimizer.weight_decay)
+        groups = param_groups(model, cfg.optimizer)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model,
             optimizer=inner_optimizer(cfg, groups),
@@ -321,8 +351,10 @@ class WorkerEngine:
 
     def train_step(self, data_iterator: Iterator, iteration: int) -> StepResult:
         lr = self.lr_at(iteration)
+        decoupled_lr = self.lr_at(iteration, *self.decoupled_bounds) \
+            if self.decoupled_bounds else None
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = self.lr_at(iteration, group["max_lr"], group["min_lr"])
         self.engine.train()
         with self.timers.phase("forward-backward"):
             outputs = self._run_schedule(data_iterator, False,
@@ -341,7 +373,7 @@ class WorkerEngine:
             norm = norm / scale  # FP16_UnfusedOptimizer reports the norm of scaled gradients
         result = StepResult(self._mean_loss(outputs), float(norm) if norm is not None else None,
                             lr, skipped=self.skipped_iterations > skipped_before,
-                            loss_scale=self.loss_scale())
+                            loss_scale=self.loss_scale(), decoupled_lr=decoupled_lr)
         if result.skipped and self.topology.is_worker_reporter():
             log.warning("iteration %d (worker %d): gradient overflow, the optimizer step was "
                         "skipped%s", iteration + 1, self.topology.worker,

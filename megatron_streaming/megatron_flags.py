@@ -227,12 +227,6 @@ FLAGS: List[ForeignFlag] = [
     ForeignFlag("--tp-comm-overlap", REFUSED,
                 "needs Transformer Engine's userbuffers; --ladder-residual overlaps the "
                 "tensor-parallel all-reduce instead"),
-    ForeignFlag("--decoupled-lr", REFUSED,
-                "a separate learning rate for the embedding and output layers is not "
-                "supported; every parameter trains at --lr", ONE),
-    ForeignFlag("--decoupled-min-lr", REFUSED,
-                "a separate learning rate for the embedding and output layers is not "
-                "supported; every parameter decays to --min-lr", ONE),
     ForeignFlag("--fp8-param-gather", REFUSED,
                 "FP8 parameters cannot go into DeepSpeed ZeRO's flat 16/32-bit parameter and "
                 "master buffers; drop it (--fp8-format keeps FP8 compute with bf16 "

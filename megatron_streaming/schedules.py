@@ -11,7 +11,9 @@ Megatron-LM's schedules under its flag names and meanings:
 * learning rate: the arithmetic of megatron-core's ``OptimizerParamScheduler.get_lr`` (warmup
   from ``--lr-warmup-init``, then constant, linear, cosine, inverse-square-root or WSD) over
   the samples consumed *before* the step, as Megatron steps its scheduler; or over tokens with
-  Megatron-DeepSpeed's ``--lr-warmup-tokens`` / ``--lr-decay-tokens``.
+  Megatron-DeepSpeed's ``--lr-warmup-tokens`` / ``--lr-decay-tokens``. With
+  ``--decoupled-lr`` the embedding and output layer's param group runs the same shape between
+  its own peak and floor (megatron-core's per-group ``max_lr`` / ``min_lr``).
   ``tests/test_schedules.py`` checks it against ``OptimizerParamScheduler`` itself.
 
 Where it sits: ``arguments`` calls ``check_and_resolve`` (flag rules, the iteration count);
@@ -279,11 +281,26 @@ class LrSchedule:
             wsd = o.lr_wsd_decay_iters * gbs * per_unit
         self.per_unit, self.warmup, self.decay, self.wsd_decay = per_unit, warmup, decay, wsd
 
-    def __call__(self, iteration: int) -> float:
+    def __call__(self, iteration: int, max_lr: Optional[float] = None,
+                 min_lr: Optional[float] = None) -> float:
+        """The lr of step ``iteration``; ``max_lr`` / ``min_lr``: a param group's own peak and
+        floor (Megatron's per-group keys), by default --lr and --min-lr. The warmup starts
+        from --lr-warmup-init for every group, as megatron-core's scheduler does."""
         o = self.o
         return megatron_lr(self.batches.consumed(iteration) * self.per_unit, o.lr_warmup_init,
-                           o.lr, o.min_lr, self.warmup, self.decay, o.lr_decay_style,
-                           self.wsd_decay, o.lr_wsd_decay_style)
+                           o.lr if max_lr is None else max_lr,
+                           o.min_lr if min_lr is None else min_lr, self.warmup, self.decay,
+                           o.lr_decay_style, self.wsd_decay, o.lr_wsd_decay_style)
+
+
+def decoupled_bounds(optimizer_cfg) -> Optional[Tuple[float, float]]:
+    """``(max_lr, min_lr)`` of the embedding and output layer's group, None without
+    --decoupled-lr. megatron-core (``get_standard_config_overrides``) overrides only what is
+    given: the floor is --min-lr unless --decoupled-min-lr is."""
+    o = optimizer_cfg
+    if o.decoupled_lr is None:
+        return None
+    return o.decoupled_lr, o.min_lr if o.decoupled_min_lr is None else o.decoupled_min_lr
 
 
 # ---- flag rules ------------------------------------------------------------------------------
@@ -328,6 +345,23 @@ def _check_values(cfg) -> None:
     _require(o.min_lr <= o.lr, f"--min-lr ({o.min_lr}) must not exceed --lr ({o.lr})")
     _require(0 <= o.lr_warmup_init <= o.lr,
              f"--lr-warmup-init ({o.lr_warmup_init}) must be in [0, --lr ({o.lr})]")
+    _check_decoupled(o)
+
+
+def _check_decoupled(o) -> None:
+    """megatron-core ignores --decoupled-min-lr without --decoupled-lr; here that is an error
+    rather than a flag that silently does nothing."""
+    _require(o.decoupled_min_lr is None or o.decoupled_lr is not None,
+             f"--decoupled-min-lr {o.decoupled_min_lr} needs --decoupled-lr (the embedding and "
+             "output layer's peak learning rate)")
+    bounds = decoupled_bounds(o)
+    if bounds is None:
+        return
+    peak, floor = bounds
+    _require(peak >= 0, f"--decoupled-lr must be >= 0, got {peak}")
+    floor_flag = "--min-lr" if o.decoupled_min_lr is None else "--decoupled-min-lr"
+    _require(0 <= floor <= peak, f"{floor_flag} ({floor}) must be in [0, --decoupled-lr "
+             f"({peak})]: the floor of the embedding and output layer's decay")
 
 
 def _check_lr_units(cfg) -> None:

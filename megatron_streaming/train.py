@@ -406,6 +406,9 @@ class Run:
         if self.sync.enabled:
             extra = (f" | sync bytes {scalars['streaming/worker_bytes_sent']:,.0f} | drift "
                      f"{scalars['streaming/drift']:.4f}")
+        if result.decoupled_lr is not None:  # as Megatron-LM logged it
+            extra += f" | decoupled lr {result.decoupled_lr:.3e}"
+            scalars["train/decoupled_lr"] = result.decoupled_lr
         if result.loss_scale is not None:  # --fp16, as Megatron reports it (this worker's)
             skipped = self.engine.skipped_iterations
             extra += f" | loss scale {result.loss_scale:g} | skipped iterations {skipped}"

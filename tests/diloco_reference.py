@@ -112,12 +112,22 @@ def block_iterators(cfgs, tokenizer, world, start_iteration=0):
         for w, s in enumerate(job.workers)]
 
 
+# --decoupled-lr: what Megatron-LM trains at it (its is_embedding_or_output_parameter).
+DECOUPLED = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
 def inner_optimizer(cfg, model):
     o = cfg.optimizer
-    decay = [p for n, p in model.named_parameters() if p.ndim > 1 and not n.endswith(".bias")]
-    rest = [p for n, p in model.named_parameters() if not (p.ndim > 1 and not n.endswith(".bias"))]
+    own = [p for n, p in model.named_parameters() if o.decoupled_lr is not None and n in DECOUPLED]
+    named = [(n, p) for n, p in model.named_parameters() if all(p is not q for q in own)]
+    decay = [p for n, p in named if p.ndim > 1 and not n.endswith(".bias")]
+    rest = [p for n, p in named if not (p.ndim > 1 and not n.endswith(".bias"))]
     groups = [{"params": decay, "weight_decay": o.weight_decay},
               {"params": rest, "weight_decay": 0.0}]
+    if own:
+        floor = o.min_lr if o.decoupled_min_lr is None else o.decoupled_min_lr
+        groups.append({"params": own, "weight_decay": o.weight_decay,
+                       "max_lr": o.decoupled_lr, "min_lr": floor})
     if o.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=o.lr, momentum=o.sgd_momentum)
     return torch.optim.AdamW(groups, lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps)
@@ -125,7 +135,8 @@ def inner_optimizer(cfg, model):
 
 def inner_step(cfg, model, opt, iterators, iteration, micro_batches):
     for group in opt.param_groups:
-        group["lr"] = lr_at(iteration, cfg)
+        group["lr"] = lr_at(iteration, cfg, max_lr=group.get("max_lr"),
+                            min_lr=group.get("min_lr"))
     opt.zero_grad(set_to_none=True)
     count = micro_batches * len(iterators)
     for _ in range(micro_batches):

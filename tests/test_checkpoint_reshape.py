@@ -26,8 +26,9 @@ def _losses(path):
 
 @pytest.mark.timeout(900)
 def test_layout_changes_resume_at_the_uninterrupted_loss(tmp_path):
-    """Saved at TP2 x PP2 (ZeRO-1), loaded at TP1 (one rank), at PP2 with Ulysses SP2, and at
-    ZeRO-0 with DP2; and a 2-worker streaming run with a fragment in flight, saved at TP2 in
+    """Saved at TP2 x PP2 (ZeRO-1), loaded at TP1 (one rank, adding --decoupled-lr: a third
+    param group the checkpoint did not have), at PP2 with Ulysses SP2, and at ZeRO-0 with
+    DP2; and a 2-worker streaming run with a fragment in flight, saved at TP2 in
     each worker and loaded at TP1 x DP2 under ZeRO-2."""
     args = [*TINY, "--train-iters", "4", "--eval-iters", "0", "--zero-stage", "1"]
     ckpt = tmp_path / "ckpt"
@@ -36,7 +37,7 @@ def test_layout_changes_resume_at_the_uninterrupted_loss(tmp_path):
     run(4, [*args, *saved, "--save", str(ckpt), "--save-interval", "3",
             "--log-jsonl", str(tmp_path / "full.jsonl")])
     _latest(ckpt, 3)
-    loads = {"tp1": (1, []),
+    loads = {"tp1": (1, ["--decoupled-lr", "3e-3"]),
              "pp2_sp2": (4, ["--pipeline-model-parallel-size", "2",
                              "--ds-sequence-parallel-size", "2"]),
              "zero0_dp2": (2, ["--zero-stage", "0"])}

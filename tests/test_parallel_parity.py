@@ -12,6 +12,7 @@ import pytest
 from harness import TINY, train_losses
 
 ITERS = ["--train-iters", "4", "--eval-iters", "0"]
+DECOUPLED = ["--decoupled-lr", "3e-3", "--decoupled-min-lr", "3e-4"]
 
 
 @pytest.fixture(scope="module")
@@ -44,13 +45,17 @@ LAYOUTS = {
     "ladder_upper_half_tp2_pp2": (4, ["--tensor-model-parallel-size", "2",
                                       "--pipeline-model-parallel-size", "2",
                                       "--ladder-layers", "last:2"]),
+    # --decoupled-lr: the middle stage holds no embedding yet has the third param group.
+    "pp3_decoupled_lr": (3, ["--pipeline-model-parallel-size", "3", "--num-layers", "3",
+                             *DECOUPLED]),
 }
 # Layouts whose model differs from the shared reference's: compared with their own.
 OWN_REFERENCE = {"pp2_untied_zero1": ["--untie-embeddings-and-output-weights"],
                  "tp2_rope": ["--position-embedding-type", "rope"],
                  "ulysses_sp2_pp2_rope": ["--position-embedding-type", "rope"],
                  "ladder_tp2": ["--ladder-residual"], "ladder_pp2": ["--ladder-residual"],
-                 "ladder_upper_half_tp2_pp2": ["--ladder-layers", "last:2"]}
+                 "ladder_upper_half_tp2_pp2": ["--ladder-layers", "last:2"],
+                 "pp3_decoupled_lr": ["--num-layers", "3", *DECOUPLED]}
 
 
 @pytest.mark.timeout(300)

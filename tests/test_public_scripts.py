@@ -26,11 +26,7 @@ BY_NAME = {s["name"]: s for s in SCRIPTS}
 
 # What stays refused on this CPU machine, per script, one line per flag (prefixes).
 REFUSED = {
-    "llama3_8b": [
-        "--decoupled-lr: a separate learning rate",
-        "--decoupled-min-lr: a separate learning rate",
-        "--fp8-param-gather: FP8 parameters cannot go into DeepSpeed ZeRO",
-    ],
+    "llama3_8b": ["--fp8-param-gather: FP8 parameters cannot go into DeepSpeed ZeRO"],
 }
 # Refused at validation on a machine without a GPU / Transformer Engine.
 REFUSED_ON_CPU = {

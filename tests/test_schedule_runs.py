@@ -1,5 +1,6 @@
 """Schedules in real launches: a batch ramp-up in two streaming workers that resumes exactly
-mid-ramp (logged to TensorBoard-equivalent JSON lines and to a stand-in W&B), and
+mid-ramp, the embedding and output layer at their own lr (logged to TensorBoard-equivalent
+JSON lines and to a stand-in W&B), and
 --exit-duration-in-mins stopping every rank after the same iteration with a checkpoint."""
 
 import json
@@ -13,7 +14,8 @@ from megatron_streaming.engine import lr_at
 # Per worker: batch 2, 2, 4, 6, 8, 8, 8, 8 (ramp 2 -> 8 by 2 over 12 samples): 46 samples.
 RAMP = [*TINY, "--diloco-workers", "2", "--global-batch-size", "8", "--rampup-batch-size", "2",
         "2", "12", "--train-samples", "46", "--lr-decay-style", "cosine",
-        "--lr-warmup-samples", "4", "--eval-iters", "1"]
+        "--lr-warmup-samples", "4", "--eval-iters", "1",
+        "--decoupled-lr", "3e-3", "--decoupled-min-lr", "2e-4"]
 BATCHES = [2, 2, 4, 6, 8, 8, 8, 8]
 
 
@@ -39,6 +41,8 @@ def test_rampup_in_two_workers_resumes_mid_ramp_exactly(tmp_path):
     cfg = parse_args(RAMP)
     validate(cfg, 2)
     assert [r["train/lr"] for r in full] == [lr_at(i, cfg) for i in range(8)]
+    assert [r["train/decoupled_lr"] for r in full] == [
+        lr_at(i, cfg, max_lr=3e-3, min_lr=2e-4) for i in range(8)]
     # The same scalars reached W&B, step by step.
     logged = [c for c in read_jsonl(wandb_calls) if c["call"] == "log"]
     train_logged = [c for c in logged if "train/loss" in c["data"]]
@@ -52,7 +56,8 @@ def test_rampup_in_two_workers_resumes_mid_ramp_exactly(tmp_path):
             "--summary-json", str(tmp_path / "resumed.json")])
     resumed = _train_records(tmp_path / "resumed.jsonl")
     assert [r["iteration"] for r in resumed] == list(range(4, 9))
-    for key in ("train/loss", "train/lr", "train/tokens", "train/global_batch_size"):
+    for key in ("train/loss", "train/lr", "train/decoupled_lr", "train/tokens",
+                "train/global_batch_size"):
         assert [r[key] for r in resumed] == [r[key] for r in full[3:]], key
     assert json.loads((tmp_path / "resumed.json").read_text())["tokens"] == summary["tokens"]
 

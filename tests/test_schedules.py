@@ -44,17 +44,20 @@ class _Constant:
         return self.batch
 
 
-def megatron_lrs(iterations, calculator, **scheduler):
+def megatron_lrs(iterations, calculator, groups=None, **scheduler):
     """Megatron's loop: update the batch from the samples consumed, run the step with the lr
-    the scheduler holds, then step the scheduler by the step's samples."""
-    group = {}
-    sched = OptimizerParamScheduler(SimpleNamespace(param_groups=[group]), start_wd=0.0,
-                                    end_wd=0.0, wd_incr_steps=1, wd_incr_style="constant",
-                                    **scheduler)
+    the scheduler holds, then step the scheduler by the step's samples. ``groups``: Megatron's
+    param groups (their own ``max_lr`` / ``min_lr``); returns each one's lr per step, or
+    without them the scheduler's own."""
+    given = groups is not None
+    groups = groups if given else [{}]
+    sched = OptimizerParamScheduler(SimpleNamespace(param_groups=groups), **{
+        "start_wd": 0.0, "end_wd": 0.0, "wd_incr_steps": 1, "wd_incr_style": "constant",
+        **scheduler})
     consumed, lrs = 0, []
     for _ in range(iterations):
         calculator.update(consumed, consistency_check=True)
-        lrs.append(group["lr"])
+        lrs.append([g["lr"] for g in groups] if given else groups[0]["lr"])
         batch = calculator.get_current_global_batch_size()
         sched.step(batch)
         consumed += batch
@@ -123,6 +126,104 @@ def test_lr_equals_megatron_optimizer_param_scheduler(flags, lengths):
                             **{"init_lr": 0.0, **lengths})
     lr = LrSchedule(cfg, BatchSchedule(t, 32, 1))
     assert [lr(i) for i in range(t.train_iters)] == expected
+
+
+DECOUPLED = [(["--decoupled-lr", "3e-3", "--decoupled-min-lr", "2e-4"], 3e-3, 2e-4),
+             (["--decoupled-lr", "3e-3"], 3e-3, 1e-5)]  # the floor defaults to --min-lr
+
+
+@pytest.mark.parametrize("decoupled, peak, floor", DECOUPLED, ids=["own_floor", "min_lr"])
+@pytest.mark.parametrize("flags, lengths", [CASES[2], CASES[4], CASES[6], CASES[9]],
+                         ids=["cosine", "warmup_init", "wsd", "samples"])
+@pytest.mark.parametrize("untie", [False, True], ids=["tied", "untied"])
+def test_decoupled_lr_equals_megatron_param_groups_and_scheduler(
+        megatron_world, untie, flags, lengths, decoupled, peak, floor):
+    """megatron-core's own param groups for the built model (``_get_param_groups`` with
+    --decoupled-lr / --decoupled-min-lr) stepped by its OptimizerParamScheduler: every
+    parameter has our group's weight decay and, at every step, our group's lr, exactly."""
+    from megatron.core.optimizer import OptimizerConfig, _get_param_groups
+
+    from megatron_streaming import distributed
+    from megatron_streaming.engine import param_groups
+    from megatron_streaming.model import build_model
+
+    cfg = _cfg([*LR, *flags, *decoupled, "--num-layers", "2", "--hidden-size", "32",
+                "--num-attention-heads", "4", "--position-embedding-type", "learned_absolute",
+                *(["--untie-embeddings-and-output-weights"] if untie else [])])
+    t, o = cfg.training, cfg.optimizer
+    distributed.seed_everything(1, 0)
+    model = build_model(cfg.model, cfg.parallel, megatron_world, 500, None, cfg.precision)
+    theirs = _get_param_groups([model], OptimizerConfig(
+        lr=o.lr, min_lr=o.min_lr, decoupled_lr=o.decoupled_lr,
+        decoupled_min_lr=o.decoupled_min_lr, weight_decay=o.weight_decay), None)
+    ours = param_groups(model, o)
+    assert [(g["max_lr"], g["min_lr"]) for g in ours] == [(1e-3, 1e-5)] * 2 + [(peak, floor)]
+    lengths = dict(lengths)
+    expected = megatron_lrs(t.train_iters, _Constant(8), theirs, max_lr=1e-3, min_lr=1e-5,
+                            lr_decay_style=o.lr_decay_style, start_wd=o.weight_decay,
+                            end_wd=o.weight_decay, **{"init_lr": 0.0, **lengths})
+    lr = LrSchedule(cfg, BatchSchedule(t, 32, 1))
+    got = [[lr(i, g["max_lr"], g["min_lr"]) for g in ours] for i in range(t.train_iters)]
+    group_of = {id(p): i for i, g in enumerate(ours) for p in g["params"]}
+    names = {id(p): n for n, p in model.named_parameters()}
+    decoupled_names = set()
+    for j, group in enumerate(theirs):
+        for p in group["params"]:
+            i = group_of.pop(id(p))
+            assert group["weight_decay"] == ours[i]["weight_decay"], names[id(p)]
+            assert [step[j] for step in expected] == [step[i] for step in got], names[id(p)]
+            if group["max_lr"] == peak:
+                decoupled_names.add(names[id(p)])
+    assert not group_of  # the same parameters
+    # Megatron's choice: the word embedding and the output layer, not position embeddings.
+    assert decoupled_names == {"embedding.word_embeddings.weight",
+                               *(["output_layer.weight"] if untie else [])}
+    assert any(s[-1] != s[0] for s in got)  # the decoupled lr is not the regular one
+
+
+class _Stage:
+    """The world-1 topology posing as one pipeline stage (first, middle or last)."""
+
+    def __init__(self, topology, first, last):
+        self._t, self.is_first_stage, self.is_last_stage = topology, first, last
+
+    def __getattr__(self, name):
+        return getattr(self._t, name)
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_every_stage_has_three_nonempty_groups_with_decoupled_lr(megatron_world, tied):
+    """DeepSpeed needs the same group count on every stage and no empty group: a middle
+    stage (PP >= 3) fills the decoupled group with one weight at the regular lr."""
+    from megatron_streaming import distributed
+    from megatron_streaming.engine import param_groups
+    from megatron_streaming.model import build_model
+
+    cfg = _cfg([*LR, "--decoupled-lr", "3e-3", "--decoupled-min-lr", "2e-4", "--num-layers",
+                "2", "--hidden-size", "32", "--num-attention-heads", "4",
+                *([] if tied else ["--untie-embeddings-and-output-weights"])])
+    regular, decoupled = (1e-3, 1e-5), (3e-3, 2e-4)
+    # megatron-core builds a single stage holding a tied embedding only with both ends.
+    stages = {"first": (True, False, decoupled, ["embedding.word_embeddings.weight"]),
+              "middle": (False, False, regular, ["decoder.layers.1.mlp.linear_fc2.weight"]),
+              "last": (False, True, decoupled, ["output_layer.weight"])}
+    for name, (first, last, bounds, third) in stages.items():
+        if tied and not first and not last:
+            continue
+        distributed.seed_everything(1, 0)
+        model = build_model(cfg.model, cfg.parallel, _Stage(megatron_world, first, last), 500,
+                            None, cfg.precision)
+        groups = param_groups(model, cfg.optimizer)
+        names = {id(p): n for n, p in model.named_parameters()}
+        assert [len(g["params"]) > 0 for g in groups] == [True] * 3, name
+        assert [(g["max_lr"], g["min_lr"]) for g in groups] == [regular] * 2 + [bounds], name
+        assert [names[id(p)] for p in groups[2]["params"]] == third, name
+        assert groups[2]["weight_decay"] == cfg.optimizer.weight_decay
+        assert sorted(names[id(p)] for g in groups for p in g["params"]) == sorted(
+            n for n, p in model.named_parameters() if p.requires_grad), name
+    groups = param_groups(model, _cfg(LR).optimizer)  # without --decoupled-lr: two groups
+    assert [(g["max_lr"], g["min_lr"], g["sync_index"]) for g in groups] == [
+        (1e-3, 1e-5, 0), (1e-3, 1e-5, 1)]
 
 
 def test_lr_at_keeps_its_signature_and_megatron_warmup():
@@ -256,6 +357,14 @@ def test_consumed_samples_are_a_function_of_the_iteration():
     (["--train-samples", "3", "--global-batch-size", "4"], 1,
      "--train-samples 3 is less than one global batch (4)"),
     (["--lr", "0.1", "--min-lr", "1"], 1, "--min-lr (1.0) must not exceed --lr (0.1)"),
+    (["--decoupled-min-lr", "1e-4"], 1, "--decoupled-min-lr 0.0001 needs --decoupled-lr (the "
+     "embedding and output layer's peak learning rate)"),
+    (["--decoupled-lr", "-1"], 1, "--decoupled-lr must be >= 0, got -1.0"),
+    (["--decoupled-lr", "1e-3", "--decoupled-min-lr", "1e-2"], 1, "--decoupled-min-lr (0.01) "
+     "must be in [0, --decoupled-lr (0.001)]: the floor of the embedding and output layer's "
+     "decay"),
+    (["--min-lr", "1e-4", "--decoupled-lr", "5e-5"], 1, "--min-lr (0.0001) must be in [0, "
+     "--decoupled-lr (5e-05)]: the floor of the embedding and output layer's decay"),
     (["--exit-duration-in-mins", "0"], 1, "--exit-duration-in-mins must be > 0, got 0.0"),
     (["--wandb-project", "p"], 1, "--wandb-project p needs --wandb-exp-name (the run's name, "
      "as in Megatron-LM)"),

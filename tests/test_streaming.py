@@ -84,6 +84,9 @@ def relative(a: dict, b: dict):
     return worst, (num / den) ** 0.5
 
 
+# Megatron-LM's Llama 3 flags: the word embedding and output layer at their own lr.
+DECOUPLED = ["--decoupled-lr", "3e-3", "--decoupled-min-lr", "3e-4"]
+
 CASES = {
     # P=1, tau=0, alpha=0: plain DiLoCo.
     "diloco_p1_tau0": (2, ["--num-layers", "2", "--diloco-inner-steps", "4",
@@ -94,10 +97,10 @@ CASES = {
     "pp2_p2_tau2_sequential": (4, [
         "--num-layers", "4", "--pipeline-model-parallel-size", "2", "--diloco-inner-steps", "6",
         "--diloco-fragments", "2", "--diloco-overlap-steps", "2",
-        "--diloco-fragment-pattern", "sequential"]),
+        "--diloco-fragment-pattern", "sequential", *DECOUPLED]),
     "zero2_dp2_p3_tau1": (4, [
         "--num-layers", "3", "--zero-stage", "2", "--diloco-inner-steps", "6",
-        "--diloco-fragments", "3", "--diloco-overlap-steps", "1"]),
+        "--diloco-fragments", "3", "--diloco-overlap-steps", "1", *DECOUPLED]),
     # DeepSpeed-Ulysses inside each worker (ZeRO partitions over sequence x data ranks).
     "ulysses_sp2_p3_tau1": (4, [
         "--num-layers", "3", "--ds-sequence-parallel-size", "2", "--diloco-inner-steps", "6",
@@ -108,7 +111,7 @@ CASES = {
         "--diloco-fragments", "2", "--diloco-overlap-steps", "1", "--swiglu",
         "--group-query-attention", "--num-query-groups", "2", "--position-embedding-type",
         "rope", "--rotary-base", "500000", "--normalization", "RMSNorm",
-        "--untie-embeddings-and-output-weights", "--apply-layernorm-1p"]),
+        "--untie-embeddings-and-output-weights", "--apply-layernorm-1p", *DECOUPLED]),
     # Eager outer updates: each worker its own global copy (they differ under momentum).
     "eager_zero2_dp2_p2": (4, [
         "--num-layers", "2", "--zero-stage", "2", "--diloco-inner-steps", "4",

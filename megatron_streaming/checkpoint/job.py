@@ -468,7 +468,7 @@ class JobState:
         for i, space in enumerate(self.spaces):
             tensors = self._state_tensors(i)
             vectors = {k: space.scatter(per_kind[f"optim.{k}"]) for k in plan.optimizer_keys}
-            step = plan.optimizer_steps[i] if i < len(plan.optimizer_steps) else None
+            step = _group_step(plan.optimizer_steps, i)
             offset = 0
             for t in tensors:
                 state = {k: v[offset:offset + t.numel()].view_as(t).to(t.device).clone()
@@ -539,6 +539,15 @@ class JobState:
             get_cuda_rng_tracker().set_states(tracker)
         if "cuda" in tensors and torch.cuda.is_available():
             torch.cuda.set_rng_state(tensors["cuda"].to(torch.uint8))
+
+
+def _group_step(steps: List[Optional[float]], i: int) -> Optional[float]:
+    """Adam's step count of param group ``i`` as saved. Every group steps at every step, so
+    a group the checkpoint lacks (--decoupled-lr added on resume: a third group) takes the
+    count of the others."""
+    if i < len(steps):
+        return steps[i]
+    return next((s for s in steps if s is not None), None)
 
 
 def step_tensor(step: float, param: torch.Tensor, group: dict) -> torch.Tensor:
