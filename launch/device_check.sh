@@ -11,6 +11,9 @@
 # SLOWDOWN (default 3.2) the cost of a step of the concurrent runs in quiet timeline steps.
 # STAGES="plan": the planner's memory and step time against the GPU (benchmarks/plan_device.py,
 # four launches of 1.28B and 0.85B models, about 5 minutes), its JSON and log into $OUT.
+# STAGES="environment": what docs/gpu_clusters.md says is untested on a GPU: the fused attention
+# against the unfused one (bf16, 2k-8k), the sync's device memory around a send, each rank's
+# GPUs while two workers train (nvidia-smi), then the `-m cuda` tests; about 6 minutes.
 # REHEARSE=1: the same sequence on a CPU machine (tiny model, codec on the CPU), to try it out.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -87,6 +90,19 @@ if has quality; then
   wait $tests
   echo "== cuda tests"; grep -E "^(FAILED|ERROR)|passed|failed|^E  " "$OUT/cuda_tests.log" | head -40
   echo "== quality"; tail -12 "$W/quality.out"
+fi
+if has environment; then
+  echo "== the GPU environment: attention, the sync's memory, each rank's GPU ($(left) s left)"
+  timeout 150 python3 benchmarks/attention.py --device $device --out "$OUT/attention.json" \
+    > "$OUT/attention.log" 2>&1; tail -12 "$OUT/attention.log"
+  for what in sync-memory devices; do
+    timeout 120 python3 benchmarks/gpu_environment.py $what --out "$OUT" \
+      $([[ $device == cpu ]] && echo --rehearse) > "$OUT/$what.log" 2>&1
+    tail -14 "$OUT/$what.log"
+  done
+  timeout $(( $(left) - 10 )) python3 -m pytest -m cuda tests/test_cuda.py $xdist -q \
+    --junitxml="$OUT/cuda_tests.xml" > "$OUT/cuda_tests.log" 2>&1
+  grep -E "^(FAILED|ERROR)|passed|failed|^E  " "$OUT/cuda_tests.log" | head -40
 fi
 if has plan; then
   echo "== the planner against the GPU ($(left) s left)"
