@@ -414,6 +414,15 @@ def _validate_zero(cfg: Config, pp: int) -> None:
     _require(not (stage == 2 and pp > 1),
              f"--zero-stage 2 cannot be combined with --pipeline-model-parallel-size {pp}; "
              "use --zero-stage 1 with pipeline parallelism")
+    if cfg.parallel.overlap_grad_reduce and stage < 2:
+        # The schedule owns the micro-batch loop, so DeepSpeed reduces below stage 2 once, in
+        # engine.step() after the last backward (and refuses overlap_comm there).
+        cfg.parallel.overlap_grad_reduce = False
+        cfg.adjustments.append(
+            f"--overlap-grad-reduce at --zero-stage {stage} (--use-distributed-optimizer is "
+            "stage 1): the gradients are reduced once, in the optimizer step after the last "
+            "backward, so there is nothing to overlap; running without DeepSpeed's "
+            "overlap_comm (--zero-stage 2 reduces during each backward and overlaps)")
 
 
 def _validate_precision(cfg: Config) -> None:

@@ -136,7 +136,8 @@ class ParallelConfig:
     distributed_timeout_minutes: float = arg(10.0, "Timeout of in-worker collectives.")
     overlap_grad_reduce: bool = arg(
         False, "Overlap the data-parallel gradient reduction with the backward (DeepSpeed's "
-        "overlap_comm).")
+        "overlap_comm) at --zero-stage 2; at stages 0 and 1 (--use-distributed-optimizer) "
+        "the reduction runs once, in the optimizer step: noted at start, no overlap.")
     master_addr: Optional[str] = arg(
         None, "Rendezvous host of the whole job (global rank 0's node) when each worker is "
         "launched on its own (--diloco-worker-index); default: the launcher's MASTER_ADDR.")

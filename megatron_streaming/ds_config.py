@@ -55,7 +55,9 @@ MAPPED: Dict[str, Mapped] = {
     "gradient_clipping": Mapped("--clip-grad", "clip_grad"),
     "zero_optimization.stage": Mapped("--zero-stage", "zero_stage", _zero_stage,
                                       ("--use-distributed-optimizer",)),
-    "zero_optimization.overlap_comm": Mapped("--overlap-grad-reduce", "overlap_grad_reduce"),
+    # Below ZeRO-2 validation turns the flag off (nothing to overlap): DeepSpeed gets ours.
+    "zero_optimization.overlap_comm": Mapped("--overlap-grad-reduce", "overlap_grad_reduce",
+                                             passed_to_deepspeed=False),
     "bf16.enabled": Mapped("--bf16", "bf16"),
     "bfloat16.enabled": Mapped("--bf16", "bf16"),  # DeepSpeed's older name
     "fp16.enabled": Mapped("--fp16", "fp16"),

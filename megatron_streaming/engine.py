@@ -1,9 +1,10 @@
 """One worker's training step: Megatron-core's pipeline schedule inside DeepSpeed ZeRO.
 
 Data flow of a step: micro-batches -> Megatron's forward/backward schedule (TP/PP/SP inside
-the worker, plain autograd backward) -> model-parallel gradient fix-ups (``grads``) ->
-DeepSpeed ``engine.step()``: ZeRO reduces gradients over the worker's data-parallel group,
-clips, runs AdamW on each rank's fp32 partition and gathers the weights back.
+the worker, plain autograd backward) -> model-parallel gradient fix-ups (``grads``; under
+ZeRO-2 the sequence-parallel one runs inside the step) -> DeepSpeed ``engine.step()``: ZeRO
+reduces gradients over the worker's data-parallel group, clips, runs AdamW on each rank's
+fp32 partition and gathers the weights back.
 
 DeepSpeed runs with ``managed_gradient_accumulation: false``: the schedule owns the
 micro-batch loop and ``engine.step()`` is the accumulation boundary. The inner optimizer is
@@ -222,7 +223,6 @@ class WorkerEngine:
         self.decoupled_bounds = decoupled_bounds(cfg.optimizer)
         self.num_microbatches = self.batches.final_micro_batches  # evaluation's
         grads.mark_pipeline_replicas(model, topology)
-        self._hooks = grads.register_sequence_parallel_grad_hooks(model, topology.groups["tp"])
         groups = param_groups(model, cfg.optimizer)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model,
@@ -252,6 +252,8 @@ class WorkerEngine:
         self.p2p = P2PCommunicator(pp_group=topology.groups["pp"], config=model.config)
         self.forward_backward = get_forward_backward_func(pp_size=topology.layout.pp,
                                                           vp_size=None)
+        self.sequence_parallel_grads = grads.SequenceParallelGrads(model, self.optimizer,
+                                                                   topology.groups["tp"])
         self.step_hooks: list = []  # objects with before_step(step) and after_step()
 
     @property
@@ -302,18 +304,9 @@ class WorkerEngine:
                     for group in deepspeed_zero.master_pairs(self.optimizer)]
         if not self.zero:
             return [[(p, p, 0) for p in g["params"]] for g in self.inner_optimizer.param_groups]
-        out = []
-        for params, flat, partition, start, size, _ in deepspeed_zero.zero_groups(
-                self.optimizer):
-            views = []
-            for p in params:
-                # Offsets from storage addresses: ZeRO made each parameter a view of ``flat``.
-                offset = (p.data_ptr() - flat.data_ptr()) // p.element_size()
-                lo, hi = max(offset, start), min(offset + p.numel(), start + size)
-                if lo < hi:
-                    views.append((p, partition.narrow(0, lo - start, hi - lo), lo - offset))
-            out.append(views)
-        return out
+        return [[(s.param, zero.partition.narrow(0, s.at, s.size), s.first) for s in slices]
+                for zero, slices in zip(deepspeed_zero.zero_groups(self.optimizer),
+                                        deepspeed_zero.partition_layout(self.optimizer))]
 
     def push_to_model(self) -> None:
         """After editing fp32 partitions outside a step: copy them into the model weights."""
@@ -359,6 +352,7 @@ class WorkerEngine:
         with self.timers.phase("forward-backward"):
             outputs = self._run_schedule(data_iterator, False,
                                          self.batches.micro_batches(iteration))
+            self.sequence_parallel_grads.after_schedule()
             grads.allreduce_tied_embedding_grads(self.model, self.topology)
         with self.timers.phase("optimizer"):
             for hook in self.step_hooks:

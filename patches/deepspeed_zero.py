@@ -6,6 +6,13 @@ checkpoint read or write, in one place (DeepSpeed 0.19.8; not a patch, nothing i
   (``single_partition_of_fp32_groups``), the partition size and the data-parallel group it
   partitions over (``partition_size``, ``real_dp_process_group``); ``update_lp_params`` copies
   the partitions into the 16-bit weights and all-gathers them.
+* ZeRO's gradients before its step: at stage 1 in ``param.grad`` (``param.grad_accum`` when
+  it accumulates in a dtype of its own, ``use_grad_accum_attribute``); at stage 2
+  (``partition_gradients``) reduced at every backward, and this rank's partition of them
+  finalized by ``finalize_gradient_accumulation_boundary`` (called by ``engine.step()`` with
+  ``managed_gradient_accumulation: false``) into ``averaged_gradients``: per param group one
+  tensor per parameter of ``params_in_partition`` plus padding (``_zero_padding``), which
+  the step's overflow check, norm, clipping and update then read.
 * ``FP16_UnfusedOptimizer`` (``--bf16`` / ``--fp16`` at ``--zero-stage 0``): 16-bit and fp32
   master lists per group (``fp16_groups``, ``fp32_groups``), ``refresh_fp32_params``.
 * The dynamic loss scaler's state (``loss_scaler.cur_scale`` ...).
@@ -15,7 +22,7 @@ on another release these names may have moved, and reading the wrong field would
 checkpoint silently rather than fail.
 """
 
-from typing import Dict, List, NamedTuple
+from typing import Callable, Dict, List, NamedTuple
 
 import torch.distributed as dist
 
@@ -65,6 +72,82 @@ def zero_groups(optimizer) -> List[ZeroGroup]:
         out.append(ZeroGroup(params, optimizer.bit16_groups_flat[i],
                              optimizer.single_partition_of_fp32_groups[i],
                              dist.get_rank(group) * size, size, group))
+    return out
+
+
+class Slice(NamedTuple):
+    """A parameter's elements in this rank's ZeRO partition."""
+
+    param: object
+    first: int   # its first element there (flat, row-major)
+    size: int    # how many
+    at: int      # where they start in the partition
+
+
+def partition_layout(optimizer) -> List[List[Slice]]:
+    """ZeRO-1/2: per param group, the parameters with elements in this rank's partition, in
+    partition order."""
+    out = []
+    for params, flat, _, start, size, _ in zero_groups(optimizer):
+        group = []
+        for p in params:
+            # Offsets from storage addresses: ZeRO made each parameter a view of ``flat``.
+            offset = (p.data_ptr() - flat.data_ptr()) // p.element_size()
+            lo, hi = max(offset, start), min(offset + p.numel(), start + size)
+            if lo < hi:
+                group.append(Slice(p, lo - offset, hi - lo, lo - start))
+        out.append(sorted(group, key=lambda s: s.at))
+    return out
+
+
+def reduces_per_backward(optimizer) -> bool:
+    """ZeRO-2: gradients are reduced over the data-parallel group, and taken away from the
+    parameters, at every backward."""
+    _check()
+    return is_zero(optimizer) and bool(optimizer.partition_gradients)
+
+
+def accumulated_grad(optimizer, param):
+    """Without ZeRO or at ZeRO-1: the gradient the step will reduce (None if there is none)."""
+    _check()
+    if getattr(optimizer, "use_grad_accum_attribute", False):
+        return param.grad_accum
+    return param.grad
+
+
+def after_gradient_partition(optimizer, callback: Callable) -> None:
+    """ZeRO-2 with the step as the accumulation boundary: ``callback(slices)`` runs inside
+    ``engine.step()`` right after DeepSpeed has finalized this rank's reduced gradient
+    partition, before its overflow check, norm and clipping read it. ``slices``: per param
+    group, ``(parameter, its gradient's elements in the partition)`` as ``partition_layout``
+    orders them; tensors the step reads, so an in-place change is the step's gradient."""
+    _check()
+    if "finalize_gradient_accumulation_boundary" in vars(optimizer):
+        raise RuntimeError("after_gradient_partition: this ZeRO optimizer has a callback "
+                           "already (a second one would sum the gradients twice)")
+    layout = partition_layout(optimizer)
+    finalize = optimizer.finalize_gradient_accumulation_boundary
+
+    def finalize_then_callback():
+        finalize()
+        callback(_gradient_slices(optimizer, layout))
+
+    optimizer.finalize_gradient_accumulation_boundary = finalize_then_callback
+
+
+def _gradient_slices(optimizer, layout: List[List[Slice]]) -> List[list]:
+    out = []
+    for i, expected in enumerate(layout):
+        params = optimizer.params_in_partition[i]
+        grads = [g for g in optimizer.averaged_gradients[i]
+                 if not getattr(g, "_zero_padding", False)][:len(params)]
+        # The unpadded partition's trailing zeros are unmarked; the slice above drops them.
+        if [id(p) for p in params] != [id(s.param) for s in expected] or \
+                [g.numel() for g in grads] != [s.size for s in expected]:
+            raise RuntimeError(f"ZeRO's finalized gradient partition of param group {i} does "
+                               "not match its parameter layout (DeepSpeed "
+                               f"{VERSION}'s averaged_gradients changed?)")
+        out.append(list(zip(params, grads)))
     return out
 
 

@@ -134,10 +134,11 @@ def read_jsonl(path) -> list:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def train_losses(nproc: int, args, tmp_path, name: str = "run") -> list:
-    """Per-iteration training losses of a run (logged every iteration)."""
+def train_losses(nproc: int, args, tmp_path, name: str = "run", **run_kwargs) -> list:
+    """Per-iteration training losses of a run (logged every iteration); ``run_kwargs`` go to
+    ``run`` (``script``, ``extra_env``)."""
     log = tmp_path / f"{name}.jsonl"
-    run(nproc, [*args, "--log-jsonl", str(log)])
+    run(nproc, [*args, "--log-jsonl", str(log)], **run_kwargs)
     return [r["train/loss"] for r in read_jsonl(log) if "train/loss" in r]
 
 

@@ -90,6 +90,30 @@ def test_lenient_where_megatron_is():
     assert len(cfg.adjustments) == 2
 
 
+def test_overlap_grad_reduce_below_zero_2_runs_as_without_it_with_a_note():
+    """Megatron-LM's Llama-3 script passes --use-distributed-optimizer --overlap-grad-reduce:
+    at ZeRO-1 DeepSpeed reduces once, in its step, and refuses overlap_comm; the run gets the
+    very DeepSpeed config it would get without the flag, and says so in one line."""
+    from megatron_streaming.engine import deepspeed_config
+
+    def validated(*argv):
+        cfg = parse_args([*MOCK, *argv])
+        validate(cfg, 2)
+        return cfg
+
+    for flags in (["--use-distributed-optimizer"], ["--zero-stage", "0"]):
+        cfg = validated(*flags, "--overlap-grad-reduce")
+        assert not cfg.parallel.overlap_grad_reduce
+        assert deepspeed_config(cfg) == deepspeed_config(validated(*flags))
+        (note,) = cfg.adjustments
+        assert note.startswith(f"--overlap-grad-reduce at --zero-stage "
+                               f"{cfg.parallel.zero_stage} (--use-distributed-optimizer is "
+                               "stage 1): the gradients are reduced once, in the optimizer step")
+    cfg = validated("--zero-stage", "2", "--overlap-grad-reduce")
+    assert deepspeed_config(cfg)["zero_optimization"]["overlap_comm"] is True
+    assert not cfg.adjustments
+
+
 def test_gpu_only_features_are_refused_on_cpu_one_line_each():
     """FP8 needs Transformer Engine on a GPU; every attention backend runs anywhere (flash and
     fused: torch's fused attention on the local layers)."""

@@ -5,7 +5,13 @@ data order depends only on the global batch, so TP, PP, Megatron sequence parall
 ZeRO data parallelism must reproduce the single-process losses up to float reordering.
 Gradient clipping is active (``--clip-grad 0.5`` with norms around 1), so a gradient norm
 that double-counts or misses a shard changes the losses too.
+
+Megatron sequence-parallel layouts run through ``tests/tp_reductions_driver.py``, which also
+counts the gradient fix-ups' all-reduces on the tensor-parallel group: one per step, however
+many micro-batches and parameters.
 """
+
+import json
 
 import pytest
 
@@ -24,9 +30,15 @@ LAYOUTS = {
     "tp2": (2, ["--tensor-model-parallel-size", "2"]),
     "pp2": (2, ["--pipeline-model-parallel-size", "2"]),
     "tp2_pp2": (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
+    # 2 micro-batches per step at ZeRO-1; at ZeRO-2 over DP=2, whose partitions cut a
+    # sequence-parallel parameter in two.
     "tp2_sequence_parallel": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
-    "zero1_dp2": (2, ["--zero-stage", "1"]),
-    "zero2_dp2": (2, ["--zero-stage", "2"]),
+    "tp2_sequence_parallel_zero2_dp2": (4, ["--tensor-model-parallel-size", "2",
+                                            "--sequence-parallel", "--zero-stage", "2",
+                                            "--micro-batch-size", "1", "--num-layers", "3"]),
+    # Megatron-LM's Llama-3 flags (ZeRO-1: no overlap, noted), and overlap_comm at ZeRO-2.
+    "zero1_dp2": (2, ["--use-distributed-optimizer", "--overlap-grad-reduce"]),
+    "zero2_dp2": (2, ["--zero-stage", "2", "--overlap-grad-reduce"]),
     "zero0_dp2": (2, ["--zero-stage", "0"]),
     "pp2_untied_zero1": (2, ["--pipeline-model-parallel-size", "2",
                              "--untie-embeddings-and-output-weights"]),
@@ -51,6 +63,8 @@ LAYOUTS = {
 }
 # Layouts whose model differs from the shared reference's: compared with their own.
 OWN_REFERENCE = {"pp2_untied_zero1": ["--untie-embeddings-and-output-weights"],
+                 # An odd layer count, so that the partitions cut a parameter in two.
+                 "tp2_sequence_parallel_zero2_dp2": ["--num-layers", "3"],
                  "tp2_rope": ["--position-embedding-type", "rope"],
                  "ulysses_sp2_pp2_rope": ["--position-embedding-type", "rope"],
                  "ladder_tp2": ["--ladder-residual"], "ladder_pp2": ["--ladder-residual"],
@@ -67,7 +81,18 @@ def test_layout_matches_single_process(name, reference, tmp_path):
         ref = train_losses(1, [*TINY, *ITERS, *OWN_REFERENCE[name]], tmp_path, "own_ref")
     else:
         ref = reference
-    losses = train_losses(nproc, args, tmp_path)
+    if "--sequence-parallel" not in extra:
+        losses = train_losses(nproc, args, tmp_path)
+    else:
+        losses = train_losses(nproc, args, tmp_path, script="tests/tp_reductions_driver.py",
+                              extra_env={"TP_REDUCTIONS_DIR": str(tmp_path)})
+        ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(nproc)]
+        # One coalesced all-reduce per step, not one per parameter (6 a layer, 2 in the
+        # final norm) per micro-batch (2 here).
+        assert all(r["per_step"] == [1, 1, 1, 1] for r in ranks), ranks
+        assert ranks[0]["sequence_parallel_params"] >= 20
+        if "--zero-stage" in extra:  # ZeRO-2: summed in its step, on each rank's partition
+            assert any(r["cut"] for r in ranks), ranks
     assert len(losses) == len(ref) == 4
     assert losses == pytest.approx(ref, rel=1e-5, abs=0)
     # The model learns: a parity test on a frozen model would prove nothing.

@@ -440,6 +440,25 @@ def test_megatron_deepspeed_gpt_json_with_its_script_flags(tmp_path):
     assert ds["fp16"]["initial_scale_power"] == 11 and ds["steps_per_print"] == 10
 
 
+def test_deepspeed_json_overlap_comm_at_stage_1_runs_without_it(tmp_path):
+    """``"overlap_comm": true`` at stage 1 (DeepSpeed refuses it with the schedule owning the
+    micro-batches) sets --overlap-grad-reduce, which runs as stage 1 can: without overlap,
+    noted; at stage 2 it is passed on."""
+    from megatron_streaming.engine import deepspeed_config
+
+    for stage, overlap in ((1, False), (2, True)):
+        path = _json(tmp_path, {"zero_optimization": {"stage": stage, "overlap_comm": True}},
+                     f"stage{stage}.json")
+        cfg = _cfg(["--deepspeed_config", path], world=2)
+        assert '--deepspeed_config: "zero_optimization.overlap_comm": true sets ' \
+            "--overlap-grad-reduce" in cfg.notes
+        assert deepspeed_config(cfg)["zero_optimization"] == {"stage": stage,
+                                                              "overlap_comm": overlap}
+        assert [a.split(":")[0] for a in cfg.adjustments] == \
+            ([] if overlap else ["--overlap-grad-reduce at --zero-stage 1 "
+                                 "(--use-distributed-optimizer is stage 1)"])
+
+
 def test_deepspeed_json_conflicts_name_key_value_flag_and_value(tmp_path):
     path = _json(tmp_path, {"train_micro_batch_size_per_gpu": 4, "train_batch_size": 32,
                             "zero_optimization": {"stage": 3}, "gradient_clipping": 0.5,

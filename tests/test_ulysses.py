@@ -174,7 +174,7 @@ def _core_attention_case(topo, group, rank, world, num_query_groups, with_mask,
 def _gpt(topo, layer_spec, position_embedding_type, tp=1, megatron_sp=False):
     from megatron.core.models.gpt import GPTModel
 
-    from megatron_streaming import grads, weights
+    from megatron_streaming import weights
     from megatron_streaming.distributed import seed_everything
     from megatron_streaming.model import padded_vocab_size
 
@@ -189,7 +189,6 @@ def _gpt(topo, layer_spec, position_embedding_type, tp=1, megatron_sp=False):
                      pg_collection=topo.pg_collection())
     weights.initialize_weights(model, seed=5, std=cfg.init_method_std, num_layers=LAYERS,
                                layer_offset=0, tp_rank=topo.tp_rank, tp_size=tp)
-    grads.register_sequence_parallel_grad_hooks(model, topo.groups["tp"])
     return model
 
 
@@ -200,6 +199,8 @@ def _gpt_case(topo, group, rank, world, position_embedding_type, tp=1, megatron_
     import torch.distributed as dist
     from megatron.core.models.gpt import gpt_layer_specs
 
+    from megatron_streaming import grads
+
     batch = _batch()
     ref = _gpt(topo, gpt_layer_specs.get_gpt_layer_local_spec(normalization="LayerNorm"),
                position_embedding_type, tp, megatron_sp)
@@ -208,6 +209,7 @@ def _gpt_case(topo, group, rank, world, position_embedding_type, tp=1, megatron_
     mask = batch["loss_mask"]
     ref_loss = (losses.float() * mask).sum() / mask.sum()
     ref_loss.backward()
+    grads.allreduce_sequence_parallel_grads(ref, topo.groups["tp"])
 
     model = _gpt(topo, ulysses.ulysses_layer_spec(group, "LayerNorm", inner_class),
                  position_embedding_type, tp, megatron_sp)
@@ -218,6 +220,7 @@ def _gpt_case(topo, group, rank, world, position_embedding_type, tp=1, megatron_
                    labels=local["labels"])
     loss, reported = ulysses.sequence_parallel_loss(losses, local["loss_mask"], group)
     loss.backward()
+    grads.allreduce_sequence_parallel_grads(model, topo.groups["tp"])
     combined = loss.detach().clone()
     dist.all_reduce(combined, group=group)
     grad_diff = 0.0
