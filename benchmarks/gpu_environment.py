@@ -92,7 +92,7 @@ def devices(out: Path, rehearse: bool) -> dict:
         flags += ["--bf16", "--distributed-backend", "nccl"]
     env = dict(os.environ, OMP_NUM_THREADS="2")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node=2", str(REPO / "pretrain_gpt.py"), *flags]
+           "--nproc-per-node=2", str(REPO / "pretrain_gpt.py"), *flags]
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=open(out / "devices.log", "w"),
                             stderr=subprocess.STDOUT)
     seen = {}  # pid -> GPUs it appeared on

@@ -204,7 +204,6 @@ def validate(cfg: Config, world_size: int) -> None:
              f"({m.seq_length})")
     _validate_layer_kinds(cfg)
     _validate_gpu_features(cfg)
-    _say_which_layers(cfg)
     _validate_streaming(cfg)
     _validate_zero(cfg, pp)
     _validate_precision(cfg)
@@ -303,16 +302,6 @@ def _validate_layer_kinds(cfg: Config) -> None:
     _require(not (m.attention_backend == "local" and m.transformer_impl == "transformer_engine"),
              "--attention-backend local is megatron-core's own attention on its local layers: "
              "use --transformer-impl local (or auto), as Megatron-LM's --spec local")
-
-
-def _say_which_layers(cfg: Config) -> None:
-    """Which layer implementation runs and why, once at start (a warning where it is a path
-    this project's tests have not run)."""
-    from .model import transformer_impl_note
-
-    note = transformer_impl_note(cfg.model.transformer_impl)
-    (cfg.warnings if cfg.model.transformer_impl == "transformer_engine" else cfg.notes).append(
-        note)
 
 
 def _validate_gpu_features(cfg: Config) -> None:

@@ -253,10 +253,15 @@ class Run:
 
     def _build_model(self) -> None:
         from . import distributed, weights
-        from .model import build_model, describe_attention
+        from .model import build_model, describe_attention, transformer_impl_note
 
         cfg, topo = self.cfg, self.topology
-        log.info("core attention: %s", describe_attention(cfg.model, topo.layout.sp))
+        if self.reports:  # which layers and attention run, and why, once per job; a path
+            # this project's tests have not run is a warning
+            tried = cfg.model.transformer_impl != "transformer_engine"
+            (log.info if tried else log.warning)("%s", transformer_impl_note(
+                cfg.model.transformer_impl))
+            log.info("core attention: %s", describe_attention(cfg.model, topo.layout.sp))
         distributed.seed_everything(cfg.training.seed, topo.tp_rank)
         self.model = build_model(cfg.model, cfg.parallel, topo, self.tokenizer.vocab_size,
                                  cfg.te, cfg.precision)

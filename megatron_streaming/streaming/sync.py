@@ -44,7 +44,7 @@ import torch
 from .codec import ErrorFeedback
 from .outer import OuterOptimizer, merge
 from .schedule import SyncSchedule
-from .transport import Pending, Transport
+from .transport import Pending, Transport, pinned_host_copy
 
 log = logging.getLogger("megatron_streaming")
 
@@ -349,17 +349,13 @@ class StreamingSync:
         return result.mean
 
     def _local_on(self, g: ShardGroup, device: torch.device) -> torch.Tensor:
-        """The shard's local parameters on ``device`` (the outer state's). From a GPU to an
-        offloaded outer state through pinned memory: a pageable copy stages through a
-        driver buffer at a fraction of the rate."""
+        """The shard's local parameters on ``device`` (the outer state's; from a GPU to an
+        offloaded outer state through pinned memory)."""
         local = g.read()
         if local.device == device:
             return local
         if local.is_cuda and device.type == "cpu":
-            host = torch.empty(local.shape, dtype=local.dtype, pin_memory=True)
-            host.copy_(local, non_blocking=True)
-            torch.cuda.current_stream().synchronize()
-            return host
+            return pinned_host_copy(local)
         return local.to(device)
 
     def _apply(self, g: ShardGroup, grad: torch.Tensor) -> None:

@@ -273,10 +273,7 @@ class Transport:
         if t.device == self.wire_device:
             return t
         if t.is_cuda and self.wire_device.type == "cpu":
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            host.copy_(t, non_blocking=True)
-            torch.cuda.current_stream().synchronize()
-            return host
+            return pinned_host_copy(t)
         return t.to(self.wire_device)
 
     def _reduce_scatter(self, finite: List[bool], shards):
@@ -343,6 +340,15 @@ class Transport:
                 self.codec.decode(Encoded(codes, scales, e.numel),
                                   out=mean[w * e.numel:(w + 1) * e.numel])
         return means, [e.nbytes() * (M - 1) for e in encoded]
+
+
+def pinned_host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A host copy of GPU tensor ``t``, complete on return, made through pinned memory: a
+    pageable copy stages through a driver buffer at a fraction of the rate."""
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    torch.cuda.current_stream().synchronize()
+    return host
 
 
 def _cuda_device(*devices: torch.device) -> torch.device:
