@@ -39,12 +39,12 @@ def _leave(code: int) -> None:
 
 
 def main(argv=None, extensions=()) -> int:
-    from megatron_streaming import quiet
+    from megatron_streaming.run import quiet
 
     quiet.install()  # before deepspeed and megatron are imported: they warn on import
-    from megatron_streaming.arguments import parse_args
+    from megatron_streaming.cli.arguments import parse_args
     from megatron_streaming.errors import JobFailure, UsageError
-    from megatron_streaming.train import pretrain
+    from megatron_streaming.run.train import pretrain
 
     try:
         pretrain(parse_args(argv), extensions)
@@ -60,7 +60,7 @@ def main(argv=None, extensions=()) -> int:
 
 def entry(extensions=()) -> None:
     """The command: ``main`` with the process's exit status. ``extensions``: step hooks,
-    see ``megatron_streaming.train.Run`` (a drill's fault injection, for one)."""
+    see ``megatron_streaming.run.train.Run`` (a drill's fault injection, for one)."""
     try:
         code = main(extensions=extensions)
     except Exception:  # a bug: its traceback, then out

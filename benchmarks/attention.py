@@ -1,5 +1,5 @@
 """Core attention: megatron-core's unfused ``DotProductAttention`` against torch's fused
-``scaled_dot_product_attention`` (``megatron_streaming/attention.py``), forward and backward
+``scaled_dot_product_attention`` (``megatron_streaming/worker/attention.py``), forward and backward
 time and memory per sequence length: what ``--attention-backend auto`` rests on.
 
     .venv/bin/python benchmarks/attention.py                  # CPU: 512 to 4096, fp32 and bf16
@@ -99,9 +99,9 @@ def _modules(kind: str, dtype: str, heads: int, groups: int, head_dim: int, drop
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
 
-    from megatron_streaming.attention import SDPAttention
+    from megatron_streaming.worker.attention import SDPAttention
     from megatron_streaming.config import ModelConfig, ParallelConfig, PrecisionConfig
-    from megatron_streaming.model import transformer_config
+    from megatron_streaming.worker.model import transformer_config
 
     cfg = ModelConfig(num_layers=1, hidden_size=heads * head_dim, num_attention_heads=heads,
                       group_query_attention=groups != heads, num_query_groups=groups,
@@ -121,7 +121,7 @@ def _measure(spec: dict) -> dict:
     import patches
     from megatron.core import parallel_state
 
-    from megatron_streaming.distributed import seed_everything
+    from megatron_streaming.parallel.distributed import seed_everything
 
     patches.apply()
     device, kind = spec["device"], spec["kind"]

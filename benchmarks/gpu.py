@@ -119,8 +119,8 @@ class Timeline:
 
 
 def timeline_rank(out: Path, argv: list) -> None:
-    from megatron_streaming.arguments import parse_args
-    from megatron_streaming.train import Run
+    from megatron_streaming.cli.arguments import parse_args
+    from megatron_streaming.run.train import Run
 
     hooks = []
     with Run(parse_args(argv), [lambda run: hooks.append(Timeline(run)) or hooks[-1]]) as run:

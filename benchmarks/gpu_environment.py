@@ -48,11 +48,11 @@ def _peak_above(fn, device) -> int:
 def sync_memory(numel: int, device_name: str) -> dict:
     import torch
 
-    from megatron_streaming.streaming.codec import make_codec
+    from megatron_streaming.comm.codec import make_codec
     from megatron_streaming.streaming.outer import OuterOptimizer
     from megatron_streaming.streaming.schedule import SyncSchedule
     from megatron_streaming.streaming.sync import ShardGroup, StreamingSync
-    from megatron_streaming.streaming.transport import Transport
+    from megatron_streaming.comm.transport import Transport
 
     device = torch.device(device_name)
     local = torch.randn(numel, device=device)

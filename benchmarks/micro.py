@@ -13,7 +13,7 @@ machine drift; ratios of interleaved repetitions do not, much):
   and 256k (about one fragment of the slow-link model; small tensors are timed over many calls
   per sample). The operations are interleaved, repetition by repetition; the figure is the
   median of each. ``--threads``
-  defaults to 1, as in a training rank (``megatron_streaming.distributed.cpu_threads``).
+  defaults to 1, as in a training rank (``megatron_streaming.parallel.distributed.cpu_threads``).
 * Sync overhead: two workers (torchrun, one rank each, gloo on this host) train the
   benchmarks/slow_link.py model with the Streaming DiLoCo sync built as in a real run (4
   fragments, FP4, tau 1) but H so large that no step sends or merges. In blocks of a few
@@ -53,7 +53,7 @@ QUIET_SYNC = ["--diloco-workers", "2", "--diloco-inner-steps", "100000", "--dilo
 def codec_throughput(numel: int, reps: int, device: str = "cpu") -> dict:
     import torch
 
-    from megatron_streaming.streaming.codec import make_codec, warm_up
+    from megatron_streaming.comm.codec import make_codec, warm_up
 
     torch.manual_seed(0)
     x = torch.randn(numel) * torch.logspace(-3, 0, numel)  # magnitudes spread like gradients
@@ -118,9 +118,9 @@ class HookTimer:
 def sync_overhead_rank(blocks: int, block_steps: int, warmup: int, out: Path) -> None:
     import torch.distributed as dist
 
-    from megatron_streaming.arguments import parse_args
+    from megatron_streaming.cli.arguments import parse_args
     from megatron_streaming.streaming import report
-    from megatron_streaming.train import Run
+    from megatron_streaming.run.train import Run
 
     total = warmup + blocks * block_steps
     cfg = parse_args([*MODEL, *QUIET_SYNC, "--train-iters", str(total), "--log-interval",

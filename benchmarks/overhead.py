@@ -24,7 +24,7 @@ process's minor page faults are counted per step.
   ``torch.optim.AdamW`` (no weight decay on biases and norm weights, as Megatron), constant lr.
   megatron-core cannot run on CPU without the run-time fixes of our ``patches`` package, so
   ``patches.apply()`` runs first (it only swaps CUDA-only allocations and RNG calls).
-* Ours: ``megatron_streaming.train.Run`` built from ``parse_args`` of the same flags, as
+* Ours: ``megatron_streaming.run.train.Run`` built from ``parse_args`` of the same flags, as
   ``pretrain_gpt.py`` builds it (DeepSpeed ZeRO-1 over the DP ranks, the default), timed as
   the training loop runs it: ``run.engine.train_step`` plus the per-step stop-flag agreement.
   A progress report (``--log-interval``, default 1) is timed on its own.
@@ -263,9 +263,9 @@ def one_step(which: str, bare, run, update_timer, batches) -> dict:
 def build_both(argv: list, ours_flags: list) -> tuple:
     """The bare loop from ``argv``'s model and optimizer settings; ours from ``argv`` plus
     ``ours_flags`` (settings the bare loop has no counterpart for, e.g. ``--zero-stage``)."""
-    from megatron_streaming.arguments import parse_args
-    from megatron_streaming.model import padded_vocab_size
-    from megatron_streaming.train import Run
+    from megatron_streaming.cli.arguments import parse_args
+    from megatron_streaming.worker.model import padded_vocab_size
+    from megatron_streaming.run.train import Run
 
     cfg = parse_args(argv)
     vocab = padded_vocab_size(cfg.data.vocab_size or 256, cfg.model.make_vocab_size_divisible_by, 1)
@@ -281,7 +281,7 @@ def measure_rank(opts, out: Path) -> None:
     import torch
     import torch.distributed as dist
 
-    from megatron_streaming.metrics import Throughput, progress_line
+    from megatron_streaming.run.metrics import Throughput, progress_line
 
     torch.set_num_threads(1)
     world = int(os.environ["WORLD_SIZE"])

@@ -104,7 +104,7 @@ def remeasured(old: dict) -> dict:
 
 
 def shape_and_training(model_flags) -> tuple:
-    from megatron_streaming.arguments import parse_args
+    from megatron_streaming.cli.arguments import parse_args
 
     cfg = parse_args(["--mock-data", *model_flags])
     return (ModelShape.from_config(cfg.model, cfg.data.vocab_size),

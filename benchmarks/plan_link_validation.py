@@ -28,9 +28,8 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from megatron_streaming.plan.search import (link_utilisation,  # noqa
-                                            steady_exchange_seconds)
-from megatron_streaming.streaming.codec import make_codec  # noqa
+from megatron_streaming.plan.search import link_utilisation, steady_exchange_seconds
+from megatron_streaming.comm.codec import make_codec  # noqa
 
 CEILING = "ceiling (no cross-worker sync)"
 

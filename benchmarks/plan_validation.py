@@ -61,8 +61,8 @@ sys.path.insert(0, os.path.join(REPO, "tests"))
 from harness import command, env, free_port  # noqa: E402
 
 from megatron_streaming.plan.memory import GIB, Layout, ModelShape, Training, estimate  # noqa
-from megatron_streaming.plan.step_time import (  # noqa: E402
-    Fabric, optimizer_bytes, step_flops_per_token, step_time)
+from megatron_streaming.plan.step_time import (Fabric, optimizer_bytes, step_flops_per_token,
+                                               step_time)
 
 # megatron-core's unfused attention: the one whose score passes the step-time model prices
 # (``Training.attention`` "unfused"); ``auto`` would run torch's fused one.
@@ -137,7 +137,7 @@ def step_means(jsonl: str, settling: int) -> dict:
 
 
 def shape_of(model_flags) -> ModelShape:
-    from megatron_streaming.arguments import parse_args
+    from megatron_streaming.cli.arguments import parse_args
 
     cfg = parse_args(["--mock-data", *model_flags])
     return ModelShape.from_config(cfg.model, cfg.data.vocab_size)

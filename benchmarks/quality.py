@@ -243,8 +243,8 @@ KEYED_SETTINGS = ("diloco_sync", "diloco_inner_steps", "diloco_fragments",
 
 def resolved_settings(args: list[str]) -> dict:
     """The sync settings of a run (none where it does not sync: data parallel, ``alone``)."""
-    from megatron_streaming.arguments import parse_args
-    from megatron_streaming.streaming.builder import enabled
+    from megatron_streaming.cli.arguments import parse_args
+    from megatron_streaming.streaming.settings import enabled
 
     cfg = parse_args(args)
     if not enabled(cfg):

@@ -25,7 +25,7 @@ last step; the extra step keeps the published runs' configuration.)
 Reported per method (JSON, ``--out``/quality_traffic.json): validation loss on the global
 parameters (``--eval-params global``), its gap to data parallel in %; total cross-worker bytes
 (the transport's own count for the DiLoCo variants; for data parallel the ring all-reduce volume
-of its fp32 gradients, ``megatron_streaming.traffic``), and the largest amount moved in any one
+of its fp32 gradients, ``megatron_streaming.comm.traffic``), and the largest amount moved in any one
 step (data parallel: one step's all-reduce; the others: the largest step-to-step difference of
 the cumulative ``streaming/cross_worker_bytes``, with the exchanges still in flight at the end
 counted in the last step); ratios of bytes, bits and peak against data parallel and DiLoCo.
@@ -147,7 +147,7 @@ def step_bytes(result: dict) -> list[int]:
 
 def measure(setting: Setting, data: list[str], common: list[str], outer: list[str], out: Path,
             reuse: bool, only: list[str] | None = None, fp4: list[str] = ()) -> dict:
-    from megatron_streaming.traffic import ring_all_reduce_bytes
+    from megatron_streaming.comm.traffic import ring_all_reduce_bytes
 
     steps = setting.iters + 1
     rows = {}

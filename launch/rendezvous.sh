@@ -6,4 +6,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash launch/setup.sh
-exec .venv/bin/python -m megatron_streaming.rendezvous "$@"
+exec .venv/bin/python -m megatron_streaming.job.rendezvous "$@"

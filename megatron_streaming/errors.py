@@ -1,4 +1,4 @@
-"""The two exception types a user sees as one message instead of a traceback.
+"""The exception types a user sees as one message instead of a traceback.
 
 ``UsageError``: bad input (a flag, a file, a checkpoint that cannot work); the message names
 the flag and the offending value; ``pretrain_gpt.py`` exits with status 2. ``JobFailure``: the
@@ -8,6 +8,10 @@ run broke (a lost peer, a full disk); status 3. Anything else is a bug and keeps
 
 class UsageError(ValueError):
     """Bad input from the user; the message names the flag and the value."""
+
+
+class ConfigError(UsageError):
+    """A flag value that cannot work; the message names the flag and the value."""
 
 
 class JobFailure(RuntimeError):

@@ -43,8 +43,8 @@ def spawn_gloo(fn, world, tmp_dir, *args, group_timeout_s=None, hard_exit=False)
 def megatron_world():
     """World-1 gloo group in this process, Megatron pointed at it (as diloco_reference.py)."""
     import patches
-    from megatron_streaming import distributed
-    from megatron_streaming.topology import RankLayout, Topology
+    from megatron_streaming.parallel import distributed
+    from megatron_streaming.parallel.topology import RankLayout, Topology
 
     saved_env = dict(os.environ)
     owned = not dist.is_initialized()

@@ -33,15 +33,16 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import patches  # noqa: E402
-from megatron_streaming import distributed, weights  # noqa: E402
-from megatron_streaming.arguments import parse_args  # noqa: E402
+from megatron_streaming.parallel import distributed
+from megatron_streaming.worker import weights  # noqa: E402
+from megatron_streaming.cli.arguments import parse_args  # noqa: E402
 from megatron_streaming.config import ParallelConfig  # noqa: E402
 from megatron_streaming.data import MicroBatchSampler, build_iterator  # noqa: E402
-from megatron_streaming.engine import lr_at, num_microbatches  # noqa: E402
-from megatron_streaming.inputs import RunData, load_run_tokenizer  # noqa: E402
-from megatron_streaming.model import build_model  # noqa: E402
-from megatron_streaming.streaming.builder import fragment_plan, sync_schedule  # noqa: E402
-from megatron_streaming.topology import RankLayout, Topology  # noqa: E402
+from megatron_streaming.worker.engine import lr_at, num_microbatches  # noqa: E402
+from megatron_streaming.data.inputs import RunData, load_run_tokenizer  # noqa: E402
+from megatron_streaming.worker.model import build_model  # noqa: E402
+from megatron_streaming.streaming.settings import fragment_plan, sync_schedule  # noqa: E402
+from megatron_streaming.parallel.topology import RankLayout, Topology  # noqa: E402
 
 
 def single_process_models(cfg, tokenizer, count):
@@ -92,7 +93,7 @@ def _layout(world, M, cfg=None, worker=0):
 
 def job_shape(cfgs, world):
     """Every worker's shape (``workers.JobShape``) from its flags."""
-    from megatron_streaming.workers import JobShape, WorkerShape
+    from megatron_streaming.job.workers import JobShape, WorkerShape
 
     return JobShape(tuple(WorkerShape.of(c, _layout(world, len(cfgs), c, w))
                           for w, c in enumerate(cfgs)))

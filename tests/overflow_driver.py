@@ -16,8 +16,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_streaming.arguments import parse_args  # noqa: E402
-from megatron_streaming.train import Run  # noqa: E402
+from megatron_streaming.cli.arguments import parse_args  # noqa: E402
+from megatron_streaming.run.train import Run  # noqa: E402
 
 
 def inject_overflow(run, steps: set) -> None:

@@ -17,9 +17,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pretrain_with_faults import Faults  # noqa: E402  (no-op unless its variables are set)
 
-from megatron_streaming.arguments import parse_args  # noqa: E402
-from megatron_streaming.train import Run  # noqa: E402
-from megatron_streaming.weights import global_name, tp_unshard  # noqa: E402
+from megatron_streaming.cli.arguments import parse_args  # noqa: E402
+from megatron_streaming.run.train import Run  # noqa: E402
+from megatron_streaming.worker.weights import global_name, tp_unshard  # noqa: E402
 
 
 def full_parameters(run) -> dict:
@@ -68,7 +68,7 @@ def stores(run) -> dict:
     the job's store: their addresses, the address the worker's first rank published in the
     job's store, and whether an in-worker key is in each (in the job's, also where the
     worker's part of it used to hold the worker's world)."""
-    from megatron_streaming.distributed import WORKER_PREFIX, worker_store_key
+    from megatron_streaming.parallel.distributed import WORKER_PREFIX, worker_store_key
 
     world = dist.distributed_c10d._get_default_store()
     while isinstance(world, dist.PrefixStore):

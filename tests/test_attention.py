@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_streaming import model
+from megatron_streaming.worker import model
 from megatron_streaming.config import ModelConfig, ParallelConfig
 
 TOL = dict(rtol=1e-5, atol=1e-6)
@@ -28,8 +28,8 @@ def _pair(tp=1, heads=4, groups=None, kv_channels=None, softmax_scale=None, mask
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
 
-    from megatron_streaming.attention import SDPAttention
-    from megatron_streaming.distributed import seed_everything
+    from megatron_streaming.worker.attention import SDPAttention
+    from megatron_streaming.parallel.distributed import seed_everything
 
     seed_everything(0, 0)  # megatron-core's attention forks the tracker's stream even at p = 0
     cfg = ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=heads,
@@ -102,7 +102,7 @@ def test_fused_equals_unfused_forward_and_backward(megatron_world, case):
 def test_grouped_heads_are_repeated_where_the_kernel_cannot_group(megatron_world, monkeypatch):
     """CUDA's memory-efficient kernel (fp32 or a mask) takes no key/value groups: the heads are
     repeated instead, megatron-core's grouping; its flash kernel and the CPU's group them."""
-    from megatron_streaming import attention
+    from megatron_streaming.worker import attention
 
     cuda = SimpleNamespace(type="cuda")
     assert attention._kernel_takes_groups(SimpleNamespace(device=cuda, dtype=torch.bfloat16),
@@ -125,7 +125,7 @@ def test_dropout_keeps_each_probability_at_the_rate_and_one_seed_redraws_it(mega
     """With the values one-hot per key the context *is* the dropped-out probability matrix:
     a fraction p of the kept probabilities is zero, the rest are the unfused probabilities
     over 1 - p; the same seed draws the same mask, another seed another; eval draws none."""
-    from megatron_streaming.distributed import seed_everything
+    from megatron_streaming.parallel.distributed import seed_everything
 
     p, s, heads, b = 0.25, 32, 4, 2
     unfused, fused = _pair(dropout=p, kv_channels=s)
@@ -177,7 +177,7 @@ def test_attention_backend_names_choose_the_core_attention(backend, kind):
 
 
 def test_ulysses_spec_wraps_the_chosen_core_attention():
-    from megatron_streaming.attention import SDPAttention
+    from megatron_streaming.worker.attention import SDPAttention
 
     group = _Group(n=2)
     for backend, inner in (("flash", SDPAttention), ("unfused", None)):
@@ -191,9 +191,10 @@ def test_ulysses_spec_wraps_the_chosen_core_attention():
 def _gpt_step(topo, flags):
     """Loss and gradients of one forward/backward of a toy GPT (GQA, causal by the mask
     type: no mask given, as the loader gives none to the fused attention)."""
-    from megatron_streaming import distributed, weights
-    from megatron_streaming.arguments import parse_args
-    from megatron_streaming.model import build_model
+    from megatron_streaming.parallel import distributed
+    from megatron_streaming.worker import weights
+    from megatron_streaming.cli.arguments import parse_args
+    from megatron_streaming.worker.model import build_model
 
     cfg = parse_args(["--mock-data", "--num-layers", "2", "--hidden-size", "32",
                       "--num-attention-heads", "4", "--num-key-value-heads", "2",

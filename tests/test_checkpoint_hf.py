@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from harness import REPO, TINY, env, read_jsonl, run
-from megatron_streaming.arguments import parse_args
+from megatron_streaming.cli.arguments import parse_args
 from megatron_streaming.checkpoint import offline
 
 LLAMA = ["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
@@ -54,8 +54,8 @@ def _tokens():
 @torch.no_grad()
 def _our_logits(topo, flags, params):
     """Our model of ``flags`` holding ``params`` (global names, TP=1 shapes)."""
-    from megatron_streaming import distributed
-    from megatron_streaming.model import build_model
+    from megatron_streaming.parallel import distributed
+    from megatron_streaming.worker.model import build_model
 
     cfg = parse_args([*TINY, "--num-layers", "2", *flags])
     distributed.seed_everything(1, 0)

@@ -11,9 +11,8 @@ import pytest
 import torch
 
 from megatron_streaming.errors import UsageError
-from megatron_streaming.streaming.codec import (
-    CODECS, Encoded, ErrorFeedback, chunk_bounds, is_finite, make_codec, pack_nibbles,
-    unpack_nibbles)
+from megatron_streaming.comm.codec import (CODECS, Encoded, ErrorFeedback, chunk_bounds, is_finite,
+                                           make_codec, pack_nibbles, unpack_nibbles)
 
 BLOCKS = (128, 6)  # the default, and a small even block that leaves a short last block
 FP32_EPS = 2.0 ** -24  # unit roundoff of fp32
@@ -127,7 +126,7 @@ def test_e2m1_rounds_to_nearest_representable_value(kind):
     """fp4-e2m1: the nearest of the eight magnitudes m / 6 * s (up to the fp32 decision's
     few ulps at a midpoint), and far less error than E3M0 on Gaussian data at the same
     bytes."""
-    from megatron_streaming.streaming.codec import E2M1_MAGNITUDES
+    from megatron_streaming.comm.codec import E2M1_MAGNITUDES
 
     codec = make_codec("fp4-e2m1", 32)
     x = _data(kind, 4_000, seed=1)
@@ -442,7 +441,7 @@ def test_fused_kernels_equal_the_eager_ones_on_large_tensors(name, monkeypatch):
     import shutil
     import threading
 
-    from megatron_streaming.streaming import codec as codec_module
+    from megatron_streaming.comm import codec as codec_module
 
     codec = make_codec(name, 128)
     n = codec_module.COMPILE_MIN_NUMEL + 301  # a short last block of odd length
@@ -492,7 +491,7 @@ def test_other_threads_never_compile(monkeypatch):
     rewind the main thread's random numbers)."""
     import threading
 
-    from megatron_streaming.streaming import codec as codec_module
+    from megatron_streaming.comm import codec as codec_module
 
     monkeypatch.setattr(codec_module, "_compiled", {})
     codec = make_codec("int8", 128)

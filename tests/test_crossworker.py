@@ -9,10 +9,11 @@ from conftest import spawn_gloo
 
 
 def _worker(rank, world, group):
-    from megatron_streaming.topology import RankLayout, Topology
+    from megatron_streaming.comm.crossworker import CrossWorker
+    from megatron_streaming.parallel.topology import RankLayout, Topology
 
     topo = Topology.create(RankLayout(world, workers=world), rank)
-    cross = topo.cross
+    cross = topo.cross = CrossWorker(topo)
     out = {"start": cross.control_bytes}
     _, total = cross.all_reduce_control(torch.tensor([rank + 1, 10], dtype=torch.int32))
     out["sum"] = total.tolist()

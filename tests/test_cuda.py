@@ -77,7 +77,7 @@ def test_cuda_codec_gives_the_cpu_codes(codec):
     int8 divides by 127, which CUDA does as a multiplication by the reciprocal: its scales may
     differ in the last bit and a code by one near a tie, still within the codec's bound (the
     workers agree regardless: each decodes the bytes on the wire)."""
-    from megatron_streaming.streaming.codec import make_codec, warm_up
+    from megatron_streaming.comm.codec import make_codec, warm_up
 
     c = make_codec(codec, 128)
     for numel in (1000, 1 << 20):  # the eager path and the compiled one

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from harness import TINY, free_port, start
-from megatron_streaming.arguments import ConfigError, parse_args
-from megatron_streaming.door import Door, differences, fingerprint, parameter_count
-from megatron_streaming.topology import RankLayout
+from megatron_streaming.cli.arguments import ConfigError, parse_args
+from megatron_streaming.job.door import Door, differences, fingerprint, parameter_count
+from megatron_streaming.parallel.topology import RankLayout
 
 
 class _Vocab:
@@ -51,8 +51,8 @@ def test_each_difference_is_named_with_both_values():
      "--untie-embeddings-and-output-weights", "--ffn-hidden-size", "96"],
 ])
 def test_parameter_formula_matches_the_built_model(megatron_world, flags):
-    from megatron_streaming import distributed
-    from megatron_streaming.model import build_model
+    from megatron_streaming.parallel import distributed
+    from megatron_streaming.worker.model import build_model
 
     cfg = parse_args([*TINY, "--num-layers", "2", *flags])
     distributed.seed_everything(1, 0)
@@ -137,7 +137,7 @@ def test_a_rejoin_claim_is_taken_over_only_from_a_launch_that_is_gone(monkeypatc
     """Two launches cannot both rejoin as worker 1 in one membership epoch, unless the first
     is gone (its heartbeat stopped before it was admitted): a second relaunch then gets in.
     ``lifecycle.beating`` tells a moving heartbeat from a frozen one."""
-    from megatron_streaming.lifecycle import beating
+    from megatron_streaming.job.lifecycle import beating
 
     monkeypatch.setenv("RANK", "1")
     fp, store = _fingerprint(), _store()

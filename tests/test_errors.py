@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from harness import REPO, SHARED_DATA, free_port, run
-from megatron_streaming.arguments import ConfigError, parse_args, validate
+from megatron_streaming.cli.arguments import ConfigError, parse_args, validate
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:Transformer Engine and Apex are not installed:UserWarning")
@@ -181,13 +181,13 @@ def _load_entry_point():
 def test_entry_point_reports_data_errors_and_keeps_tracebacks_of_bugs(monkeypatch, capsys,
                                                                       tmp_path):
     """The data package's UsageErrors are user errors (exit 2); any other error is a bug."""
-    import megatron_streaming.train
+    import megatron_streaming.run.train
     from megatron_streaming.data import load_tokenizer
 
     entry = _load_entry_point()
     garbage = tmp_path / "garbage.model"
     garbage.write_bytes(b"not a sentencepiece model" * 10)
-    monkeypatch.setattr(megatron_streaming.train, "pretrain",
+    monkeypatch.setattr(megatron_streaming.run.train, "pretrain",
                         lambda cfg, extensions=(): load_tokenizer(str(garbage)))
     assert entry.main(["--mock-data"]) == 2
     assert f"pretrain_gpt.py: error: --tokenizer-model '{garbage}'" in capsys.readouterr().err
@@ -195,13 +195,13 @@ def test_entry_point_reports_data_errors_and_keeps_tracebacks_of_bugs(monkeypatc
     def bug(cfg, extensions=()):
         raise ValueError("an internal bug")
 
-    monkeypatch.setattr(megatron_streaming.train, "pretrain", bug)
+    monkeypatch.setattr(megatron_streaming.run.train, "pretrain", bug)
     with pytest.raises(ValueError, match="an internal bug"):
         entry.main(["--mock-data"])
 
 
 def test_worker_index_turns_one_launch_into_its_share_of_the_job():
-    from megatron_streaming.distributed import join_worker_launch
+    from megatron_streaming.parallel.distributed import join_worker_launch
 
     # torchrun on cluster 1 started ranks 0..3 of its own 4: global ranks 4..7 of 8.
     env = {"RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "2", "MASTER_ADDR": "node-b",

@@ -263,7 +263,7 @@ def _liveness_on_own_store(monkeypatch, store_timeout: float):
 
     import torch.distributed as dist
 
-    from megatron_streaming import lifecycle
+    from megatron_streaming.job import lifecycle
 
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
@@ -281,7 +281,7 @@ def test_liveness_asks_to_stop_when_the_launcher_or_the_store_is_gone(monkeypatc
     goes away and stays away past the timeout; the rank is re-parented (its launcher died)."""
     import gc
 
-    from megatron_streaming import lifecycle
+    from megatron_streaming.job import lifecycle
 
     store, stop, liveness = _liveness_on_own_store(monkeypatch, store_timeout=0.5)
     try:
@@ -309,7 +309,7 @@ def test_a_store_that_stops_answering_counts_as_unreachable(monkeypatch):
     orphan check stops the rank, and the calls queued meanwhile are dropped, not run late."""
     import threading
 
-    from megatron_streaming import lifecycle
+    from megatron_streaming.job import lifecycle
 
     monkeypatch.setattr(lifecycle, "STORE_CALL_SECONDS", 0.3)
     store, stop, liveness = _liveness_on_own_store(monkeypatch, store_timeout=1.0)
@@ -356,7 +356,7 @@ def test_a_standalone_rendezvous_and_worker_0_can_be_lost_without_stopping_train
     from megatron_streaming.checkpoint.offline import read_tensors
 
     def serve(port, name):
-        return subprocess.Popen([sys.executable, "-m", "megatron_streaming.rendezvous",
+        return subprocess.Popen([sys.executable, "-m", "megatron_streaming.job.rendezvous",
                                  "--host", "127.0.0.1", "--port", str(port)],
                                 stdout=open(tmp_path / name, "w"), stderr=subprocess.STDOUT)
 
@@ -425,7 +425,7 @@ def test_a_standalone_rendezvous_and_worker_0_can_be_lost_without_stopping_train
     errors = [line for line in lonely.stderr.splitlines() if "error:" in line]
     assert lonely.returncode == 3 and len(errors) == 1, lonely.stderr[-3000:]
     assert "unreachable within 0.05 min (--distributed-timeout-minutes): `python -m " \
-           "megatron_streaming.rendezvous --port" in errors[0], errors[0]
+           "megatron_streaming.job.rendezvous --port" in errors[0], errors[0]
 
 
 def _mount_tmpfs(path, size: str) -> None:

@@ -5,7 +5,7 @@ default and what NCCL across workers refuses, stand-in apex and Transformer Engi
 
 import pytest
 
-from megatron_streaming.arguments import ConfigError, _check_cross_worker_nccl, parse_args
+from megatron_streaming.cli.arguments import ConfigError, _check_cross_worker_nccl, parse_args
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:Transformer Engine and Apex are not installed:UserWarning")
@@ -51,7 +51,7 @@ def test_every_norm_of_the_model_is_chosen_explicitly(monkeypatch, normalization
     imports, torch's elsewhere."""
     from patches import optional
 
-    from megatron_streaming import model
+    from megatron_streaming.worker import model
     from megatron_streaming.config import ModelConfig, ParallelConfig
 
     monkeypatch.setattr(optional, "have_apex_layer_norm", lambda: apex)
@@ -72,7 +72,7 @@ def test_transformer_engine_names_and_groups_start_and_reduce_as_megatrons(megat
     import torch
     from megatron.core import parallel_state
 
-    from megatron_streaming.weights import init_value
+    from megatron_streaming.worker.weights import init_value
 
     qkv = "decoder.layers.0.self_attention.linear_qkv."
     assert torch.equal(init_value(qkv + "layer_norm_bias", [4], 0.02, 2, 1), torch.zeros(4))

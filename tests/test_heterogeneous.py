@@ -169,8 +169,8 @@ def lane_bytes(params: dict, flags, workers: int = 2, lanes: int = 2) -> int:
     """fp32 lanes: per send, per lane of n elements (the canonical vector cut in ``lanes``),
     a 4-byte finiteness flag to each peer and n / M fp32 values out in the reduce-scatter and
     in the all-gather; every worker's ranks do the same."""
-    from megatron_streaming.arguments import parse_args
-    from megatron_streaming.streaming.builder import fragment_plan, sync_schedule
+    from megatron_streaming.cli.arguments import parse_args
+    from megatron_streaming.streaming.settings import fragment_plan, sync_schedule
 
     cfg = parse_args(flags)
     plan, schedule = fragment_plan(cfg), sync_schedule(cfg)
@@ -194,7 +194,7 @@ def test_canonical_positions_find_every_shard_element_in_the_full_tensor(shape, 
     """Any slice of any TP rank's shard (a ZeRO partition cuts shards anywhere) maps onto the
     full tensor's elements it was cut from, as ``weights.tp_shard`` cuts them."""
     from megatron_streaming.streaming.canonical import parameter_positions
-    from megatron_streaming.weights import tp_shard
+    from megatron_streaming.worker.weights import tp_shard
 
     full = torch.randn(shape)
     name = "decoder.layers.0.mlp.linear_fc1.weight" if gated else "x.weight"
@@ -210,7 +210,7 @@ def test_canonical_positions_find_every_shard_element_in_the_full_tensor(shape, 
 
 def test_workers_of_different_batches_read_disjoint_blocks_and_weigh_by_tokens():
     from megatron_streaming.data.sampler import WorkerBlockSampler
-    from megatron_streaming.workers import JobShape, WorkerShape
+    from megatron_streaming.job.workers import JobShape, WorkerShape
 
     job = JobShape((WorkerShape(tp=2, micro_batch_size=2, global_batch_size=8),
                     WorkerShape(pp=2, dp=2, micro_batch_size=1, global_batch_size=4)))

@@ -13,8 +13,8 @@ import json
 import pytest
 import torch
 
-from megatron_streaming import hf
-from megatron_streaming.arguments import parse_args, validate
+from megatron_streaming.checkpoint import hf
+from megatron_streaming.cli.arguments import parse_args, validate
 
 VOCAB, SEQ = 200, 16  # 200 pads to 256: the padding rows are exercised
 TINY = ["--mock-data", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads",
@@ -39,8 +39,9 @@ def _perturb(named_params, seed):
 def _our_model(topo, flags, vocab=VOCAB):
     """Our model of ``flags`` (validated as pretrain_gpt.py would) with initialised and then
     perturbed weights, in eval mode."""
-    from megatron_streaming import distributed, weights
-    from megatron_streaming.model import build_model
+    from megatron_streaming.parallel import distributed
+    from megatron_streaming.worker import weights
+    from megatron_streaming.worker.model import build_model
 
     cfg = parse_args([*TINY, *flags])
     validate(cfg, 1)
@@ -164,8 +165,8 @@ IMPORTS = {
 def test_import_gives_the_same_logits(megatron_world, case):
     from transformers import AutoModelForCausalLM
 
-    from megatron_streaming import distributed
-    from megatron_streaming.model import build_model, padded_vocab_size
+    from megatron_streaming.parallel import distributed
+    from megatron_streaming.worker.model import build_model, padded_vocab_size
 
     torch.manual_seed(0)
     theirs = AutoModelForCausalLM.from_config(IMPORTS[case](), dtype=torch.float32).eval()

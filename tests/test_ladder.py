@@ -1,4 +1,4 @@
-"""Ladder residual (arXiv 2501.06589, megatron_streaming/ladder.py).
+"""Ladder residual (arXiv 2501.06589, megatron_streaming/worker/ladder.py).
 
 * the ``--ladder-layers`` parser and the pipeline-boundary check, without processes;
 * TP=1 in-process: a ladder GPT equals a hand-written reference of the ladder equations built
@@ -27,7 +27,7 @@ SEED = 5
 # ---- parser (no processes) ---------------------------------------------------------------------
 
 def test_parse_ladder_layers_forms():
-    from megatron_streaming.ladder import parse_ladder_layers
+    from megatron_streaming.worker.ladder import parse_ladder_layers
 
     assert parse_ladder_layers("all", 4) == {0, 1, 2, 3}
     assert parse_ladder_layers("12-23", 24) == set(range(12, 24))
@@ -44,7 +44,7 @@ def test_parse_ladder_layers_forms():
     ("last:x", "not an integer"),
 ])
 def test_parse_ladder_layers_errors_name_the_flag_and_value(spec, fragment):
-    from megatron_streaming.ladder import parse_ladder_layers
+    from megatron_streaming.worker.ladder import parse_ladder_layers
 
     with pytest.raises(ValueError) as err:
         parse_ladder_layers(spec, 24)
@@ -54,7 +54,7 @@ def test_parse_ladder_layers_errors_name_the_flag_and_value(spec, fragment):
 
 
 def test_ladder_flags_combine_and_stage_crossings():
-    from megatron_streaming.ladder import ladder_layer_set, stage_crossings
+    from megatron_streaming.worker.ladder import ladder_layer_set, stage_crossings
 
     assert ladder_layer_set(True, None, 3) == {0, 1, 2}
     assert ladder_layer_set(False, "last:1", 3) == {2}
@@ -71,7 +71,7 @@ def test_ladder_flags_combine_and_stage_crossings():
 
 def _configs(tp=1, pp=1):
     from megatron_streaming.config import ModelConfig, ParallelConfig
-    from megatron_streaming.model import transformer_config
+    from megatron_streaming.worker.model import transformer_config
 
     cfg = ModelConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS,
                       seq_length=SEQ, transformer_impl="local", hidden_dropout=0.0,
@@ -84,10 +84,10 @@ def _build(topo, ladder, trace=None, tied=True):
     """What build_model does, with the ladder block spec in place of the layer spec."""
     from megatron.core.models.gpt import GPTModel
 
-    from megatron_streaming import ladder as ladder_mod
-    from megatron_streaming import weights
-    from megatron_streaming.distributed import seed_everything
-    from megatron_streaming.model import layer_spec, padded_vocab_size
+    from megatron_streaming.worker import ladder as ladder_mod
+    from megatron_streaming.worker import weights
+    from megatron_streaming.parallel.distributed import seed_everything
+    from megatron_streaming.worker.model import layer_spec, padded_vocab_size
 
     tp, pp = topo.layout.tp, topo.layout.pp
     cfg, _, config = _configs(tp, pp)
@@ -112,7 +112,7 @@ def _build(topo, ladder, trace=None, tied=True):
 def _random_biases(model, tp_rank, tp_size, layer_offset):
     """Non-zero biases (layout-free, like the weights): a bias added before the TP reduction,
     or twice, would then change the result."""
-    from megatron_streaming import weights
+    from megatron_streaming.worker import weights
 
     for name, p in model.named_parameters():
         if not name.endswith(".bias") or "norm" in name:
@@ -198,7 +198,7 @@ LADDER_CASES = {"all": set(range(LAYERS)), "upper_half": {2, 3}, "middle": {1, 2
 
 @pytest.mark.parametrize("case", sorted(LADDER_CASES))
 def test_tp1_ladder_matches_hand_written_equations(case, megatron_world):
-    from megatron_streaming.ladder import LadderTransformerLayer
+    from megatron_streaming.worker.ladder import LadderTransformerLayer
 
     ladder = LADDER_CASES[case]
     std, lad = _build(megatron_world, set()), _build(megatron_world, ladder)
@@ -219,7 +219,7 @@ def test_tp1_ladder_matches_hand_written_equations(case, megatron_world):
 def test_ladder_needs_the_local_spec(megatron_world):
     from megatron.core.models.gpt import gpt_layer_specs
 
-    from megatron_streaming.ladder import ladder_block_spec
+    from megatron_streaming.worker.ladder import ladder_block_spec
 
     _, _, config = _configs()
     spec = gpt_layer_specs.get_gpt_layer_local_spec()
@@ -234,8 +234,8 @@ def test_ladder_needs_the_local_spec(megatron_world):
 def test_pipeline_stage_specs(megatron_world):
     """Per stage, the spec holds that stage's layers; a run inside a stage ends there; a run
     crossing a stage boundary hands over to the next stage with variable-shape p2p."""
-    from megatron_streaming.ladder import LadderTransformerLayer, ladder_block_spec
-    from megatron_streaming.model import layer_spec
+    from megatron_streaming.worker.ladder import LadderTransformerLayer, ladder_block_spec
+    from megatron_streaming.worker.model import layer_spec
 
     cfg, _, config = _configs(pp=2)
     base = layer_spec(cfg)
@@ -264,9 +264,9 @@ TP_CASES = {"all": set(range(LAYERS)), "upper_half": {2, 3}, "middle": {1, 2}, "
 
 def _tp2_worker(rank, world, group):
     import patches
-    from megatron_streaming.distributed import seed_everything
-    from megatron_streaming.ladder import LadderTrace
-    from megatron_streaming.topology import RankLayout, Topology
+    from megatron_streaming.parallel.distributed import seed_everything
+    from megatron_streaming.worker.ladder import LadderTrace
+    from megatron_streaming.parallel.topology import RankLayout, Topology
 
     patches.apply()
     topo = Topology.create(RankLayout(world_size=world, tp=world), rank)
@@ -325,7 +325,7 @@ def _pipeline_loss_and_grads(topo, model):
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
-    from megatron_streaming.weights import global_name
+    from megatron_streaming.worker.weights import global_name
 
     def loss_func(output):
         loss = output.float().mean()
@@ -352,8 +352,8 @@ def _pipeline_loss_and_grads(topo, model):
 
 def _pp2_worker(rank, world, group, tp):
     import patches
-    from megatron_streaming.distributed import seed_everything
-    from megatron_streaming.topology import RankLayout, Topology
+    from megatron_streaming.parallel.distributed import seed_everything
+    from megatron_streaming.parallel.topology import RankLayout, Topology
 
     patches.apply()
     topo = Topology.create(RankLayout(world_size=world, tp=tp, pp=world // tp), rank)

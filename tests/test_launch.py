@@ -19,8 +19,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_streaming import distributed, slurm
-from megatron_streaming.arguments import ConfigError
+from megatron_streaming.parallel import distributed, slurm
+from megatron_streaming.cli.arguments import ConfigError
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:Transformer Engine and Apex are not installed:UserWarning")
@@ -237,7 +237,7 @@ def test_a_workers_ranks_meet_on_its_first_ranks_store_found_through_one_key(mon
     """Worker 1 of two, two ranks: its first rank hosts the store and publishes where, its
     second finds it there, past the address a gone predecessor left (a launch that took
     over a claim); what they set in their store is not in the job's."""
-    from megatron_streaming.topology import RankLayout
+    from megatron_streaming.parallel.topology import RankLayout
 
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.delenv(distributed.WORKER_STORE_ENV, raising=False)
@@ -292,7 +292,7 @@ class socket_closed:
 
 def test_a_first_rank_that_cannot_host_the_store_says_where_and_what_to_set(monkeypatch):
     from megatron_streaming.errors import JobFailure
-    from megatron_streaming.topology import RankLayout
+    from megatron_streaming.parallel.topology import RankLayout
 
     job = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                         timeout=datetime.timedelta(seconds=30))

@@ -15,7 +15,7 @@ import pytest
 
 from harness import SHARED_DATA, TINY, train_losses, train_losses_together, with_stand_ins
 from local_tokenizers import gpt2_bpe, write_jsonl
-from megatron_streaming.arguments import ConfigError, parse_args, validate
+from megatron_streaming.cli.arguments import ConfigError, parse_args, validate
 
 LLAMA = ["--swiglu", "--group-query-attention", "--num-query-groups", "2",
          "--position-embedding-type", "rope", "--rotary-base", "500000",
@@ -83,7 +83,7 @@ def test_swiglu_fc1_shards_keep_gate_and_up_together():
     MLP expects: a plain chunk of [gate; up] would give rank 0 only gate rows."""
     import torch
 
-    from megatron_streaming.weights import tp_shard, tp_unshard
+    from megatron_streaming.worker.weights import tp_shard, tp_unshard
 
     full = torch.arange(8.0).view(8, 1)  # gate rows 0-3, up rows 4-7
     name = "decoder.layers.0.mlp.linear_fc1.weight"

@@ -3,8 +3,8 @@ lenient where Megatron is lenient. In-process (parse_args + validate), no traini
 
 import pytest
 
-from megatron_streaming import megatron_flags
-from megatron_streaming.arguments import ConfigError, parse_args, validate
+from megatron_streaming.cli import megatron_flags
+from megatron_streaming.cli.arguments import ConfigError, parse_args, validate
 
 MOCK = ["--mock-data"]
 
@@ -94,7 +94,7 @@ def test_overlap_grad_reduce_below_zero_2_runs_as_without_it_with_a_note():
     """Megatron-LM's Llama-3 script passes --use-distributed-optimizer --overlap-grad-reduce:
     at ZeRO-1 DeepSpeed reduces once, in its step, and refuses overlap_comm; the run gets the
     very DeepSpeed config it would get without the flag, and says so in one line."""
-    from megatron_streaming.engine import deepspeed_config
+    from megatron_streaming.worker.engine import deepspeed_config
 
     def validated(*argv):
         cfg = parse_args([*MOCK, *argv])
@@ -136,7 +136,7 @@ def test_flash_flags_conflict_with_another_backend_and_local_with_te_layers():
 
 
 def test_every_foreign_flag_is_distinct_from_our_own():
-    from megatron_streaming.arguments import build_parser
+    from megatron_streaming.cli.arguments import build_parser
 
     ours = {s for a in build_parser()._actions for s in a.option_strings
             if not a.dest.startswith("megatron__")}

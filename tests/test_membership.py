@@ -1,4 +1,4 @@
-"""Membership epochs (``megatron_streaming.membership``) on a real TCPStore, and epoch groups
+"""Membership epochs (``megatron_streaming.job.membership``) on a real TCPStore, and epoch groups
 made by their members alone (``Topology.add_cross_worker_groups``) going on after a member
 dies. No training: the processes only meet and reduce."""
 
@@ -13,7 +13,7 @@ import threading
 import pytest
 import torch.distributed as dist
 
-from megatron_streaming.membership import Membership, Record, quorum_problem
+from megatron_streaming.job.membership import Membership, Record, quorum_problem
 
 
 def _store():
@@ -74,8 +74,8 @@ def test_too_few_alive_write_a_stopping_record_and_the_first_proposal_still_wins
 _MEMBER = textwrap.dedent("""
     import datetime, os, sys, torch, torch.distributed as dist
     sys.path.insert(0, os.environ["REPO"])
-    from megatron_streaming.membership import Membership
-    from megatron_streaming.topology import RankLayout, Topology
+    from megatron_streaming.job.membership import Membership
+    from megatron_streaming.parallel.topology import RankLayout, Topology
     worker, port = int(sys.argv[1]), int(sys.argv[2])
     store = dist.TCPStore("127.0.0.1", port, 1, is_master=False, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=20))
@@ -132,9 +132,9 @@ def test_every_rank_of_a_launch_takes_its_first_ranks_rejoin_decision():
     ranks all rejoin the epoch that lacks their worker, each launch under its own number."""
     from types import SimpleNamespace
 
-    from megatron_streaming.arguments import parse_args
-    from megatron_streaming.door import PREFIX as DOOR
-    from megatron_streaming.train import Run
+    from megatron_streaming.cli.arguments import parse_args
+    from megatron_streaming.job.door import PREFIX as DOOR
+    from megatron_streaming.run.train import Run
 
     cfg = parse_args(["--mock-data", "--diloco-workers", "3", "--diloco-min-workers", "2",
                       "--distributed-timeout-minutes", "10"])

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from megatron_streaming import model, weights
+from megatron_streaming.worker import model, weights
 from megatron_streaming.config import ModelConfig
 
 
@@ -70,7 +70,7 @@ def test_gpu_settings_build_a_layer_without_apex_or_biases(monkeypatch, swiglu):
 def test_forward_step_moves_the_loaders_batch_to_the_gpu(monkeypatch):
     """The loader builds batches on the CPU; on a GPU the model gets them on the GPU ("meta"
     stands in for CUDA here)."""
-    from megatron_streaming import engine
+    from megatron_streaming.worker import engine
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.Tensor, "cuda", lambda self, non_blocking=False: self.to("meta"))

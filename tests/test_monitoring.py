@@ -1,5 +1,5 @@
 """Monitoring as a user sees it: TensorBoard's own reader on the event files of a streaming run
-and of a data-parallel run, and ``python -m megatron_streaming.plot`` drawn from them; the
+and of a data-parallel run, and ``python -m megatron_streaming.cli.plot`` drawn from them; the
 per-phase timers (--timing-log-level) in both, printed and in TensorBoard.
 
 One run of each (the expensive part) is shared by the tests of this module.
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from harness import REPO, TINY, env, run
-from megatron_streaming.traffic import ring_all_reduce_bytes
+from megatron_streaming.comm.traffic import ring_all_reduce_bytes
 
 ITERS, EVAL_INTERVAL, FRAGMENTS, WORKERS = 11, 4, 2, 2
 # H=4, P=2, tau=1: sends after steps 2, 4, ..., 10, merges one step later. 11 iterations end
@@ -150,7 +150,7 @@ def test_data_parallel_run_logs_the_all_reduce_traffic_it_stands_for(runs):
 
 
 def plot(*args):
-    return subprocess.run([sys.executable, "-m", "megatron_streaming.plot", *map(str, args)],
+    return subprocess.run([sys.executable, "-m", "megatron_streaming.cli.plot", *map(str, args)],
                           cwd=REPO, env=env(), capture_output=True, text=True, timeout=180)
 
 
@@ -204,7 +204,7 @@ def test_timers_report_each_phase_per_step_as_megatron_prints_them(runs):
 
 
 def test_timers_time_nothing_at_level_0_and_format_as_megatron():
-    from megatron_streaming import timers
+    from megatron_streaming.worker import timers
 
     off = timers.StepTimers(0)
     with off.phase("forward-backward"):

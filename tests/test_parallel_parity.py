@@ -1,6 +1,6 @@
 """Every in-worker layout trains the same model: losses equal a single-process run.
 
-Weights are initialised independently of the layout (``megatron_streaming.weights``) and the
+Weights are initialised independently of the layout (``megatron_streaming.worker.weights``) and the
 data order depends only on the global batch, so TP, PP, Megatron sequence parallelism and
 ZeRO data parallelism must reproduce the single-process losses up to float reordering.
 Gradient clipping is active (``--clip-grad 0.5`` with norms around 1), so a gradient norm

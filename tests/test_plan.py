@@ -8,8 +8,8 @@ import shlex
 
 import pytest
 
-from megatron_streaming.arguments import parse_args, validate
-from megatron_streaming.door import parameter_count
+from megatron_streaming.cli.arguments import parse_args, validate
+from megatron_streaming.job.door import parameter_count
 from megatron_streaming.plan.__main__ import main
 from megatron_streaming.plan.memory import Layout, ModelShape, Training, estimate
 
@@ -182,9 +182,9 @@ def test_step_time_counts_the_unfused_attention_and_the_optimizers_host_time():
     the fused optimizer path takes the longer of its bytes and HOST_SECONDS_PER_TENSOR per
     parameter tensor (292 in this 24-layer GPT, as DeepSpeed's per-tensor checks ran on the
     H200; 6 a layer and 3 more for a Llama without biases)."""
-    from megatron_streaming.plan.step_time import (
-        HOST_SECONDS_PER_TENSOR, SCORE_BYTES, SCORE_BYTES_FORWARD, Fabric, optimizer_bytes,
-        step_time)
+    from megatron_streaming.plan.step_time import (HOST_SECONDS_PER_TENSOR, SCORE_BYTES,
+                                                   SCORE_BYTES_FORWARD, Fabric, optimizer_bytes,
+                                                   step_time)
 
     shape = ModelShape.from_config(parse_args(MODEL).model, 32000)
     assert shape.stage_tensors(1, 0) == 292

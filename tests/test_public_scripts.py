@@ -18,8 +18,8 @@ import re
 import pytest
 
 from harness import REPO, read_jsonl, train_losses
-from megatron_streaming import megatron_flags
-from megatron_streaming.arguments import ConfigError, build_parser, parse_args, validate
+from megatron_streaming.cli import megatron_flags
+from megatron_streaming.cli.arguments import ConfigError, build_parser, parse_args, validate
 from public_scripts import SCRIPTS
 
 BY_NAME = {s["name"]: s for s in SCRIPTS}

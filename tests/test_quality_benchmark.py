@@ -23,7 +23,7 @@ def test_corpora_hold_out_whole_documents(corpus):
 
 
 def test_every_variant_is_a_valid_command_line():
-    from megatron_streaming.arguments import parse_args
+    from megatron_streaming.cli.arguments import parse_args
 
     class Opts:
         global_batch, steps, eval_interval, eval_samples = 16, 1200, 100, 256

@@ -9,7 +9,7 @@ from harness import REPO, TINY, run
 
 
 def test_expected_messages_pass_once_on_rank_0_only():
-    from megatron_streaming.quiet import OncePerJob
+    from megatron_streaming.run.quiet import OncePerJob
 
     first, other = OncePerJob(rank=0), OncePerJob(rank=1)
     family = ["Transformer Engine and Apex are not installed. Falling back to Torch optimizers.",

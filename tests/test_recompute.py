@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from harness import run
-from megatron_streaming.arguments import ConfigError, parse_args, validate
+from megatron_streaming.cli.arguments import ConfigError, parse_args, validate
 
 DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
 VOCAB = 200
@@ -31,8 +31,9 @@ def _loss_and_grads(topo, flags):
     the same masks as long as the recomputed forward restores the RNG state."""
     import torch
 
-    from megatron_streaming import distributed, weights
-    from megatron_streaming.model import build_model
+    from megatron_streaming.parallel import distributed
+    from megatron_streaming.worker import weights
+    from megatron_streaming.worker.model import build_model
 
     cfg = parse_args([*MODEL, *DROPOUT, *flags])
     m = cfg.model
@@ -70,7 +71,7 @@ def test_recompute_keeps_loss_and_gradients(megatron_world, backend):
 
 def _tp2_worker(rank, world, group):
     import patches
-    from megatron_streaming.topology import RankLayout, Topology
+    from megatron_streaming.parallel.topology import RankLayout, Topology
 
     patches.apply()
     topo = Topology.create(RankLayout(world_size=world, tp=world), rank)

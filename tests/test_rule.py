@@ -4,7 +4,7 @@ found syncing harmful and nowhere else, its advice parses, and a run warns once 
 import pytest
 
 from harness import TINY, run
-from megatron_streaming.arguments import parse_args
+from megatron_streaming.cli.arguments import parse_args
 from megatron_streaming.streaming import rule
 
 RUN = ["--mock-data", "--diloco-workers", "2", "--diloco-inner-steps", "30",

@@ -13,8 +13,8 @@ import pytest
 from megatron.core.num_microbatches_calculator import RampupBatchsizeNumMicroBatchesCalculator
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from megatron_streaming.arguments import ConfigError, parse_args, validate
-from megatron_streaming.schedules import BatchSchedule, LrSchedule
+from megatron_streaming.cli.arguments import ConfigError, parse_args, validate
+from megatron_streaming.config.schedules import BatchSchedule, LrSchedule
 
 MOCK = ["--mock-data", "--seq-length", "32"]
 
@@ -143,9 +143,9 @@ def test_decoupled_lr_equals_megatron_param_groups_and_scheduler(
     parameter has our group's weight decay and, at every step, our group's lr, exactly."""
     from megatron.core.optimizer import OptimizerConfig, _get_param_groups
 
-    from megatron_streaming import distributed
-    from megatron_streaming.engine import param_groups
-    from megatron_streaming.model import build_model
+    from megatron_streaming.parallel import distributed
+    from megatron_streaming.worker.engine import param_groups
+    from megatron_streaming.worker.model import build_model
 
     cfg = _cfg([*LR, *flags, *decoupled, "--num-layers", "2", "--hidden-size", "32",
                 "--num-attention-heads", "4", "--position-embedding-type", "learned_absolute",
@@ -195,9 +195,9 @@ class _Stage:
 def test_every_stage_has_three_nonempty_groups_with_decoupled_lr(megatron_world, tied):
     """DeepSpeed needs the same group count on every stage and no empty group: a middle
     stage (PP >= 3) fills the decoupled group with one weight at the regular lr."""
-    from megatron_streaming import distributed
-    from megatron_streaming.engine import param_groups
-    from megatron_streaming.model import build_model
+    from megatron_streaming.parallel import distributed
+    from megatron_streaming.worker.engine import param_groups
+    from megatron_streaming.worker.model import build_model
 
     cfg = _cfg([*LR, "--decoupled-lr", "3e-3", "--decoupled-min-lr", "2e-4", "--num-layers",
                 "2", "--hidden-size", "32", "--num-attention-heads", "4",
@@ -228,7 +228,7 @@ def test_every_stage_has_three_nonempty_groups_with_decoupled_lr(megatron_world,
 
 def test_lr_at_keeps_its_signature_and_megatron_warmup():
     """The first step of a warmup runs at --lr-warmup-init (0), as in Megatron."""
-    from megatron_streaming.engine import lr_at
+    from megatron_streaming.worker.engine import lr_at
 
     cfg = parse_args([*MOCK, "--lr", "1.0", "--lr-warmup-iters", "4", "--train-iters", "10"])
     assert [lr_at(i, cfg) for i in range(5)] == [0.0, 0.25, 0.5, 0.75, 1.0]
@@ -395,7 +395,7 @@ def _json(tmp_path, config, name="ds_config.json"):
 
 def test_megatron_deepspeed_llama_json_sets_the_flags_not_given(tmp_path):
     """examples_deepspeed/pretrain_llama*_distributed.sh's JSON, with none of its flags given."""
-    from megatron_streaming.engine import deepspeed_config
+    from megatron_streaming.worker.engine import deepspeed_config
 
     path = _json(tmp_path, {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4,
                             "steps_per_print": 1, "zero_optimization": {"stage": 1},
@@ -414,7 +414,7 @@ def test_megatron_deepspeed_llama_json_sets_the_flags_not_given(tmp_path):
 def test_megatron_deepspeed_gpt_json_with_its_script_flags(tmp_path):
     """examples_deepspeed/rebase/ds_pretrain_gpt_1.3B.sh's JSON (fp16, clipping, prescale) with
     the flags the script also passes: everything agrees; DeepSpeed-only keys pass through."""
-    from megatron_streaming.engine import deepspeed_config
+    from megatron_streaming.worker.engine import deepspeed_config
 
     user = {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2, "steps_per_print": 10,
             "zero_optimization": {"stage": 0, "reduce_bucket_size": 5e8},
@@ -444,7 +444,7 @@ def test_deepspeed_json_overlap_comm_at_stage_1_runs_without_it(tmp_path):
     """``"overlap_comm": true`` at stage 1 (DeepSpeed refuses it with the schedule owning the
     micro-batches) sets --overlap-grad-reduce, which runs as stage 1 can: without overlap,
     noted; at stage 2 it is passed on."""
-    from megatron_streaming.engine import deepspeed_config
+    from megatron_streaming.worker.engine import deepspeed_config
 
     for stage, overlap in ((1, False), (2, True)):
         path = _json(tmp_path, {"zero_optimization": {"stage": stage, "overlap_comm": True}},
@@ -518,7 +518,7 @@ def _fake_wandb():
 
 
 def test_wandb_writer_logs_the_same_scalars(tmp_path, monkeypatch):
-    from megatron_streaming.metrics import make_writer
+    from megatron_streaming.run.metrics import make_writer
 
     monkeypatch.setitem(sys.modules, "wandb", _fake_wandb())
     monkeypatch.setenv("FAKE_WANDB_LOG", str(tmp_path / "calls.jsonl"))
@@ -539,7 +539,7 @@ def test_wandb_writer_logs_the_same_scalars(tmp_path, monkeypatch):
 
 
 def test_wandb_missing_is_one_line_and_no_crash(tmp_path, monkeypatch, caplog):
-    from megatron_streaming.metrics import make_writer
+    from megatron_streaming.run.metrics import make_writer
 
     monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb -> ImportError
     cfg = parse_args([*MOCK, "--wandb-project", "proj", "--wandb-exp-name", "run1"])

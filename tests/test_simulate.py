@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from megatron_streaming import simulate as sim
+from megatron_streaming.plan import simulate as sim
 
 # Two layers, 6 s per step: forward 1 s per layer, backward 2 s per layer. With bits=1,
 # 2 workers (ring factor 1) and 1e-9 Gbit/s (1 bit/s), a layer's reduction takes

@@ -8,7 +8,7 @@ batch script the way the README submits it, in both forms:
 * the time-limit path: USR1 to the batch shell (what --signal=B:USR1@300 sends), SIGTERM to
   the steps, a checkpoint, the job requeues itself and the rerun resumes from --load;
 * no batch script of ours: a bare ``srun python pretrain_gpt.py`` whose two tasks are the
-  job's two ranks (SLURM's task variables read as a launcher's, ``megatron_streaming.slurm``).
+  job's two ranks (SLURM's task variables read as a launcher's, ``megatron_streaming.parallel.slurm``).
 
 Each checks the job's final state in ``scontrol show job`` (no accounting, so no sacct) and the
 run's --summary-json. Skipped with the reason where the cluster cannot run: not root, no

@@ -29,7 +29,7 @@ class _FakeCross:
 
 
 def _decisions(rank, group, workers, lag):
-    from megatron_streaming.lifecycle import StopAgreement, StopRequest
+    from megatron_streaming.job.lifecycle import StopAgreement, StopRequest
 
     request = StopRequest(signals=())
     cross = _FakeCross()

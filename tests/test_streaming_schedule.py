@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron_streaming.config import Config
-from megatron_streaming.streaming import builder
+from megatron_streaming.streaming import builder, settings
 from megatron_streaming.streaming.fragments import FragmentPlan
 from megatron_streaming.streaming.schedule import SyncSchedule, spaced_sends, sync_weights
 
@@ -121,8 +121,8 @@ def test_lr_spacing_with_a_constant_lr_is_even_spacing():
 
 @pytest.mark.parametrize("spacing", ["lr", "decay"])
 def test_spacing_follows_the_runs_own_learning_rate(spacing):
-    from megatron_streaming.arguments import parse_args
-    from megatron_streaming.engine import lr_at
+    from megatron_streaming.cli.arguments import parse_args
+    from megatron_streaming.worker.engine import lr_at
 
     cfg = parse_args(["--mock-data", "--diloco-workers", "2", "--diloco-inner-steps", "12",
                       "--diloco-fragments", "3", "--diloco-overlap-steps", "1",
@@ -130,7 +130,7 @@ def test_spacing_follows_the_runs_own_learning_rate(spacing):
                       "--lr-warmup-iters", "10", "--train-iters", "240"])
     lrs = [lr_at(i, cfg) for i in range(240)]
     expected = spaced_sends(sync_weights(spacing, lrs), 4, 1)
-    assert builder.sync_schedule(cfg).send_steps == expected and len(expected) == 60
+    assert settings.sync_schedule(cfg).send_steps == expected and len(expected) == 60
 
 
 @pytest.mark.parametrize("spacing", ["lr", "decay"])
@@ -230,9 +230,9 @@ def test_fragment_plan_rejects_bad_settings():
 @pytest.fixture(scope="module")
 def gpt_parameter_names(megatron_world):
     """Parameter names of a real 4-layer megatron-core GPTModel, tied and untied output."""
-    from megatron_streaming import distributed
+    from megatron_streaming.parallel import distributed
     from megatron_streaming.config import ModelConfig, ParallelConfig
-    from megatron_streaming.model import build_model
+    from megatron_streaming.worker.model import build_model
 
     names = {}
     for untie in (False, True):

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from megatron_streaming.streaming import report
-from megatron_streaming.streaming.codec import make_codec
+from megatron_streaming.comm.codec import make_codec
 from megatron_streaming.streaming.outer import OuterOptimizer
 from megatron_streaming.streaming.schedule import SyncSchedule
 from megatron_streaming.streaming.sync import NoSync, ShardGroup, StreamingSync
-from megatron_streaming.streaming.transport import Transport
+from megatron_streaming.comm.transport import Transport
 
 
 def _gen(seed):
@@ -192,7 +192,7 @@ class _HeldTransport(Transport):
     """Records what a send hands over and completes it at once, on the caller's thread."""
 
     def all_reduce_mean_many(self, xs, step, tags, feedbacks, numels=None):
-        from megatron_streaming.streaming.transport import ExchangeResult, Pending
+        from megatron_streaming.comm.transport import ExchangeResult, Pending
 
         self.handed = list(zip(xs, numels))
         return [Pending.completed(ExchangeResult(x[:n], True, 0, 0, 0.0, 0.0), step, tag)

@@ -10,9 +10,9 @@ import time
 import pytest
 import torch
 
-from megatron_streaming.streaming.codec import make_codec
+from megatron_streaming.comm.codec import make_codec
 from megatron_streaming.streaming.outer import OuterOptimizer, merge
-from megatron_streaming.streaming.transport import GroupReleased, SyncTimeout, Transport
+from megatron_streaming.comm.transport import GroupReleased, SyncTimeout, Transport
 
 from conftest import spawn_gloo
 
@@ -215,7 +215,7 @@ def _transport_worker(rank, world, group):
     # short) carry exactly what gloo's all-to-all and all-gather carry.
     import torch.distributed as dist
 
-    from megatron_streaming.streaming import transport as wire
+    from megatron_streaming.comm import transport as wire
 
     row = (torch.arange(world * 1000) % 251 + 3 * rank).to(torch.uint8)
     saved, wire.WIRE_CHUNK = wire.WIRE_CHUNK, 7
@@ -430,7 +430,7 @@ def test_exchanges_run_in_order_on_a_daemon_thread_that_close_drains():
     import threading
     import time
 
-    from megatron_streaming.serial import SerialThread
+    from megatron_streaming.comm.serial import SerialThread
 
     done, worker = [], SerialThread("cross-worker")
     names = []

@@ -11,8 +11,9 @@ import os
 
 import pytest
 
+from megatron_streaming.comm.crossworker import CrossWorker
 from megatron_streaming.data import MicroBatchSampler
-from megatron_streaming.topology import IN_WORKER_AXES, RankLayout, Topology
+from megatron_streaming.parallel.topology import IN_WORKER_AXES, RankLayout, Topology
 
 # (world, workers, tp, pp[, sp]) -> dp follows
 SHAPES = [
@@ -312,6 +313,7 @@ def _check_topology_on_rank(rank, world, store_path):
             value = torch.tensor([float(rank + 1)])
             dist.all_reduce(value, group=topo.groups[name])
             assert value.item() == sum(r + 1 for r in topo.group_ranks[name]), (rank, name)
+        topo.cross = CrossWorker(topo)
         topo.barrier()
         assert topo.cross.gather_control(rank) == [rank % 4, rank % 4 + 4]
 

@@ -6,8 +6,8 @@ import math
 import pytest
 
 from harness import SHARED_DATA, run
-from megatron_streaming.arguments import parse_args
-from megatron_streaming.engine import lr_at
+from megatron_streaming.cli.arguments import parse_args
+from megatron_streaming.worker.engine import lr_at
 
 
 def test_warmup_then_cosine_and_linear_decay():

@@ -17,7 +17,7 @@ import os
 import pytest
 import torch
 
-from megatron_streaming import ulysses
+from megatron_streaming.worker import ulysses
 
 from conftest import spawn_gloo
 
@@ -86,8 +86,8 @@ def _setup_megatron(rank, world, layout=None):
     import deepspeed
 
     import patches
-    from megatron_streaming.distributed import seed_everything
-    from megatron_streaming.topology import RankLayout, Topology
+    from megatron_streaming.parallel.distributed import seed_everything
+    from megatron_streaming.parallel.topology import RankLayout, Topology
 
     patches.apply()
     # DistributedAttention talks through deepspeed.comm: wrap the existing default group.
@@ -101,7 +101,7 @@ def _setup_megatron(rank, world, layout=None):
 def _config(num_query_groups=None, position_embedding_type="learned_absolute", tp=1,
             megatron_sp=False):
     from megatron_streaming.config import ModelConfig, ParallelConfig
-    from megatron_streaming.model import transformer_config
+    from megatron_streaming.worker.model import transformer_config
 
     cfg = ModelConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS,
                       seq_length=SEQ, transformer_impl="local", hidden_dropout=0.0,
@@ -174,9 +174,9 @@ def _core_attention_case(topo, group, rank, world, num_query_groups, with_mask,
 def _gpt(topo, layer_spec, position_embedding_type, tp=1, megatron_sp=False):
     from megatron.core.models.gpt import GPTModel
 
-    from megatron_streaming import weights
-    from megatron_streaming.distributed import seed_everything
-    from megatron_streaming.model import padded_vocab_size
+    from megatron_streaming.worker import weights
+    from megatron_streaming.parallel.distributed import seed_everything
+    from megatron_streaming.worker.model import padded_vocab_size
 
     cfg, config = _config(position_embedding_type=position_embedding_type, tp=tp,
                           megatron_sp=megatron_sp)
@@ -199,7 +199,7 @@ def _gpt_case(topo, group, rank, world, position_embedding_type, tp=1, megatron_
     import torch.distributed as dist
     from megatron.core.models.gpt import gpt_layer_specs
 
-    from megatron_streaming import grads
+    from megatron_streaming.worker import grads
 
     batch = _batch()
     ref = _gpt(topo, gpt_layer_specs.get_gpt_layer_local_spec(normalization="LayerNorm"),
@@ -237,14 +237,14 @@ def _gpt_case(topo, group, rank, world, position_embedding_type, tp=1, megatron_
 
 def _sp_topology(rank, world, tp=1):
     """The worker's own SP axis: ``RankLayout(sp=...)``, groups from ``Topology``."""
-    from megatron_streaming.topology import RankLayout
+    from megatron_streaming.parallel.topology import RankLayout
 
     topo = _setup_megatron(rank, world, RankLayout(world_size=world, tp=tp, sp=world // tp))
     return topo, topo.groups["sp"], topo.coords["sp"], world // tp
 
 
 def _ulysses_worker(rank, world, _all):
-    from megatron_streaming.attention import SDPAttention
+    from megatron_streaming.worker.attention import SDPAttention
 
     topo, group, rank, world = _sp_topology(rank, world)
     out = {}

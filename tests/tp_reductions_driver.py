@@ -1,5 +1,5 @@
 """``pretrain_gpt.py`` that also counts, per step, the all-reduces the gradient fix-ups
-(``megatron_streaming.grads``) issue on this rank's tensor-parallel group, and writes them to
+(``megatron_streaming.worker.grads``) issue on this rank's tensor-parallel group, and writes them to
 ``$TP_REDUCTIONS_DIR/rank<R>.json`` with the sequence-parallel parameters' slices that this
 rank's ZeRO partition cuts (a parameter split across two data-parallel ranks).
 
@@ -40,7 +40,7 @@ class TpReductions:
             group = kwargs["group"] if "group" in kwargs else (args[1] if len(args) > 1
                                                                else None)
             if group is self.group and \
-                    sys._getframe(1).f_globals.get("__name__") == "megatron_streaming.grads":
+                    sys._getframe(1).f_globals.get("__name__") == "megatron_streaming.worker.grads":
                 self.now += 1
             return all_reduce(tensor, *args, **kwargs)
 

@@ -16,9 +16,9 @@ from typing import Callable, List, Optional
 
 from ..errors import JobFailure
 from .resume import FORMAT_VERSION, CheckpointError
-from .store import (TRACKER, check_files, check_safe, check_writable, checkpoint_files,
-                    commit, file_table, find_checkpoint, has_checkpoint, iteration_dir,
-                    read_meta, share, worker_part)
+from .store import (TRACKER, check_files, check_safe, check_writable, checkpoint_files, commit,
+                    file_table, find_checkpoint, has_checkpoint, iteration_dir, read_meta, share,
+                    worker_part)
 
 __all__ = ["CheckpointError", "CheckpointWriteError", "Checkpointer", "FORMAT_VERSION",
            "TRACKER", "check_loadable", "check_writable", "find_checkpoint", "has_checkpoint",

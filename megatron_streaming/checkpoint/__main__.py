@@ -76,7 +76,7 @@ def _inspect(args) -> None:
 def _export(args) -> None:
     import torch
 
-    from .. import hf
+    from . import hf
     from ..config import ModelConfig
     from .offline import parameters
 
@@ -92,8 +92,8 @@ def _export(args) -> None:
 
 
 def _import(args) -> None:
-    from .. import hf
-    from ..arguments import parse_args
+    from . import hf
+    from ..cli.arguments import parse_args
     from .offline import write
 
     flags, params = hf.load_hf(args.hf_dir)

@@ -164,7 +164,7 @@ class JobState:
             if pending is not None:
                 means, fragments = pending
                 tensors = self._params(self._sync_vectors(means))
-                from ..streaming.builder import fragment_plan
+                from ..streaming.settings import fragment_plan
 
                 plan = fragment_plan(self.cfg)
                 add("outer.pending", {i: t for i, t in tensors.items()
@@ -479,7 +479,7 @@ class JobState:
                 offset += t.numel()
 
     def _restore_sync(self, weights, per_kind, plan, meta) -> None:
-        from ..streaming.transport import ExchangeResult, Pending
+        from ..comm.transport import ExchangeResult, Pending
 
         s = self.sync
         theta = per_kind["theta_g"] or weights  # a run without the sync: theta_g = weights

@@ -63,11 +63,11 @@ def architecture(model_cfg) -> Dict[str, object]:
 
 
 def streaming_description(cfg) -> dict:
-    from ..streaming import builder
+    from ..streaming import settings
 
     s = cfg.streaming
-    return {"enabled": builder.enabled(cfg), "workers": s.diloco_workers,
-            "fragments": builder.num_fragments(cfg), "pattern": s.diloco_fragment_pattern,
+    return {"enabled": settings.enabled(cfg), "workers": s.diloco_workers,
+            "fragments": settings.num_fragments(cfg), "pattern": s.diloco_fragment_pattern,
             "inner_steps": s.diloco_inner_steps, "overlap_steps": s.diloco_overlap_steps,
             "eager": s.diloco_eager,
             "quantize": s.diloco_quantize, "error_feedback": s.diloco_error_feedback,
@@ -138,7 +138,7 @@ class ResumePlan:
 
 def plan(meta: dict, cfg, layout, rank: int, new_worker_optimizer: str) -> ResumePlan:
     """How this rank resumes from ``meta`` (the checkpoint's JSON)."""
-    from ..streaming import builder
+    from ..streaming import settings
 
     old_layout = meta["layout"]
     same_layout = old_layout == layout_description(layout, cfg.parallel.zero_stage)
@@ -168,7 +168,7 @@ def plan(meta: dict, cfg, layout, rank: int, new_worker_optimizer: str) -> Resum
     optimizer_keys = source["optimizer_keys"] if source else []
     optimizer_steps = source["optimizer_steps"] if source else []
 
-    changes = schedule_changes(meta, cfg) if builder.enabled(cfg) else []
+    changes = schedule_changes(meta, cfg) if settings.enabled(cfg) else []
     old_pending = meta.get("pending", [])
     # Without the sync on resume, the worker simply goes on from its own weights.
     eager_saved = bool(meta["streaming"].get("eager"))
@@ -178,7 +178,7 @@ def plan(meta: dict, cfg, layout, rank: int, new_worker_optimizer: str) -> Resum
     merge_now = bool(old_pending) and (bool(changes) or eager_regroup)
     iteration = meta["iteration"]
     pending, nothing = {}, []
-    if builder.enabled(cfg):
+    if settings.enabled(cfg):
         if old_pending and not merge_now:
             pending = {p["fragment"]: {"step": p["step"], "all_finite": p["all_finite"]}
                        for p in old_pending}
@@ -186,7 +186,7 @@ def plan(meta: dict, cfg, layout, rank: int, new_worker_optimizer: str) -> Resum
             nothing = list(meta["merged_early"])
         if changes or eager_regroup or not meta["streaming"]["enabled"]:
             # The new schedule's exchanges that would be in flight now were never sent.
-            nothing = builder.sync_schedule(cfg).in_flight_after(iteration)
+            nothing = settings.sync_schedule(cfg).in_flight_after(iteration)
     if changes:
         notes.append("sync schedule changed on resume (" + ", ".join(
             f"{flag} {old} -> {new}" for flag, old, new in changes) + ")"
@@ -199,7 +199,7 @@ def plan(meta: dict, cfg, layout, rank: int, new_worker_optimizer: str) -> Resum
         ("--diloco-outer-momentum", "outer_momentum", cfg.streaming.diloco_outer_momentum),
         ("--diloco-alpha", "alpha", cfg.streaming.diloco_alpha))]
     outer = [c for c in outer if c[1] is not None and c[1] != c[2]]
-    if outer and builder.enabled(cfg):
+    if outer and settings.enabled(cfg):
         # Typed on purpose, or a changed default (earlier checkpoints: 0.7 / 0.9): say so.
         notes.append("outer optimizer changed on resume (" + ", ".join(
             f"{flag} {old} -> {new}" for flag, old, new in outer) + "); the outer momentum "

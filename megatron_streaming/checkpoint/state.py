@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from patches import deepspeed_zero
 
-from ..weights import global_name, local_spec_name
+from ..worker.weights import global_name, local_spec_name
 
 EMBEDDING = "embedding.word_embeddings.weight"
 VOCAB_PARAMS = (EMBEDDING, "output_layer.weight")

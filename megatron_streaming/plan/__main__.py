@@ -73,7 +73,7 @@ def launcher_check(cfg, workers: int):
     ``validate``), or None: so the plan only proposes what the launch accepts."""
     import copy
 
-    from ..arguments import validate
+    from ..cli.arguments import validate
     from ..errors import UsageError
 
     def check(layout, batch: int):
@@ -98,15 +98,15 @@ def attention_kernel(cfg) -> str:
     or ``local``: megatron-core's, or Transformer Engine's unfused one); else ``flash``:
     Transformer Engine's fused kernels on its layers, torch's fused attention on the local
     ones (Ulysses and Ladder included), which ``auto`` runs there."""
-    from ..model import local_attention
+    from ..worker.model import local_attention
 
     return "unfused" if local_attention(cfg.model.attention_backend) == "unfused" else "flash"
 
 
 def main(argv=None) -> int:
-    from ..arguments import parse_args
+    from ..cli.arguments import parse_args
     from ..errors import UsageError
-    from ..inputs import load_run_tokenizer
+    from ..data.inputs import load_run_tokenizer
     from .clusters import load_cluster, load_link
     from .memory import ModelShape, Training
     from .report import format_plan

@@ -133,7 +133,7 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, m, vocab_size: int) -> "ModelShape":
-        from ..door import padded_vocab_size
+        from ..job.door import padded_vocab_size
 
         heads = m.num_attention_heads
         return cls(

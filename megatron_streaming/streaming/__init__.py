@@ -1,1 +1,3 @@
-"""Streaming DiLoCo: fragments, schedule, codec, transport, outer optimizer and the ZeRO hook that ties them together."""
+"""Streaming DiLoCo: what the flags mean (``settings``), fragments, schedule, outer optimizer,
+the sync hooked into the ZeRO step (``sync``, ``canonical`` across layouts), its assembly
+(``builder``) and its report."""

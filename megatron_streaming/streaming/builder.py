@@ -1,60 +1,16 @@
-"""Builds the streaming sync of one rank from the config, the topology and the engine."""
+"""Builds the streaming sync of one rank from the config, the topology and the engine (what
+the flags mean on their own is ``settings``)."""
 
 from __future__ import annotations
 
 from typing import Callable, Union
 
+from ..comm.codec import make_codec, warm_up
 from ..config import Config
-from ..topology import Topology
-from ..weights import global_name, local_spec_name
-from .codec import make_codec, warm_up
-from .fragments import FragmentPlan
-from .outer import OuterOptimizer
-from .schedule import SyncSchedule
+from ..parallel.topology import Topology
+from ..worker.weights import global_name, local_spec_name
+from .settings import enabled, fragment_plan, outer_optimizer, sync_schedule
 from .sync import NoSync, ShardGroup, StreamingSync
-
-
-def enabled(cfg: Config) -> bool:
-    s = cfg.streaming
-    return s.diloco_sync and s.diloco_workers > 1
-
-
-def num_fragments(cfg: Config) -> int:
-    s = cfg.streaming
-    if s.diloco_fragment_layers:
-        return cfg.model.num_layers // s.diloco_fragment_layers
-    return s.diloco_fragments
-
-
-def fragment_plan(cfg: Config) -> FragmentPlan:
-    return FragmentPlan(cfg.model.num_layers, num_fragments(cfg),
-                        cfg.streaming.diloco_fragment_pattern)
-
-
-def sync_schedule(cfg: Config, dp: int = 1) -> SyncSchedule:
-    """The schedule of the flags (``dp``: a worker's data-parallel size, for a batch ramp's
-    effect on the learning rate under ``--diloco-sync-spacing lr|decay``)."""
-    s = cfg.streaming
-    schedule = SyncSchedule(s.diloco_inner_steps, num_fragments(cfg), s.diloco_overlap_steps,
-                            eager=s.diloco_eager)
-    if s.diloco_sync_spacing != "steps" and cfg.training.train_iters:
-        from ..schedules import BatchSchedule, LrSchedule
-        from .schedule import spaced_sends, sync_weights
-
-        lr = LrSchedule(cfg, BatchSchedule(cfg.training, cfg.model.seq_length, dp))
-        lrs = [lr(i) for i in range(cfg.training.train_iters)]
-        schedule = SyncSchedule(s.diloco_inner_steps, num_fragments(cfg),
-                                s.diloco_overlap_steps,
-                                spaced_sends(sync_weights(s.diloco_sync_spacing, lrs),
-                                             schedule.interval, s.diloco_overlap_steps),
-                                s.diloco_eager)
-    return schedule
-
-
-def outer_optimizer(cfg: Config) -> OuterOptimizer:
-    s = cfg.streaming
-    return OuterOptimizer(s.diloco_outer_lr, s.diloco_outer_momentum, s.diloco_nesterov,
-                          s.co2_gap_penalty, s.co2_clip_threshold)
 
 
 def model_name_function(cfg: Config, topology: Topology) -> Callable[[str], str]:
@@ -98,7 +54,7 @@ def shard_groups(engine, fragment_of: Callable[[str], int]):
 
 def canonical_routes(cfg: Config, topology: Topology, groups):
     """Every fragment's route to the lanes (``canonical``; collective over the worker)."""
-    from ..topology import device_of
+    from ..parallel.topology import device_of
     from .canonical import build_routes
 
     plan = fragment_plan(cfg)

@@ -36,9 +36,9 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from .codec import ErrorFeedback
+from ..comm.codec import ErrorFeedback
 from .sync import StreamingSync, sum_of_squares, timed
-from .transport import ExchangeResult, Pending
+from ..comm.transport import ExchangeResult, Pending
 
 log = logging.getLogger("megatron_streaming")
 
@@ -173,7 +173,7 @@ def build_routes(groups, sources, worker_group, device, rank: int, lanes: int,
     fragment's, also one holding none of it). ``sources[g.index]``: per tensor of shard group
     ``g``, ``(local name, parameter, first element)``; ``model_name``: local name -> its
     name in the whole model (``builder.model_name_function``)."""
-    from ..weights import _full_shape
+    from ..worker.weights import _full_shape
 
     sizes = {}
     for name, param in _named(sources):
@@ -353,7 +353,7 @@ class CanonicalSync(StreamingSync):
         try:
             result = pending.wait()
         except Exception as e:
-            from ..lifecycle import hand_over
+            from ..comm.failures import hand_over
 
             hand_over(self.on_lost, e)
             ok = False

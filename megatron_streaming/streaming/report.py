@@ -19,7 +19,7 @@ from typing import Dict
 import torch
 import torch.distributed as dist
 
-from ..topology import device_of
+from ..parallel.topology import device_of
 from .sync import FragmentStats, StreamingSync
 
 _SUMMED = ("grad_sq", "bytes_sent", "bytes_received", "skipped")

@@ -41,10 +41,10 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from .codec import ErrorFeedback
+from ..comm.codec import ErrorFeedback
 from .outer import OuterOptimizer, merge
 from .schedule import SyncSchedule
-from .transport import Pending, Transport, pinned_host_copy
+from ..comm.transport import Pending, Transport, pinned_host_copy
 
 log = logging.getLogger("megatron_streaming")
 
@@ -326,7 +326,7 @@ class StreamingSync:
         try:
             result = pending.wait()
         except Exception as e:
-            from ..lifecycle import hand_over
+            from ..comm.failures import hand_over
 
             hand_over(self.on_lost, e)  # a lost worker: skipped here, dropped everywhere
             stats.skipped += 1

@@ -12,8 +12,8 @@ from typing import Optional
 
 import torch
 
-from .config import ModelConfig, ParallelConfig, PrecisionConfig, TransformerEngineConfig
-from .topology import Topology
+from ..config import ModelConfig, ParallelConfig, PrecisionConfig, TransformerEngineConfig
+from ..parallel.topology import Topology
 
 log = logging.getLogger(__name__)
 

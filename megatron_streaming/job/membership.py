@@ -5,7 +5,7 @@ membership (a worker lost, a worker back) writes the next epoch's record once:
 ``megatron_streaming/membership/<e>`` = ``{"members": [...], "step": s, "reason": "..."}``,
 with the store's compare-and-set, so the first proposer wins and every other proposer of the
 same epoch reads the winner's record instead of writing its own. The store is the job's
-standalone rendezvous (``python -m megatron_streaming.rendezvous``): no worker hosts it, so
+standalone rendezvous (``python -m megatron_streaming.job.rendezvous``): no worker hosts it, so
 any live worker can write and read the record.
 
 The rule against split brain: a record lets its members go on only if they are a strict

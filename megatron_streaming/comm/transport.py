@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import JobFailure
-from ..serial import SerialThread
+from .serial import SerialThread
 from .codec import Codec, Encoded, ErrorFeedback, is_finite
 
 

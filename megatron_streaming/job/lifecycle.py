@@ -35,10 +35,10 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from .crossworker import byte_count
-from .errors import JobFailure
-from .serial import BoundedCalls
-from .topology import device_of
+from ..comm.crossworker import byte_count
+from ..comm.failures import hand_over
+from ..comm.serial import BoundedCalls
+from ..parallel.topology import device_of
 
 log = logging.getLogger("megatron_streaming")
 
@@ -329,7 +329,7 @@ class Liveness:
     def hosts_store(self) -> bool:
         """Global rank 0 hosts the store unless an agent (torchrun) or a standalone
         rendezvous (``--rendezvous-external``) does."""
-        from .distributed import STORE_HOST
+        from ..parallel.distributed import STORE_HOST
 
         agent = "agent" if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") else "rank0"
         return self.rank == 0 and os.environ.get(STORE_HOST, agent) == "rank0"
@@ -352,30 +352,6 @@ class Liveness:
             time.sleep(0.2)
 
 
-def hand_over(on_lost, error: BaseException) -> None:
-    """A failed cross-worker collective of an elastic run goes to ``on_lost``
-    (``elastic.Elastic.note``); without one, or for any other error, it is raised."""
-    if on_lost is None or not is_communication_error(error):
-        raise error
-    on_lost(error)
-
-
-def is_communication_error(e: BaseException) -> bool:
-    """A failed or timed-out collective (a lost or stuck peer), as opposed to a bug."""
-    from .streaming.transport import SyncTimeout
-
-    if isinstance(e, (SyncTimeout, ConnectionError, TimeoutError)):
-        return True
-    if isinstance(e, JobFailure):  # already says what happened (e.g. a full disk)
-        return False
-    if isinstance(e, getattr(dist, "DistError", ())):
-        return True
-    text = str(e).lower()  # e.g. gloo's "Application timeout caused pair closure"
-    return isinstance(e, RuntimeError) and any(
-        s in text for s in ("gloo", "connection", "nccl", "timed out", "timeout", "socket",
-                            "pair closure"))
-
-
 def describe_rank(layout, rank: int) -> str:
     c = layout.coords(rank)
     axes = ", ".join(f"{a} {c[a]}" for a in ("tp", "sp", "dp", "pp")
@@ -391,7 +367,7 @@ def failure_message(error: BaseException, layout, rank: int, iteration: int,
     # gloo appends advice to its errors ("This is typically caused by ..."): keep the fact.
     first_line = text.splitlines()[0].split(". This is typically")[0]
     if survey_error:
-        from .distributed import STORE_HOST
+        from ..parallel.distributed import STORE_HOST
 
         host = ("the standalone rendezvous" if os.environ.get(STORE_HOST) == "external"
                 else describe_rank(layout, 0))
@@ -411,7 +387,7 @@ def failure_message(error: BaseException, layout, rank: int, iteration: int,
 
 
 def checkpoint_advice(save: Optional[str]) -> str:
-    from .checkpoint import CheckpointError, find_checkpoint
+    from ..checkpoint import CheckpointError, find_checkpoint
 
     if not save:
         return "No checkpoint: --save was not given."

@@ -12,7 +12,7 @@ either project passes is listed here, with what ``pretrain_gpt.py`` does with it
 
 Where it sits: ``arguments.build_parser`` registers these flags (hidden from ``--help``; the
 README's table lists them) and ``arguments.parse_args`` calls ``apply`` on what was given.
-``python -m megatron_streaming.megatron_flags`` prints the table.
+``python -m megatron_streaming.cli.megatron_flags`` prints the table.
 """
 
 from __future__ import annotations

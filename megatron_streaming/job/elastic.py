@@ -43,9 +43,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .errors import JobFailure
+from ..errors import JobFailure
 from .lifecycle import STORE_CALL_SECONDS
-from .topology import device_of
+from ..parallel.topology import device_of
 
 log = logging.getLogger("megatron_streaming")
 
@@ -207,17 +207,11 @@ class Elastic:
         topo.members = record.members
         reports = topo.is_logging_rank()  # the lowest live worker reports for the job
         if reports != run.reports:  # this rank starts or stops reporting
-            from .metrics import make_writer, setup_logging
-
-            setup_logging(reports)
-            run.reports = reports
-            if hasattr(run, "writer"):  # (a rejoining worker makes it after joining)
-                run.writer.close()
-                run.writer = make_writer(run.cfg.logging, reports, run.cfg)
+            run.report_from_here(reports)
         topo.cross.regroup(topo)
         run.sync.regroup(topo.cross)
         if run.sync.enabled:  # the token weights are over the members
-            from .streaming.builder import token_share
+            from ..streaming.builder import token_share
 
             run.sync.share = token_share(run.cfg, run.job, topo)
         run.stop.regroup()

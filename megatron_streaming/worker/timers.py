@@ -72,7 +72,7 @@ class StepTimers:
         import torch
         import torch.distributed as dist
 
-        from .topology import device_of
+        from ..parallel.topology import device_of
 
         n = max(1, self.iterations)
         mine = torch.tensor([self.seconds[k] / n for k in self.names], dtype=torch.float64)

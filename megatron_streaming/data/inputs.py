@@ -12,13 +12,13 @@ from __future__ import annotations
 
 from typing import Iterator, Optional
 
-from .config import Config
-from .data import MicroBatchSampler, MockTokenizer, build_datasets, build_iterator
-from .data.sampler import WorkerBlockSampler
-from .data.tokenizers import TokenizerSpec, build_tokenizer
-from .model import loader_makes_mask
-from .schedules import BatchSchedule
-from .topology import Topology
+from ..config import Config
+from . import MicroBatchSampler, MockTokenizer, build_datasets, build_iterator
+from .sampler import WorkerBlockSampler
+from .tokenizers import TokenizerSpec, build_tokenizer
+from ..worker.model import loader_makes_mask
+from ..config.schedules import BatchSchedule
+from ..parallel.topology import Topology
 
 
 MOCK_VOCAB_SIZE = 256

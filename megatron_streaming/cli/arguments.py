@@ -14,16 +14,8 @@ import sys
 import typing
 from typing import List, Optional, Sequence
 
-from .config import Config
-from .errors import UsageError
-
-
-class ConfigError(UsageError):
-    """A flag value that cannot work; the message names the flag and the value."""
-
-
-def flag_name(field_name: str) -> str:
-    return "--" + field_name.replace("_", "-")
+from ..config import Config, flag_name
+from ..errors import ConfigError
 
 
 def _base_type(tp):
@@ -112,7 +104,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> Config:
 def _apply_schedule_flags(cfg: Config, given: set) -> List[str]:
     """Rules that need to know which flags were typed: training length, and the keys of a
     --deepspeed_config JSON that set flags not given. Returns one line per problem."""
-    from . import ds_config, schedules
+    from ..config import ds_config, schedules
 
     problems = schedules.apply_given(cfg, given)
     notes, json_problems = ds_config.apply_user_config(cfg, given)
@@ -164,7 +156,7 @@ def _require(condition: bool, message: str) -> None:
 
 def validate(cfg: Config, world_size: int) -> None:
     """Check every flag against the others and the world size; raise ConfigError."""
-    from .topology import RankLayout
+    from ..parallel.topology import RankLayout
 
     m, p, o, d = cfg.model, cfg.parallel, cfg.optimizer, cfg.data
     try:
@@ -208,7 +200,7 @@ def validate(cfg: Config, world_size: int) -> None:
     _validate_zero(cfg, pp)
     _validate_precision(cfg)
     _validate_schedules(cfg, dp)
-    from .streaming import rule
+    from ..streaming import rule
 
     cfg.warnings = rule.warnings(cfg.streaming, cfg.optimizer.lr)
     _validate_batches(cfg, dp)
@@ -282,12 +274,12 @@ def _validate_layer_kinds(cfg: Config) -> None:
     m, p = cfg.model, cfg.parallel
     try:
         if p.ds_sequence_parallel_size > 1:
-            from .ulysses import check_ulysses
+            from ..worker.ulysses import check_ulysses
 
             check_ulysses(m.num_attention_heads, m.query_groups(), p.tensor_model_parallel_size,
                           p.ds_sequence_parallel_size, m.seq_length, p.sequence_parallel)
         if m.ladder_residual or m.ladder_layers:
-            from .ladder import ladder_layer_set
+            from ..worker.ladder import ladder_layer_set
 
             ladder_layer_set(m.ladder_residual, m.ladder_layers, m.num_layers)
     except ValueError as e:
@@ -310,7 +302,7 @@ def _validate_gpu_features(cfg: Config) -> None:
     flags = cfg.te.gpu_only_flags()
     if not flags:
         return
-    from .model import have_transformer_engine
+    from ..worker.model import have_transformer_engine
 
     import torch
 
@@ -357,8 +349,8 @@ def _check_cross_worker_nccl(cfg: Config, have_cuda: bool) -> None:
 
 def _validate_streaming(cfg: Config) -> None:
     """The sync's own checks (schedule, fragments, outer optimizer, codec), as flag errors."""
-    from .streaming import builder
-    from .streaming.codec import make_codec
+    from ..streaming import settings
+    from ..comm.codec import make_codec
 
     s, layers = cfg.streaming, cfg.model.num_layers
     if s.diloco_fragment_layers is not None:
@@ -386,9 +378,9 @@ def _validate_streaming(cfg: Config) -> None:
         cfg.adjustments.append("--distributed-backend nccl: this machine has no GPU; "
                                "using gloo")
     try:
-        builder.fragment_plan(cfg)
-        builder.sync_schedule(cfg)
-        builder.outer_optimizer(cfg)
+        settings.fragment_plan(cfg)
+        settings.sync_schedule(cfg)
+        settings.outer_optimizer(cfg)
         make_codec(s.diloco_quantize, s.diloco_quant_block)
     except ValueError as e:
         raise ConfigError(str(e)) from None
@@ -448,8 +440,8 @@ def _validate_schedules(cfg: Config, dp: int) -> None:
     """Iterations, batch ramp-up and learning-rate flags (Megatron's rules; resolves the
     iteration count of --train-samples / --train-tokens), and the --deepspeed_config JSON
     against the generated DeepSpeed config."""
-    from . import ds_config, schedules
-    from .engine import deepspeed_config
+    from ..config import ds_config, schedules
+    from ..worker.engine import deepspeed_config
 
     try:
         batches = schedules.check_and_resolve(cfg, dp)
@@ -480,7 +472,7 @@ def _validate_data(d) -> None:
     _require(sum(sources) == 1,
              "give exactly one data source: --data-path, --train-data-path (with "
              "--valid-data-path/--test-data-path), or --mock-data")
-    from .data.tokenizers import TokenizerSpec, problems
+    from ..data.tokenizers import TokenizerSpec, problems
 
     if d.mock_data and d.tokenizer_type is None:
         _require(d.vocab_size is None or d.vocab_size > 1,

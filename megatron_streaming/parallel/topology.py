@@ -197,7 +197,9 @@ class Topology:
     groups: Dict[str, object] = field(default_factory=dict)
     group_ranks: Dict[str, List[int]] = field(default_factory=dict)
     cross_worker_backend: Optional[str] = None
-    cross: object = None  # the CrossWorker: every collective across workers goes through it
+    # The communicator (``comm.crossworker.CrossWorker``), set by whoever connects the worker:
+    # every collective across workers goes through it.
+    cross: object = None
 
     # Added to a global rank of this worker to get its rank in the default (world) group:
     # 0 when the world is the whole job (an embedded run, the tests' worlds), -w*R when it is
@@ -261,9 +263,6 @@ class Topology:
         if standalone and members:  # none yet: a restarted worker, until it is admitted
             topo.add_cross_worker_groups(topo.store, 0, members,
                                          cross_worker_timeout or timeout)
-        from .crossworker import CrossWorker
-
-        topo.cross = CrossWorker(topo)
         return topo
 
     def add_cross_worker_groups(self, store, epoch: int, members: List[int], timeout) -> None:

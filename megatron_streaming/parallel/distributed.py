@@ -33,7 +33,7 @@ def join_worker_launch(env, workers: int, worker_index: Optional[int],
     Returns the launcher's own MASTER_ADDR where it is this worker's alone (a launch of one
     worker, its rendezvous moved by ``--master-addr``): the worker's first node, which its
     other nodes reach, so the worker's own store is published there; else None."""
-    from .arguments import ConfigError
+    from ..errors import ConfigError
 
     launched_at = env.get("MASTER_ADDR")
     if master_addr:
@@ -84,12 +84,12 @@ def rendezvous_store(timeout_minutes: float, external: bool = False):
     """The job's TCPStore, before any process group: global rank 0 hosts it at
     MASTER_ADDR:MASTER_PORT, every other rank connects; with ``external``
     (``--rendezvous-external``) nobody in the job hosts it: ``python -m
-    megatron_streaming.rendezvous`` serves it elsewhere. The workers meet here first (the
-    door, ``megatron_streaming.door``); ``init_distributed`` then builds the default group on
+    megatron_streaming.job.rendezvous`` serves it elsewhere. The workers meet here first (the
+    door, ``megatron_streaming.job.door``); ``init_distributed`` then builds the default group on
     it. A lone process (no launcher) picks a free port, retrying if it was taken meanwhile."""
     import torch.distributed as dist
 
-    from .errors import JobFailure
+    from ..errors import JobFailure
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     lone = "MASTER_PORT" not in os.environ and not external  # started without a launcher
@@ -104,7 +104,7 @@ def rendezvous_store(timeout_minutes: float, external: bool = False):
     os.environ[STORE_HOST] = "external" if external else "agent" if agent else "rank0"
     if external and "MASTER_PORT" not in os.environ:
         raise JobFailure("--rendezvous-external needs --master-addr/--master-port (where "
-                         "`python -m megatron_streaming.rendezvous` serves the store)")
+                         "`python -m megatron_streaming.job.rendezvous` serves the store)")
     for attempt in range(5 if lone else 1):
         if lone:
             os.environ["MASTER_PORT"] = str(_free_port())
@@ -118,7 +118,7 @@ def rendezvous_store(timeout_minutes: float, external: bool = False):
                 continue
             if hosts:
                 raise
-            where = ("`python -m megatron_streaming.rendezvous --port "
+            where = ("`python -m megatron_streaming.job.rendezvous --port "
                      f"{os.environ['MASTER_PORT']}` (launch/rendezvous.sh) serves it" if external
                      else "worker 0's first rank hosts it; is worker 0 running?")
             raise JobFailure(f"rendezvous store {address} unreachable within "
@@ -166,7 +166,7 @@ def worker_world_store(job_store, layout, rank: int, incarnation: int, timeout_m
     timeout = datetime.timedelta(minutes=timeout_minutes)
     key = worker_store_key(worker, incarnation)
     if local == 0:
-        from .errors import JobFailure
+        from ..errors import JobFailure
 
         host, port = store_address(os.environ, own_host)
         try:
@@ -191,7 +191,7 @@ def _published_address(job_store, key: str, worker: int, timeout) -> tuple:
     import socket
     import time
 
-    from .errors import JobFailure
+    from ..errors import JobFailure
 
     deadline = time.monotonic() + timeout.total_seconds()
     crossed, address, error = 0, None, None

@@ -105,7 +105,7 @@ def task_environment(env, scontrol: Optional[str] = "") -> Optional[str]:
     step this process is a task of; returns a line saying so, or None where there is nothing
     to do (a launcher's rank, a lone process). Raises ConfigError (one line, naming the
     variables) where the process is one of several SLURM meant but no task of a step."""
-    from .arguments import ConfigError
+    from ..errors import ConfigError
 
     if any(v in env for v in LAUNCHER_VARIABLES) or "OMPI_COMM_WORLD_RANK" in env:
         return None

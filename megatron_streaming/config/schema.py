@@ -1,6 +1,6 @@
 """Configuration dataclasses, one per concern.
 
-Every field carries its help text in ``metadata``; ``megatron_streaming.arguments`` turns the
+Every field carries its help text in ``metadata``; ``megatron_streaming.cli.arguments`` turns the
 fields into argparse flags (``tensor_model_parallel_size`` -> ``--tensor-model-parallel-size``,
 Megatron-LM's names wherever Megatron has the flag) and ``validate`` checks them together.
 The library takes these objects; nothing reads a global ``args``.
@@ -16,6 +16,11 @@ from typing import Any, List, Optional
 def canonical_normalization(value: str) -> str:
     """``rmsnorm`` / ``layernorm`` (Megatron-DeepSpeed's spelling) -> megatron-core's names."""
     return {"layernorm": "LayerNorm", "rmsnorm": "RMSNorm"}.get(value.lower(), value)
+
+
+def flag_name(field_name: str) -> str:
+    """The command-line flag of a config field."""
+    return "--" + field_name.replace("_", "-")
 
 
 def arg(default: Any, help: str, **extra: Any) -> Any:
@@ -146,7 +151,7 @@ class ParallelConfig:
         "MASTER_PORT.")
     rendezvous_external: bool = arg(
         False, "The rendezvous store at --master-addr/--master-port is served by `python -m "
-        "megatron_streaming.rendezvous` (launch/rendezvous.sh) on a host of its own, not by "
+        "megatron_streaming.job.rendezvous` (launch/rendezvous.sh) on a host of its own, not by "
         "global rank 0: the job's meeting point does not die with worker 0.")
 
 

@@ -38,8 +38,8 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from .errors import UsageError
-from .weights import FUSED_NORMS, local_spec_name
+from ..errors import UsageError
+from ..worker.weights import FUSED_NORMS, local_spec_name
 
 Params = Dict[str, torch.Tensor]
 

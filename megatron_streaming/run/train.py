@@ -12,8 +12,8 @@ import os
 import time
 from typing import Optional
 
-from .arguments import validate, world_size_from_env
-from .config import Config
+from ..cli.arguments import validate, world_size_from_env
+from ..config import Config
 
 log = logging.getLogger("megatron_streaming")
 
@@ -38,7 +38,7 @@ class Run:
 
     def setup(self) -> "Run":
         """Everything a rank needs, built in dependency order."""
-        from .lifecycle import StopRequest
+        from ..job.lifecycle import StopRequest
 
         self.stop_request = StopRequest()  # first: a SIGTERM during set-up is kept, too
         self.stopped_by = None  # the signal that ended training early
@@ -46,7 +46,8 @@ class Run:
         self._build_model()
         self._build_engine_and_sync()
         self.sync.attach(self.engine.inner_optimizer, self.engine.step_hooks)
-        from .elastic import Elastic
+        self.writer = None  # made below, once the data is known (a rejoining worker: joined)
+        from ..job.elastic import Elastic
 
         self.elastic = Elastic(self)
         for make in self.extensions:
@@ -70,7 +71,7 @@ class Run:
                      t.get("restore", 0.0))
             for note in self.resume_plan.notes:
                 log.warning("%s", note)
-        from .inputs import RunData
+        from ..data.inputs import RunData
         from .metrics import make_writer
 
         self.data = RunData(self.cfg, self.topology, self.tokenizer, self.job)
@@ -78,6 +79,17 @@ class Run:
         self.writer = make_writer(self.cfg.logging, self.reports, self.cfg)
         self._closed = False
         return self
+
+    def report_from_here(self, reports: bool) -> None:
+        """This rank starts or stops reporting for the job (the lowest live worker's ranks
+        report: ``elastic`` moves it when the membership changes)."""
+        from .metrics import make_writer, setup_logging
+
+        setup_logging(reports)
+        self.reports = reports
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = make_writer(self.cfg.logging, reports, self.cfg)
 
     def __enter__(self) -> "Run":
         return self.setup()
@@ -104,10 +116,10 @@ class Run:
 
         import patches
 
-        from . import distributed, slurm
-        from .inputs import load_run_tokenizer
+        from ..parallel import distributed, slurm
+        from ..data.inputs import load_run_tokenizer
         from .metrics import setup_logging
-        from .topology import RankLayout, Topology
+        from ..parallel.topology import RankLayout, Topology
 
         cfg, p, s = self.cfg, self.cfg.parallel, self.cfg.streaming
         launched_by = None if distributed.is_initialized() else \
@@ -120,7 +132,7 @@ class Run:
         layout = RankLayout(world, s.diloco_workers, p.tensor_model_parallel_size,
                             p.pipeline_model_parallel_size, p.ds_sequence_parallel_size)
         if cfg.checkpoint.save:
-            from .checkpoint import check_writable
+            from ..checkpoint import check_writable
 
             check_writable(cfg.checkpoint.save, int(os.environ.get("RANK", "0")))
         self.tokenizer = load_run_tokenizer(cfg)
@@ -128,13 +140,13 @@ class Run:
         self.patches = patches.apply()
         door = store = world_store = None
         crossed = 0  # bytes through the job's store to find this worker's own
-        from .workers import JobShape, WorkerShape, check, from_records
+        from ..job.workers import JobShape, WorkerShape, check, from_records
 
         shape = WorkerShape.of(cfg, layout)
         self.job = JobShape.uniform(shape, layout.workers)  # every worker's, from the door
         self.own_processes = not distributed.is_initialized()  # else embedded: the world
         if self.own_processes:  # exists already
-            from .door import Door, fingerprint
+            from ..job.door import Door, fingerprint
 
             store = distributed.rendezvous_store(p.distributed_timeout_minutes,
                                                  p.rendezvous_external)
@@ -147,7 +159,7 @@ class Run:
             if self.rejoin is None:
                 shapes = door.agree(fingerprint(cfg, layout, self.tokenizer), shape.settings())
             else:
-                from .lifecycle import beating
+                from ..job.lifecycle import beating
 
                 first = door.first_rank(coords["worker"])  # it claims for the worker
                 shapes = door.rejoin(fingerprint(cfg, layout, self.tokenizer),
@@ -175,9 +187,12 @@ class Run:
             backend=distributed.backend_for(p.distributed_backend), store=store,
             cross_members=[] if self.rejoin else None)  # a newcomer's come when admitted
         self.topology.install_into_megatron()
+        from ..comm.crossworker import CrossWorker
+
+        self.topology.cross = CrossWorker(self.topology)
         if door is not None and self.topology.worker != 0:  # worker 0 hosts the store
             self.topology.cross.count_control(door.bytes + crossed)
-        from .lifecycle import Liveness, StopAgreement
+        from ..job.lifecycle import Liveness, StopAgreement
 
         self.liveness = Liveness(self.topology, stop=self.stop_request,
                                  store_timeout=60.0 * p.distributed_timeout_minutes,
@@ -207,8 +222,8 @@ class Run:
         import datetime
         import json
 
-        from .errors import JobFailure
-        from .membership import Membership
+        from ..errors import JobFailure
+        from ..job.membership import Membership
 
         s, p = self.cfg.streaming, self.cfg.parallel
         if s.diloco_min_workers is None or s.diloco_min_workers >= s.diloco_workers:
@@ -234,8 +249,8 @@ class Run:
     def _decide_rejoin(self, store, worker: int, membership):
         import time
 
-        from .door import PREFIX
-        from .errors import JobFailure
+        from ..job.door import PREFIX
+        from ..errors import JobFailure
 
         deadline = time.monotonic() + 60.0 * self.cfg.parallel.distributed_timeout_minutes
         while True:
@@ -252,8 +267,9 @@ class Run:
             time.sleep(1.0)
 
     def _build_model(self) -> None:
-        from . import distributed, weights
-        from .model import build_model, describe_attention, transformer_impl_note
+        from ..parallel import distributed
+        from ..worker import weights
+        from ..worker.model import build_model, describe_attention, transformer_impl_note
 
         cfg, topo = self.cfg, self.topology
         if self.reports:  # which layers and attention run, and why, once per job; a path
@@ -275,10 +291,10 @@ class Run:
             gated_mlp=cfg.model.swiglu, zero_centered_norms=cfg.model.apply_layernorm_1p)
 
     def _build_engine_and_sync(self) -> None:
-        from .checkpoint import Checkpointer
-        from .checkpoint.job import JobState
-        from .engine import WorkerEngine
-        from .streaming import builder
+        from ..checkpoint import Checkpointer
+        from ..checkpoint.job import JobState
+        from ..worker.engine import WorkerEngine
+        from ..streaming import builder
 
         self.engine = WorkerEngine(self.cfg, self.topology, self.model)
         self.sync = builder.build_sync(self.cfg, self.topology, self.engine, self.job)
@@ -308,8 +324,8 @@ class Run:
         """
         import os
 
-        from .checkpoint import check_loadable, has_checkpoint
-        from .checkpoint.resume import plan
+        from ..checkpoint import check_loadable, has_checkpoint
+        from ..checkpoint.resume import plan
 
         c = self.cfg.checkpoint
         if not c.load:
@@ -393,8 +409,8 @@ class Run:
     def _log_step(self, result, throughput, progress_line) -> None:
         """Called on every rank: the sync's scalars and the timers are reduced over the worker
         first."""
-        from . import timers
-        from .streaming import report
+        from ..worker import timers
+        from ..streaming import report
 
         scalars = report.worker_scalars(self.sync, self.topology.groups["worker"],
                                         self.topology.cross.control_bytes)
@@ -437,7 +453,7 @@ class Run:
         stops every rank of every worker after the same iteration, as SIGTERM does."""
         limit = self.cfg.training.exit_duration_in_mins
         if limit and time.perf_counter() - self.start_time > 60.0 * limit:
-            from .lifecycle import EXIT_DURATION
+            from ..job.lifecycle import EXIT_DURATION
 
             self.stop_request.request(EXIT_DURATION)
 
@@ -456,7 +472,7 @@ class Run:
         the traffic a streaming run is compared against. Counted once, on the first call
         (collective over TP x PP, like every ``_log_step``)."""
         if not hasattr(self, "_dp_step_bytes"):
-            from .traffic import ring_all_reduce_bytes
+            from ..comm.traffic import ring_all_reduce_bytes
 
             layout = self.topology.layout
             # Under Ulysses the gradients are averaged over the sequence and data axes together.
@@ -466,7 +482,7 @@ class Run:
         return self._dp_step_bytes
 
     def save(self) -> None:
-        from .lifecycle import hand_over
+        from ..comm.failures import hand_over
 
         try:
             path = self.checkpointer.save(
@@ -489,10 +505,11 @@ class Run:
         """What to raise for ``error``: a communication failure becomes a ``JobFailure``
         naming the lost (or stuck) ranks and the last good checkpoint; anything else (a bug,
         bad input) is returned unchanged."""
-        from . import lifecycle
-        from .errors import UsageError
+        from ..comm.failures import is_communication_error
+        from ..errors import UsageError
+        from ..job import lifecycle
 
-        if isinstance(error, UsageError) or not lifecycle.is_communication_error(error):
+        if isinstance(error, UsageError) or not is_communication_error(error):
             return error
         survey, survey_error = None, None
         try:
@@ -519,7 +536,7 @@ class Run:
         import torch
         import torch.distributed as dist
 
-        from .topology import device_of
+        from ..parallel.topology import device_of
 
         group = self.topology.groups["worker"]
         device = device_of(group)
@@ -539,13 +556,13 @@ class Run:
         import torch
         import torch.distributed as dist
 
-        from .grads import tied_embedding_weight
+        from ..worker.grads import tied_embedding_weight
 
         replica = tied_embedding_weight(self.model, self.topology)
         skip = replica if (replica is not None and not self.topology.is_first_stage) else None
         count = sum(p.numel() for p in self.model.parameters() if p is not skip and (
             getattr(p, "tensor_model_parallel", False) or self.topology.tp_rank == 0))
-        from .topology import device_of
+        from ..parallel.topology import device_of
 
         group = self.topology.groups["mp"]
         total = torch.tensor([count], dtype=torch.float64, device=device_of(group))
@@ -554,7 +571,7 @@ class Run:
 
     def cross_worker_bytes(self) -> int:
         """Collective over the worker; 0 without the sync."""
-        from .streaming import report
+        from ..streaming import report
 
         return report.total_bytes_sent(self.sync, self.topology.groups["worker"],
                                        self.topology.layout.workers)
@@ -604,7 +621,7 @@ def pretrain(cfg: Config, extensions=()) -> Optional[dict]:
 
     A communication failure (a lost or stuck peer) ends in ``JobFailure`` naming the lost
     rank and the last good checkpoint; SIGTERM ends in a checkpoint and a normal return."""
-    from .elastic import OutsideTheJob, rejoin_when_reachable
+    from ..job.elastic import OutsideTheJob, rejoin_when_reachable
 
     with Run(cfg, extensions) as run:
         try:
@@ -629,7 +646,7 @@ def _train_and_report(run: Run) -> Optional[dict]:
         if cfg.checkpoint.save and run.last_saved != run.iteration:
             run.save()
         if run.elastic.stopping:
-            from .lifecycle import JobFailure, checkpoint_advice
+            from ..job.lifecycle import JobFailure, checkpoint_advice
 
             raise JobFailure(f"{run.elastic.stopping}. "
                              f"{checkpoint_advice(cfg.checkpoint.save)}")

@@ -118,7 +118,7 @@ class JobShape:
 
 def check(job: JobShape, cfg) -> None:
     """What heterogeneous workers do not support yet; raise ConfigError naming the flag."""
-    from .arguments import ConfigError
+    from ..errors import ConfigError
 
     t = cfg.training
     if not job.same_batches:

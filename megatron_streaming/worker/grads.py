@@ -96,7 +96,7 @@ class SequenceParallelGrads:
 def _require_same_on_group(layout: list, group) -> None:
     """All ranks of ``group`` hold the same ``layout`` (one small all-reduce), else raise on
     every rank alike."""
-    from .topology import device_of
+    from ..parallel.topology import device_of
 
     mine = hash(tuple(layout))  # ints and tuples hash the same in every process
     seen = torch.tensor([mine, -mine], dtype=torch.int64, device=device_of(group))

@@ -34,7 +34,7 @@ class CrossWorker:
 
     def regroup(self, topology) -> None:
         """Take the topology's cross-worker groups (those of a new membership epoch)."""
-        from .topology import device_of
+        from ..parallel.topology import device_of
 
         self.workers = len(topology.members)
         self.data_group = topology.groups.get("cross_worker")
@@ -54,7 +54,7 @@ class CrossWorker:
     def make_transport(self, codec, timeout: float, codec_device=None):
         """The quantized exchange over this rank's data group (one per rank); the codec runs
         on ``codec_device`` (default: the wire's, CUDA for NCCL, else the CPU)."""
-        from .streaming.transport import Transport
+        from .transport import Transport
 
         nccl = self.backend == "nccl"
         self.transport = Transport(
@@ -115,7 +115,7 @@ class CrossWorker:
     def total_control_bytes(self, worker_group) -> int:
         """Control bytes of every rank of every worker, as counted before this call
         (collective over the worker, then across workers)."""
-        from .topology import device_of
+        from ..parallel.topology import device_of
 
         mine = torch.tensor([self.control_bytes], dtype=torch.float64,
                             device=device_of(worker_group))

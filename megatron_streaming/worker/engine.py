@@ -25,8 +25,8 @@ import torch
 from patches import deepspeed_zero
 
 from . import grads
-from .config import Config
-from .topology import Topology
+from ..config import Config
+from ..parallel.topology import Topology
 
 log = logging.getLogger("megatron_streaming")
 
@@ -36,7 +36,7 @@ def lr_at(iteration: int, cfg: Config, dp: int = 1, max_lr: Optional[float] = No
     """The learning rate of step ``iteration`` (0-based), as Megatron's scheduler sets it
     after the samples of the steps before (``schedules.LrSchedule``); ``max_lr`` / ``min_lr``:
     a param group's own (default --lr and --min-lr)."""
-    from .schedules import BatchSchedule, LrSchedule
+    from ..config.schedules import BatchSchedule, LrSchedule
 
     return LrSchedule(cfg, BatchSchedule(cfg.training, cfg.model.seq_length, dp))(
         iteration, max_lr, min_lr)
@@ -44,7 +44,7 @@ def lr_at(iteration: int, cfg: Config, dp: int = 1, max_lr: Optional[float] = No
 
 def num_microbatches(cfg: Config, dp: int) -> int:
     """Micro-batches of a full step (after any batch ramp-up)."""
-    from .schedules import BatchSchedule
+    from ..config.schedules import BatchSchedule
 
     return BatchSchedule(cfg.training, cfg.model.seq_length, dp).final_micro_batches
 
@@ -68,7 +68,7 @@ def deepspeed_config(cfg: Config) -> dict:
     }
     ds.update(precision_config(cfg.precision))
     if cfg.training.deepspeed_config:
-        from .ds_config import load_user_config, merge_user_config
+        from ..config.ds_config import load_user_config, merge_user_config
 
         ds = merge_user_config(ds, load_user_config(cfg.training.deepspeed_config), cfg)
     return ds
@@ -117,7 +117,7 @@ def param_groups(model: torch.nn.Module, optimizer_cfg) -> List[dict]:
     clipping norm covers all groups, so a group is only where a parameter takes its lr from.
     ``sync_index`` lets a step hook tell which group is being stepped.
     """
-    from .schedules import decoupled_bounds
+    from ..config.schedules import decoupled_bounds
 
     o = optimizer_cfg
     bounds = decoupled_bounds(o)
@@ -209,7 +209,7 @@ class WorkerEngine:
         from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
         self.cfg, self.topology, self.model = cfg, topology, model
-        from .schedules import BatchSchedule, LrSchedule, decoupled_bounds
+        from ..config.schedules import BatchSchedule, LrSchedule, decoupled_bounds
         from .timers import StepTimers
 
         log_cfg = cfg.logging

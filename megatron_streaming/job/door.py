@@ -48,7 +48,8 @@ import uuid
 from dataclasses import fields
 from typing import Callable, Dict, List, Optional
 
-from .arguments import ConfigError, flag_name
+from ..config import flag_name
+from ..errors import ConfigError
 
 log = logging.getLogger("megatron_streaming")
 
@@ -122,7 +123,7 @@ def parameter_count(m, tokenizer) -> int:
 def tokenizer_fingerprint(data_cfg, tokenizer) -> Dict[str, str]:
     """Type, vocabulary size and a digest of the files (content, not path: each cluster keeps
     its copy where it likes)."""
-    from .data.tokenizers import TokenizerSpec
+    from ..data.tokenizers import TokenizerSpec
 
     spec = TokenizerSpec.of(data_cfg)
     out = {"--tokenizer-type": spec.kind if spec.tokenizer_type or data_cfg.tokenizer_model or

@@ -1,0 +1,3 @@
+"""Everything that crosses workers: the communicator (``crossworker``), the quantized exchange
+(``codec``, ``transport``), what counts as a lost peer (``failures``), the background threads
+(``serial``) and the data-parallel yardstick (``traffic``)."""

@@ -1,0 +1,12 @@
+"""What a job is: the configuration dataclasses (``schema``), the DeepSpeed JSON a user brings
+(``ds_config``) and the pure functions of the flags over the iterations (``schedules``)."""
+
+from .schema import (CheckpointConfig, Config, DataConfig, LoggingConfig, ModelConfig,
+                     OptimizerConfig, ParallelConfig, PrecisionConfig, StreamingConfig,
+                     TrainingConfig, TransformerEngineConfig, arg, canonical_normalization,
+                     flag_name)
+
+__all__ = ["CheckpointConfig", "Config", "DataConfig", "LoggingConfig", "ModelConfig",
+           "OptimizerConfig", "ParallelConfig", "PrecisionConfig", "StreamingConfig",
+           "TrainingConfig", "TransformerEngineConfig", "arg", "canonical_normalization",
+           "flag_name"]
