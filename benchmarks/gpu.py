@@ -128,7 +128,7 @@ def timeline_rank(out: Path, argv: list) -> None:
         run.train()
         run.sync.close()
         worker = run.topology.worker
-        sent = run.cross_worker_bytes()
+        sent = run.report.cross_worker_bytes()
         record = {"steps": hooks[0].steps, "exchanges": hooks[0].exchanges,
                   "waits": hooks[0].waits, "events": run.sync.events, "cross_worker_bytes": sent,
                   "collectives": run.sync.transport.collectives}

@@ -162,7 +162,7 @@ def sync_overhead_rank(blocks: int, block_steps: int, warmup: int, out: Path) ->
     sync.close()
     result = {"steps_on_s": steps["on"], "steps_off_s": steps["off"],
               "hook_s_per_on_step": hook_seconds, "report_s": report_seconds,
-              "parameters": run.parameter_count()}
+              "parameters": run.report.parameter_count()}
     (out / f"sync_rank{dist.get_rank()}.json").write_text(json.dumps(result))
     run.liveness.close()
     run.topology.barrier()

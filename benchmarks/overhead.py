@@ -281,7 +281,7 @@ def measure_rank(opts, out: Path) -> None:
     import torch
     import torch.distributed as dist
 
-    from megatron_streaming.run.metrics import Throughput, progress_line
+    from megatron_streaming.run.metrics import Throughput
 
     torch.set_num_threads(1)
     world = int(os.environ["WORLD_SIZE"])
@@ -303,14 +303,15 @@ def measure_rank(opts, out: Path) -> None:
     result = run.engine.train_step(iter(batches), run.iteration)
     for _ in range(5):
         started = time.perf_counter()
-        run._log_step(result, throughput, progress_line)
+        run.report.log_step(run.iteration, result, throughput, run.data, run.writer,
+                            run.step_seconds[-1])
         report_s.append(time.perf_counter() - started)
     run.stop.close()
     record = {k: {which: [s[k] for s in samples[which]] for which in samples}
               for k in ("s", "update_s", "faults", "loss")}
     record.update(ours_train_step_s=[s["step_s"] for s in samples["ours"]],
                   report_s=report_s, config_differences=differences,
-                  parameters=run.parameter_count())
+                  parameters=run.report.parameter_count())
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(record))
     run.liveness.close()
     run.topology.barrier()

@@ -100,7 +100,7 @@ def main():
         run.train()
         run.stop.close()
         run.sync.close()
-        sync_bytes = run.cross_worker_bytes()
+        sync_bytes = run.report.cross_worker_bytes()
         local = full_parameters(run)
         with run.sync.global_parameters():
             global_ = full_parameters(run)

@@ -130,25 +130,21 @@ def test_every_rank_of_a_launch_takes_its_first_ranks_rejoin_decision():
     """A first launch's later rank must not take the door claim its own first rank has just
     made for a predecessor's (it would wait out the distributed timeout); a restarted launch's
     ranks all rejoin the epoch that lacks their worker, each launch under its own number."""
-    from types import SimpleNamespace
-
     from megatron_streaming.cli.arguments import parse_args
     from megatron_streaming.job.door import PREFIX as DOOR
-    from megatron_streaming.run.train import Run
+    from megatron_streaming.job.rejoin import running_job
 
     cfg = parse_args(["--mock-data", "--diloco-workers", "3", "--diloco-min-workers", "2",
                       "--distributed-timeout-minutes", "10"])
-    run = SimpleNamespace(cfg=cfg)
-    run._decide_rejoin = lambda *a: Run._decide_rejoin(run, *a)
     store = dist.HashStore()
     # worker 0, two ranks, first launch: rank 0 decides before it claims; rank 1 comes later
-    assert Run._running_job(run, store, 0, 0, 2) is None
+    assert running_job(cfg, store, 0, 0, 2) is None
     store.set(f"{DOOR}worker0", "claimed by rank 0 of this launch")
-    assert Run._running_job(run, store, 0, 1, 2) is None
+    assert running_job(cfg, store, 0, 1, 2) is None
     # worker 1 (two ranks) lost: epoch 1 is workers [0, 2]; its restart's ranks rejoin it
-    assert Run._running_job(run, store, 1, 0, 2) is None  # its first launch
+    assert running_job(cfg, store, 1, 0, 2) is None  # its first launch
     store.set(f"{DOOR}worker1", "the first launch's claim")
-    assert Run._running_job(run, store, 1, 1, 2) is None
+    assert running_job(cfg, store, 1, 1, 2) is None
     Membership(store, 3, 2).propose(Record(0, (0, 1, 2)), [0, 2], 31, "worker 1 lost")
-    got = [Run._running_job(run, store, 1, local, 2) for local in range(2)]
+    got = [running_job(cfg, store, 1, local, 2) for local in range(2)]
     assert [(r.epoch, r.members) for r in got] == [(1, (0, 2))] * 2

@@ -16,11 +16,16 @@ moved to the group's device (CUDA for NCCL, else CPU) before the collective.
 
 from __future__ import annotations
 
+import logging
 import threading
-from typing import List
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
+
+from .failures import first_line, is_communication_error
+
+log = logging.getLogger("megatron_streaming")
 
 
 class CrossWorker:
@@ -30,7 +35,31 @@ class CrossWorker:
         self.transport = None
         self._control_bytes = 0
         self._lock = threading.Lock()  # the heartbeat thread counts too
+        # The failure state. ``tolerates_loss``: an elastic run goes on without a lost
+        # worker (``job.elastic``); ``lost``: the first line of what failed since the last
+        # recovery (the error itself is not kept: its traceback holds the frames, and so the
+        # groups, that must be destroyed before new ones are made).
+        self.tolerates_loss = False
+        self.lost: Optional[str] = None
         self.regroup(topology)
+
+    # ---- failures --------------------------------------------------------------------------
+    def failed(self, error: BaseException) -> None:
+        """A collective across workers raised ``error`` (an exchange, the stop flag, a
+        checkpoint's agreement). In an elastic run a lost or stuck peer is recorded and the
+        caller goes on (skipping what failed); the job's membership acts on it after the
+        step. Anything else, or any failure of a run that does not tolerate a loss, is
+        raised."""
+        if not self.tolerates_loss or not is_communication_error(error):
+            raise error
+        if self.lost is None:
+            self.lost = first_line(error)
+            log.warning("rank %d: %s", self.rank, self.lost)
+
+    def take_lost(self) -> Optional[str]:
+        """What failed since the last call (and forget it: recovery has started)."""
+        lost, self.lost = self.lost, None
+        return lost
 
     def regroup(self, topology) -> None:
         """Take the topology's cross-worker groups (those of a new membership epoch)."""

@@ -1,23 +1,18 @@
-"""Which errors mean a lost or stuck peer, and where such an error goes in an elastic run."""
+"""Which errors mean a lost or stuck peer (``crossworker.CrossWorker.failed`` decides what
+then happens)."""
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch.distributed as dist
 
 from ..errors import JobFailure
 
 
-def hand_over(on_lost, error: BaseException) -> None:
-    """A failed cross-worker collective of an elastic run goes to ``on_lost``
-    (``elastic.Elastic.note``); without one, or for any other error, it is raised."""
-    if on_lost is None or not is_communication_error(error):
-        raise error
-    on_lost(error)
-
-
 def is_communication_error(e: BaseException) -> bool:
     """A failed or timed-out collective (a lost or stuck peer), as opposed to a bug."""
-    from ..comm.transport import SyncTimeout
+    from .transport import SyncTimeout
 
     if isinstance(e, (SyncTimeout, ConnectionError, TimeoutError)):
         return True
@@ -29,3 +24,9 @@ def is_communication_error(e: BaseException) -> bool:
     return isinstance(e, RuntimeError) and any(
         s in text for s in ("gloo", "connection", "nccl", "timed out", "timeout", "socket",
                             "pair closure"))
+
+
+def first_line(e: Optional[BaseException]) -> str:
+    """An error's first line, for one-line messages (its type's name where it has none)."""
+    text = str(e).strip().splitlines() if e is not None else []
+    return text[0] if text else type(e).__name__

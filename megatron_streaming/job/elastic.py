@@ -53,18 +53,21 @@ JOIN = "megatron_streaming/join/"  # + worker index: a restarted worker asks to 
 
 
 class Elastic:
-    """This rank's part of the job's membership; built by ``train.Run`` after the sync."""
+    """This rank's part of the job's membership; built by the run after the sync, from what it
+    acts on: the topology and its communicator (which records a failed collective: ``lost``),
+    the sync, the stop agreement and request, the heartbeats, every worker's shape (``job``)
+    and ``report_from_here(bool)``, called when this rank starts or stops reporting."""
 
-    def __init__(self, run):
-        s = run.cfg.streaming
-        self.run = run
-        topo = run.topology
+    def __init__(self, cfg, topology, sync, stop, stop_request, liveness, job,
+                 report_from_here):
+        s = cfg.streaming
+        self.cfg, self.topology, self.sync, self.job = cfg, topology, sync, job
+        self.stop, self.stop_request, self.liveness = stop, stop_request, liveness
+        self.report_from_here = report_from_here
+        topo = topology
         self.min_workers = s.diloco_min_workers or s.diloco_workers
-        self.enabled = run.sync.enabled and self.min_workers < topo.layout.workers
+        self.enabled = sync.enabled and self.min_workers < topo.layout.workers
         self.timeout = datetime.timedelta(seconds=s.diloco_timeout)
-        # What failed (its first line): the error itself is not kept, since its traceback
-        # holds the frames, and so the groups, that must be destroyed (``_release_groups``).
-        self.noted: Optional[str] = None
         self.resync_at: Optional[int] = None  # the step after which the survivors resync
         # Why the job stops (too few workers alive), once the survivors have resynced.
         self.stopping: Optional[str] = None
@@ -74,30 +77,23 @@ class Elastic:
 
             self.membership = Membership(topo.store, topo.layout.workers, self.min_workers)
             self.record = self.membership.record(0)
-            run.sync.on_lost = self.note
-            run.stop.on_lost = self.note
-            run.stop.carries_join = True
-            run.liveness.watch = self._watch
+            topo.cross.tolerates_loss = True  # a lost worker is recorded there, not raised
+            stop.carries_join = True
+            liveness.watch = self._watch
 
     @property
     def catching_up(self) -> bool:
         """Training without the sync up to the step the survivors go on from."""
         return self.resync_at is not None
 
-    def note(self, error: BaseException) -> None:
-        """A cross-worker collective failed on this rank."""
-        if self.noted is None:
-            self.noted = _first_line(error)
-            log.warning("rank %d: %s", self.run.topology.rank, self.noted)
-
     def end_of_step(self, iteration: int) -> None:
         """After each training step, on every rank: act on a loss noticed by any rank of the
         worker; at the agreed step, take the global state from the lowest member."""
         if not self.enabled:
             return
-        flag = torch.tensor([int(self.noted is not None)], dtype=torch.int32,
-                            device=device_of(self.run.topology.groups["worker"]))
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.run.topology.groups["worker"])
+        flag = torch.tensor([int(self.topology.cross.lost is not None)], dtype=torch.int32,
+                            device=device_of(self.topology.groups["worker"]))
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.topology.groups["worker"])
         if flag.item():
             self._recover(iteration)
         if self.resync_at == iteration:
@@ -106,29 +102,28 @@ class Elastic:
     def after_stop_flag(self, iteration: int) -> None:
         """After the step's stop flag was read (every live rank alike): admit the workers
         that asked to rejoin, if the flag says one did."""
-        if self.enabled and self.run.stop.join_agreed:
+        if self.enabled and self.stop.join_agreed:
             self._admit(iteration)
 
     def _watch(self, store) -> None:
         """At each heartbeat (its thread), on the job's leading rank: a worker asking in?"""
-        topo = self.run.topology
+        topo = self.topology
         if not topo.leads_job():
             return
         outside = [w for w in range(topo.layout.workers) if w not in topo.members]
         if any(store.check([f"{JOIN}{w}"]) for w in outside):
-            self.run.stop_request.join_pending = True
+            self.stop_request.join_pending = True
 
     # ---- recovery ------------------------------------------------------------------------
     def _recover(self, iteration: int) -> None:
-        run, topo = self.run, self.run.topology
-        cause = self.noted
-        self.noted = None
-        run.sync.abandon()  # first: the failed exchanges' errors hold their groups
+        topo = self.topology
+        cause = topo.cross.take_lost()
+        self.sync.abandon()  # first: the failed exchanges' errors hold their groups
         self._release_groups()
         try:  # a new connection: the standalone rendezvous may have been restarted since
             _answers(STORE_CALL_SECONDS)
             self.membership.store = _connect(topo.store, seconds=STORE_CALL_SECONDS)
-            survey = run.liveness.survey(self.membership.store)
+            survey = self.liveness.survey(self.membership.store)
         except Exception as e:  # cut off from the rendezvous (and so from the job)
             raise OutsideTheJob(f"worker {topo.worker} lost the job after step {iteration} "
                                 f"({cause}) and cannot reach the rendezvous store: "
@@ -160,12 +155,12 @@ class Elastic:
                     f"; training without the sync up to step {target}" if target > iteration
                     else "")
         self.resync_at = target
-        run.sync.paused = target > iteration
+        self.sync.paused = target > iteration
 
     def _resync(self, iteration: int) -> None:
         """Every member takes theta_g and the outer momentum of the lowest member."""
         self._share_global_state(0)
-        self.run.sync.paused = False
+        self.sync.paused = False
         self.resync_at = None
         log.info("step %d: global parameters and outer momentum taken from worker %d",
                  iteration, self.record.members[0])
@@ -173,7 +168,7 @@ class Elastic:
     def _share_global_state(self, src: int) -> None:
         """theta_g and the outer momentum of the member at index ``src`` of the epoch, to
         every member (collective over the cross-worker data groups)."""
-        self.run.sync.share_global_state(src, self.run.topology.cross)
+        self.sync.share_global_state(src, self.topology.cross)
 
     def _release_groups(self) -> None:
         """Let go of the epoch's cross-worker groups, so that they are destroyed and their
@@ -184,9 +179,9 @@ class Elastic:
 
         from patches.torch_process_group import drop
 
-        run, topo = self.run, self.run.topology
+        topo = self.topology
         # First: no new collective from the exchange's thread on a group being aborted.
-        run.sync.transport.abandon()
+        self.sync.transport.abandon()
         for group in [topo.groups.pop(name, None)
                       for name in ("cross_worker", "cross_worker_control")] + topo.proxy_groups:
             if group is not None:
@@ -194,39 +189,36 @@ class Elastic:
         topo.proxy_groups = []
         topo.cross.data_group = topo.cross.control_group = None
         topo.cross.proxy_groups = []
-        run.stop.release()
+        self.stop.release()
         gc.collect()
 
     def _new_epoch(self, record) -> None:
         """Make ``record``'s groups (this rank's coordinate) and move everything onto them."""
-        topo, run = self.run.topology, self.run
+        topo = self.topology
         self.record = record
         self.history.append(record)
         topo.add_cross_worker_groups(self.membership.store, record.epoch,
                                      list(record.members), self.timeout)
         topo.members = record.members
-        reports = topo.is_logging_rank()  # the lowest live worker reports for the job
-        if reports != run.reports:  # this rank starts or stops reporting
-            run.report_from_here(reports)
+        self.report_from_here(topo.is_logging_rank())  # the lowest live worker reports
         topo.cross.regroup(topo)
-        run.sync.regroup(topo.cross)
-        if run.sync.enabled:  # the token weights are over the members
-            from ..streaming.builder import token_share
+        self.sync.regroup(topo.cross)
+        from ..streaming.builder import token_share
 
-            run.sync.share = token_share(run.cfg, run.job, topo)
-        run.stop.regroup()
+        self.sync.share = token_share(self.cfg, self.job, topo)  # over the members
+        self.stop.regroup()
 
     # ---- rejoining -----------------------------------------------------------------------
     def _admit(self, iteration: int) -> None:
         """On every live rank, after the same step: let the workers that asked in join."""
-        run, topo = self.run, self.run.topology
+        topo = self.topology
         store = self.membership.store = _connect(topo.store)
         asking = [w for w in range(topo.layout.workers) if w not in self.record.members
                   and store.check([f"{JOIN}{w}"])]
-        run.stop_request.join_pending = False
+        self.stop_request.join_pending = False
         if not asking:
             return
-        merged = run.sync.finish()  # in flight: merged now, the newcomer starts after them
+        merged = self.sync.finish()  # in flight: merged now, the newcomer starts after them
         before = self.record
         record = self.membership.propose(
             before, [*before.members, *asking], iteration,
@@ -246,14 +238,14 @@ class Elastic:
         the live workers admit it, take the global state; returns the step to go on from."""
         import time
 
-        run, topo = self.run, self.run.topology
+        topo = self.topology
         store = self.membership.store
         if topo.coords["local"] == 0:
             store.set(f"{JOIN}{topo.worker}", str(since))
         log.warning("worker %d asks to rejoin the running job (membership epoch %d: workers "
                     "%s)", topo.worker, since, list(self.membership.record(since).members)
                     if since else list(range(topo.layout.workers)))
-        deadline = time.monotonic() + 60.0 * run.cfg.parallel.distributed_timeout_minutes
+        deadline = time.monotonic() + 60.0 * self.cfg.parallel.distributed_timeout_minutes
         epoch = since
         while True:
             following = self.membership.record(epoch + 1)
@@ -273,7 +265,7 @@ class Elastic:
         record, before = following, self.membership.record(epoch - 1)
         self._new_epoch(record)
         self._share_global_state(record.members.index(min(before.members)))
-        sync = run.sync
+        sync = self.sync
         for g, theta in zip(sync.groups, sync.theta_g):  # the newcomer's weights: theta_g
             g.write(theta.to(g.read().device))
         sync.push_to_model()

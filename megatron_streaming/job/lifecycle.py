@@ -36,7 +36,6 @@ import torch
 import torch.distributed as dist
 
 from ..comm.crossworker import byte_count
-from ..comm.failures import hand_over
 from ..comm.serial import BoundedCalls
 from ..parallel.topology import device_of
 
@@ -92,9 +91,6 @@ class StopAgreement:
         self._in_worker: Optional[_HostRead] = None  # the worker's MAX posted a step ago
         self.carries_join = False  # elastic runs: the flag also says "a worker asks to join"
         self.join_agreed = False  # the flag just read asks every live worker to admit one
-        # Elastic runs (``elastic.Elastic``): a failed reduction is handed here instead of
-        # raised, and counts as no stop request.
-        self.on_lost = None
 
     def release(self) -> None:
         """Drop the reductions posted on the control group of the epoch that ends."""
@@ -127,8 +123,8 @@ class StopAgreement:
         try:
             work, posted = self.cross.all_reduce_control(flag, dist.ReduceOp.MAX,
                                                          async_op=True)
-        except Exception as e:
-            hand_over(self.on_lost, e)
+        except Exception as e:  # an elastic run goes on: no stop request from it
+            self.cross.failed(e)
             return None
         self._pending.append((work, posted))
         if len(self._pending) <= self.lag:
@@ -139,8 +135,8 @@ class StopAgreement:
         work, posted = self._pending.popleft()
         try:
             work.wait()
-        except Exception as e:
-            hand_over(self.on_lost, e)
+        except Exception as e:  # an elastic run goes on: no stop request from it
+            self.cross.failed(e)
             return None
         self.join_agreed = self.carries_join and bool(posted[1].item())
         return _signal_name(int(posted[0].item()))

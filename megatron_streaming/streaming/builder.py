@@ -95,6 +95,7 @@ def build_sync(cfg: Config, topology: Topology, engine,
         sync = StreamingSync(groups, *args)
     warm_up(transport.codec, max((transport.padded_numel(n) for n in sizes), default=0),
             transport.codec_device)
+    sync.cross = topology.cross
     sync.workers = topology.cross.workers or transport.workers  # (a newcomer: none yet)
     if job is not None:
         sync.share = token_share(cfg, job, topology)

@@ -353,9 +353,7 @@ class CanonicalSync(StreamingSync):
         try:
             result = pending.wait()
         except Exception as e:
-            from ..comm.failures import hand_over
-
-            hand_over(self.on_lost, e)
+            self._exchange_failed(e)
             ok = False
         flag = torch.tensor([1.0 if ok and result.all_finite else 0.0], device=route.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=route.group)

@@ -71,7 +71,7 @@ def worker_scalars(sync: StreamingSync, worker_group,
 
 def reset_interval_stats(sync: StreamingSync) -> None:
     """Byte counts and waits are per report interval; the rest keep their latest value."""
-    for stats in getattr(sync, "stats", {}).values():
+    for stats in sync.stats.values():
         stats.bytes_sent = stats.bytes_received = 0
         stats.wait = 0.0
 

@@ -149,9 +149,10 @@ class StreamingSync:
         # Recorded only when a caller sets it to a list (tests, drills): a long run would
         # otherwise grow it for nothing.
         self.events: Optional[List[tuple]] = None
-        # Elastic runs (``elastic.Elastic``): a failed exchange is handed here instead of
-        # raised, and skipped; ``paused`` while a survivor trains up to the agreed step.
-        self.on_lost: Optional[Callable[[BaseException], None]] = None
+        # The communicator (``comm.crossworker``; ``builder`` sets it), asked what a failed
+        # exchange means: in an elastic run it is skipped, else raised. ``paused`` while a
+        # survivor trains up to the step the others reached (``job.elastic``).
+        self.cross = None
         self.paused = False
         # This worker's factor on its outer gradients (``workers.JobShape.share``): the plain
         # mean over the workers then weighs each by its tokens in the round.
@@ -168,6 +169,7 @@ class StreamingSync:
             self.events.append((self.step, kind, g.fragment, g.index))
 
     enabled = True
+    routes = None  # workers of different layouts: every fragment's lanes (``CanonicalSync``)
 
     # ---- driven by the engine ----------------------------------------------------------
     def attach(self, inner_optimizer: torch.optim.Optimizer,
@@ -326,9 +328,7 @@ class StreamingSync:
         try:
             result = pending.wait()
         except Exception as e:
-            from ..comm.failures import hand_over
-
-            hand_over(self.on_lost, e)  # a lost worker: skipped here, dropped everywhere
+            self._exchange_failed(e)  # a lost worker: skipped here, dropped everywhere
             stats.skipped += 1
             self._event("lost", g)
             return None
@@ -438,10 +438,17 @@ class StreamingSync:
         were merged into the state it took; their scheduled merges do nothing."""
         self.merged_early = {g.index for g in self.groups if g.fragment in set(fragments)}
 
+    def _exchange_failed(self, error: BaseException) -> None:
+        """Skip a failed exchange if the communicator says the run goes on; else raise."""
+        if self.cross is None:
+            raise error
+        self.cross.failed(error)
+
     def regroup(self, cross) -> None:
         """Average over a new membership's groups from now on (``cross``: the CrossWorker,
         already regrouped); the error-feedback residuals carry over (repadded: the chunking
         follows the number of workers)."""
+        self.cross = cross
         old = self.transport
         self.transport = cross.make_transport(old.codec, old.timeout, old.codec_device)
         self.workers = cross.workers or self.transport.workers
@@ -477,12 +484,14 @@ class NoSync:
     as ``StreamingSync``, each doing nothing, so callers need no branch for it."""
 
     enabled = False
+    routes = None
 
     def __init__(self):
         self.groups: List[ShardGroup] = []
         self.events: Optional[List[tuple]] = None
         self.own = None
         self.pending: Dict[int, Pending] = {}
+        self.stats: Dict[int, FragmentStats] = {}
 
     def attach(self, inner_optimizer, step_hooks=None) -> None:
         pass

@@ -1,0 +1,158 @@
+"""What one rank's run reports: the progress line and scalars of a logged step, the counts
+the summary needs (parameters, bytes across workers, peak memory) and the summary itself."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+log = logging.getLogger("megatron_streaming")
+
+
+class RunReport:
+    """Reports of a run over its collaborators (the ones that do not change during it)."""
+
+    def __init__(self, cfg, topology, model, engine, sync):
+        self.cfg, self.topology, self.model = cfg, topology, model
+        self.engine, self.sync = engine, sync
+        self._dp_step_bytes = None
+
+    def log_step(self, iteration: int, result, throughput, data, writer,
+                 step_seconds: float) -> None:
+        """Called on every rank: the sync's scalars and the timers are reduced over the worker
+        first; the logging rank prints the progress line and writes the scalars."""
+        from ..streaming import report
+        from ..worker import timers
+        from .metrics import progress_line
+
+        topo = self.topology
+        scalars = report.worker_scalars(self.sync, topo.groups["worker"],
+                                        topo.cross.control_bytes)
+        report.reset_interval_stats(self.sync)
+        times = self.engine.timers.report(topo.groups["worker"])
+        if not self.sync.enabled and topo.layout.workers == 1:
+            step_bytes = self.data_parallel_step_bytes()
+            if step_bytes:
+                scalars = {"traffic/data_parallel_bytes": iteration * step_bytes}
+        if not topo.is_logging_rank():
+            return
+        rate = throughput.rate(iteration)
+        extra = ""
+        if self.sync.enabled:
+            extra = (f" | sync bytes {scalars['streaming/worker_bytes_sent']:,.0f} | drift "
+                     f"{scalars['streaming/drift']:.4f}")
+        if result.decoupled_lr is not None:  # as Megatron-LM logged it
+            extra += f" | decoupled lr {result.decoupled_lr:.3e}"
+            scalars["train/decoupled_lr"] = result.decoupled_lr
+        if result.loss_scale is not None:  # --fp16, as Megatron reports it (this worker's)
+            skipped = self.engine.skipped_iterations
+            extra += f" | loss scale {result.loss_scale:g} | skipped iterations {skipped}"
+            scalars.update({"train/loss_scale": result.loss_scale,
+                            "train/skipped_iterations": skipped})
+        log.info(progress_line(iteration, self.cfg.training.train_iters, result.loss,
+                               result.lr, result.grad_norm, rate, throughput.elapsed(), extra))
+        if times:
+            log.info(timers.format_report(times, self.engine.timers.option))
+            scalars.update(timers.scalars(times))
+        writer.scalars(iteration, {
+            "train/loss": result.loss, "train/lr": result.lr,
+            "train/grad_norm": result.grad_norm, "train/tokens_per_s": rate,
+            "train/step_seconds": step_seconds,
+            "train/tokens": data.tokens_through(iteration),
+            "train/global_batch_size": data.batches.global_batch(iteration - 1),
+            **scalars})
+
+    def data_parallel_step_bytes(self) -> int:
+        """What one step's gradient all-reduce over the data-parallel ranks moves (ring, fp32):
+        the traffic a streaming run is compared against. Counted once, on the first call
+        (collective over TP x PP, like every ``log_step``)."""
+        if self._dp_step_bytes is None:
+            from ..comm.traffic import ring_all_reduce_bytes
+
+            layout = self.topology.layout
+            # Under Ulysses the gradients are averaged over the sequence and data axes together.
+            ranks = layout.sp * layout.dp
+            self._dp_step_bytes = ring_all_reduce_bytes(self.parameter_count(), ranks) \
+                if ranks > 1 else 0
+        return self._dp_step_bytes
+
+    def peak_memory_mib(self) -> dict:
+        """Peak memory of every rank of this worker, in-worker rank order (collective over
+        the worker): ``rss`` the resident peak of the process; on a GPU also ``device`` the
+        caching allocator's allocated peak (Megatron's "max allocated") and
+        ``device_reserved`` what it held from the driver at most (the CUDA context not
+        counted in either)."""
+        import resource
+
+        import torch
+        import torch.distributed as dist
+
+        from ..parallel.topology import device_of
+
+        group = self.topology.groups["worker"]
+        device = device_of(group)
+        mine = [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0]
+        keys = ["rss"]
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            mine += [torch.cuda.max_memory_allocated() / 2**20,
+                     torch.cuda.max_memory_reserved() / 2**20]
+            keys += ["device", "device_reserved"]
+        mine = torch.tensor(mine, device=device)
+        gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(gathered, mine, group=group)
+        return {key: [round(float(x[i]), 1) for x in gathered] for i, key in enumerate(keys)}
+
+    def parameter_count(self) -> int:
+        """Parameters of the whole model, each counted once (collective over TP x PP)."""
+        import torch
+        import torch.distributed as dist
+
+        from ..parallel.topology import device_of
+        from ..worker.grads import tied_embedding_weight
+
+        topo = self.topology
+        replica = tied_embedding_weight(self.model, topo)
+        skip = replica if (replica is not None and not topo.is_first_stage) else None
+        count = sum(p.numel() for p in self.model.parameters() if p is not skip and (
+            getattr(p, "tensor_model_parallel", False) or topo.tp_rank == 0))
+        group = topo.groups["mp"]
+        total = torch.tensor([count], dtype=torch.float64, device=device_of(group))
+        dist.all_reduce(total, group=group)
+        return int(total.item())
+
+    def cross_worker_bytes(self) -> int:
+        """Collective over the worker; 0 without the sync."""
+        from ..streaming import report
+
+        return report.total_bytes_sent(self.sync, self.topology.groups["worker"],
+                                       self.topology.layout.workers)
+
+    def summary(self, run, train_loss, valid_loss, test_loss, peak, sync_bytes,
+                parameters, control_bytes) -> dict:
+        """The end-of-run summary (``run``: where it stands: iteration, data, step times)."""
+        steady = run.step_seconds[1:] or run.step_seconds
+        layout = self.topology.layout
+        return {
+            "iteration": run.iteration,
+            "train_loss": train_loss,
+            "valid_loss": valid_loss,
+            "test_loss": test_loss,
+            "tokens": run.data.tokens_through(run.iteration),  # all workers
+            "samples": run.data.samples_through(run.iteration),
+            "cross_worker_bytes": sync_bytes,
+            # Everything else that crossed workers (crossworker.CrossWorker): the stop flag,
+            # checkpoint agreement, the door, heartbeats of the workers without the store.
+            "cross_worker_control_bytes": control_bytes,
+            "parameters": parameters,
+            "wall_seconds": time.perf_counter() - run.start_time,
+            "workers": layout.workers,
+            "world_size": layout.world_size,
+            # Mean step time after the first step (which pays one-off set-up costs).
+            "seconds_per_iteration": sum(steady) / len(steady) if steady else None,
+            "peak_rss_mib_per_rank": peak["rss"],  # ranks of worker 0, in-worker rank order
+            # On a GPU: the allocator's allocated and reserved peaks, same order (else absent).
+            **{f"peak_{key}_mib_per_rank": peak[key] for key in ("device", "device_reserved")
+               if key in peak},
+            "stopped_by": run.stopped_by,  # a signal that ended training early, or None
+            "checkpoint_iteration": run.last_saved,
+        }
