@@ -58,3 +58,51 @@ def megatron_world():
     os.environ.clear()
     os.environ.update(saved_env)
 
+
+
+# ---- the quick tier -----------------------------------------------------------------------------
+# ``pytest -m quick`` (``bash launch/test.sh -m quick``): the inner loop's subset, a few minutes
+# on 2 cores, touching every folder of the package (tests/test_layout.py checks that). These
+# files, less their slow tests (launches of several processes, long runs); the README's test
+# command stays the whole suite.
+QUICK_FILES = (
+    "test_layout.py", "test_codec.py", "test_rule.py", "test_streaming_schedule.py",
+    "test_streaming_sync.py", "test_streaming_transport.py", "test_crossworker.py",
+    "test_stop_agreement.py", "test_membership.py", "test_door.py", "test_schedules.py",
+    "test_megatron_flags.py", "test_tokenizers.py", "test_data.py", "test_plan.py",
+    "test_simulate.py", "test_topology.py", "test_quiet.py", "test_errors.py", "test_hf.py",
+    "test_model.py", "test_attention.py", "test_ladder.py", "test_slurm.py", "test_launch.py",
+    "test_checkpoint.py", "test_gpu_environment.py", "test_training.py",
+)
+QUICK_LEFT_OUT = {
+    "test_checkpoint.py": ("test_resume_continues_the_uninterrupted_run_exactly",
+                           "test_resume_with_a_fragment_in_flight_continues_exactly"),
+    "test_errors.py": ("test_load_of_corrupt_checkpoint", "test_load_of_directory_without_checkpoint",
+                       "test_load_refuses_what_it_cannot_honour_before_process_groups",
+                       "test_unwritable_save_exits_before_process_groups"),
+    "test_gpu_environment.py": (
+        "test_a_job_trains_the_same_with_apex_and_transformer_engine_importable",),
+    "test_ladder.py": ("test_pp2_ladder_equals_pp1", "test_tp2_ladder_equals_tp1"),
+    "test_membership.py": ("test_survivors_make_the_next_epochs_groups_without_the_lost_worker",),
+    "test_plan.py": ("test_plan_prints_sbatch_lines_that_pretrain_gpt_accepts",),
+    "test_quiet.py": ("test_two_ranks_print_each_expected_warning_once",),
+    "test_rule.py": ("test_a_run_warns_once_per_job",),
+    "test_slurm.py": ("test_a_bare_srun_runs_each_task_as_a_rank_of_the_job",
+                      "test_one_job_per_cluster_meets_at_a_common_rendezvous",
+                      "test_one_job_runs_each_worker_as_a_job_step",
+                      "test_usr1_checkpoints_requeues_and_the_rerun_resumes"),
+    "test_streaming_transport.py": ("test_chunked_wire_carries_what_the_collectives_carry",
+                                    "test_transport_times_out_naming_step_tag_and_peers"),
+    "test_tokenizers.py": ("test_jsonl_preprocessing_as_megatron_names_it",
+                           "test_malformed_jsonl_is_one_line_naming_file_and_line",
+                           "test_toy_llama_trains_on_gpt2_bpe_jsonl_data"),
+    "test_door.py": ("test_mismatched_launches_stop_every_worker_naming_the_flags",),
+    "test_topology.py": ("test_topology_creates_real_groups_on_8_gloo_ranks",),
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        name = item.path.name
+        if name in QUICK_FILES and item.originalname not in QUICK_LEFT_OUT.get(name, ()):
+            item.add_marker(pytest.mark.quick)

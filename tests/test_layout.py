@@ -108,3 +108,22 @@ def test_the_order_is_the_one_the_package_and_design_state():
     assert stated in " ".join((REPO / PACKAGE / "__init__.py").read_text().split())
     design = (REPO / "docs" / "DESIGN.md").read_text()
     assert " -> ".join(ORDER) in " ".join(design.split())
+
+
+def test_the_quick_tier_touches_every_folder():
+    """``-m quick`` imports from every folder of the package, so a broken folder shows in
+    the inner loop's tier too."""
+    from conftest import QUICK_FILES
+
+    reached = set()
+    for name in QUICK_FILES:
+        for node in ast.walk(ast.parse((REPO / "tests" / name).read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(PACKAGE):
+                module = node.module
+                reached.add(_folder(module) if module != PACKAGE else "")
+                if module == PACKAGE:
+                    reached.update(a.name for a in node.names)
+            elif isinstance(node, ast.Import):
+                reached.update(_folder(a.name) for a in node.names
+                               if a.name.startswith(PACKAGE + "."))
+    assert set(ORDER) - reached == set()

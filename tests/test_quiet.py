@@ -22,7 +22,7 @@ def test_expected_messages_pass_once_on_rank_0_only():
 
 @pytest.mark.parametrize("rank", [0, 1])
 def test_an_unexpected_python_warning_still_shows_on_every_rank(rank):
-    code = ("from megatron_streaming import quiet; quiet.install(%d); import warnings; "
+    code = ("from megatron_streaming.run import quiet; quiet.install(%d); import warnings; "
             "warnings.warn('Apex is not installed. Falling back to Torch Norm'); "
             "warnings.warn('a real problem')" % rank)
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
