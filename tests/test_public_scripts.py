@@ -7,8 +7,8 @@ and the data paths change.
   one line per refused flag, nothing else;
 * the scaled-down scripts pass validation;
 * three of them train for real, two as 2 DiLoCo workers (``--diloco-*`` added);
-* the README's flag table is this file's ``render_table()`` (regenerate it with
-  ``UPDATE_README=1 .venv/bin/python -m pytest tests/test_public_scripts.py``).
+* the flag table of docs/megatron.md is this file's ``render_table()`` (regenerate it with
+  ``UPDATE_FLAG_TABLE=1 .venv/bin/python -m pytest tests/test_public_scripts.py -k table``).
 """
 
 import json
@@ -236,7 +236,7 @@ def test_three_scripts_train(paths, tmp_path):
         assert losses[-1] < losses[0], (name, losses)
 
 
-# ---- the README's table ----------------------------------------------------------------------
+# ---- the flag table of docs/megatron.md ------------------------------------------------------
 
 def script_flags():
     """flag -> the scripts passing it (in SCRIPTS order), over args and optional branches."""
@@ -285,16 +285,19 @@ def render_table():
 BEGIN, END = "<!-- flag-table:begin -->", "<!-- flag-table:end -->"
 
 
-def test_readme_has_the_flag_table():
-    readme = (REPO / "README.md").read_text()
+FLAG_TABLE_DOC = REPO / "docs" / "megatron.md"
+
+
+def test_megatron_guide_has_the_flag_table():
+    guide = FLAG_TABLE_DOC.read_text()
     table = render_table()
-    if os.environ.get("UPDATE_README"):
-        head, _, rest = readme.partition(BEGIN)
+    if os.environ.get("UPDATE_FLAG_TABLE"):
+        head, _, rest = guide.partition(BEGIN)
         _, _, tail = rest.partition(END)
-        readme = f"{head}{BEGIN}\n{table}{END}{tail}"
-        (REPO / "README.md").write_text(readme)
-    assert f"{BEGIN}\n{table}{END}" in readme, "regenerate: UPDATE_README=1 pytest " \
-        "tests/test_public_scripts.py::test_readme_has_the_flag_table"
+        guide = f"{head}{BEGIN}\n{table}{END}{tail}"
+        FLAG_TABLE_DOC.write_text(guide)
+    assert f"{BEGIN}\n{table}{END}" in guide, "regenerate: UPDATE_FLAG_TABLE=1 pytest " \
+        "tests/test_public_scripts.py::test_megatron_guide_has_the_flag_table"
     counts = {}
     for flag in script_flags():
         kind = classify(flag)[0].split()[0]

@@ -1,6 +1,6 @@
 """launch/slurm.sh under a real SLURM: a one-node cluster on this machine (slurm_cluster.py:
 Debian's slurm-wlm and munge, installed when missing, daemons stopped afterwards) runs the
-batch script the way the README submits it, in both forms:
+batch script the way docs/slurm.md submits it, in both forms:
 
 * one job holding both workers, each worker its own job step sharing the node (GPUS_PER_NODE=4
   slots split 0,1 / 2,3 through the launcher's --include);
