@@ -140,7 +140,7 @@ def _unknown_flag(token: str, parser: argparse.ArgumentParser) -> str:
     close = difflib.get_close_matches(flag, list(parser._option_string_actions), n=1,
                                       cutoff=0.8)
     hint = f"; did you mean {close[0]}?" if close else \
-        "; see the README's table of Megatron flags and `pretrain_gpt.py --help`"
+        "; see the table of Megatron flags in docs/megatron.md and `pretrain_gpt.py --help`"
     return f"unrecognized argument {flag}: not a flag of this pretrain_gpt.py nor a known " \
            f"Megatron-LM / Megatron-DeepSpeed flag{hint}"
 

@@ -11,7 +11,7 @@ either project passes is listed here, with what ``pretrain_gpt.py`` does with it
 * ``refused``: one line naming the flag and what to use instead, before any process starts.
 
 Where it sits: ``arguments.build_parser`` registers these flags (hidden from ``--help``; the
-README's table lists them) and ``arguments.parse_args`` calls ``apply`` on what was given.
+docs/megatron.md's table lists them) and ``arguments.parse_args`` calls ``apply`` on what was given.
 ``python -m megatron_streaming.cli.megatron_flags`` prints the table.
 """
 
@@ -116,7 +116,7 @@ def _flash_attention(flag: str) -> Callable:
 
 
 _FUSION = "a CUDA kernel-fusion switch: the math is the same fused or not"
-_LOG_ALWAYS = "TensorBoard always gets this here (see the README's Monitoring section)"
+_LOG_ALWAYS = "TensorBoard always gets this here (see docs/running.md, Monitoring)"
 _NO_EFFECT_LOG = "a logging option of a report this project does not make; no effect"
 _FLASH = ("--attention-backend flash on every device: torch's fused scaled_dot_product_attention "
           "on the local layers, Transformer Engine's flash kernel on its own")
@@ -255,10 +255,10 @@ def dest(flag: str) -> str:
 
 
 def add_to_parser(parser) -> None:
-    """Register every foreign flag, hidden from ``--help`` (the README lists them)."""
+    """Register every foreign flag, hidden from ``--help`` (docs/megatron.md lists them)."""
     import argparse
 
-    group = parser.add_argument_group("Megatron-LM / Megatron-DeepSpeed flags (see README)")
+    group = parser.add_argument_group("Megatron-LM / Megatron-DeepSpeed flags (see docs/megatron.md)")
     for f in FLAGS:
         if f.nargs == SWITCH:
             group.add_argument(f.flag, dest=dest(f.flag), action="store_const", const=True,

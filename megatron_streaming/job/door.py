@@ -31,7 +31,7 @@ own secret, so a launch without it, or with another, is refused by every worker 
 process group exists. It keeps stray or misconfigured launches out of a job; it is not
 encryption: the store and the exchanges travel in the clear, so an attacker on the link can
 read them and speak the store's protocol directly. Run the inter-cluster path over a private
-link or a VPN (README, "The network model").
+link or a VPN (docs/slurm.md, "The network model").
 """
 
 from __future__ import annotations
