@@ -17,3 +17,9 @@ class ConfigError(UsageError):
 class JobFailure(RuntimeError):
     """The job cannot go on (a lost or stuck peer, an unwritable checkpoint); the message
     says what happened and what to resume from. ``pretrain_gpt.py`` prints it and exits 3."""
+
+
+def first_line(e: BaseException) -> str:
+    """An error's first line, for one-line messages (its type's name where it has none)."""
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__

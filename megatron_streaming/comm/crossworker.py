@@ -1,7 +1,7 @@
 """The one door across workers: every collective over a cross-worker group goes through here,
 and every byte this rank puts on the cross-worker wire is counted here, data and control apart.
 
-* data: the outer-gradient exchanges (``streaming.transport.Transport``, built by
+* data: the outer-gradient exchanges (``transport.Transport``, built by
   ``make_transport`` over this rank's cross-worker data group, which pairs the ranks at one
   in-worker coordinate of every worker);
 * control: the stop flag of every step (``lifecycle.StopAgreement``), checkpoint agreement
@@ -23,7 +23,8 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-from .failures import first_line, is_communication_error
+from ..errors import first_line
+from .failures import is_communication_error
 
 log = logging.getLogger("megatron_streaming")
 

@@ -3,8 +3,6 @@ then happens)."""
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch.distributed as dist
 
 from ..errors import JobFailure
@@ -24,9 +22,3 @@ def is_communication_error(e: BaseException) -> bool:
     return isinstance(e, RuntimeError) and any(
         s in text for s in ("gloo", "connection", "nccl", "timed out", "timeout", "socket",
                             "pair closure"))
-
-
-def first_line(e: Optional[BaseException]) -> str:
-    """An error's first line, for one-line messages (its type's name where it has none)."""
-    text = str(e).strip().splitlines() if e is not None else []
-    return text[0] if text else type(e).__name__

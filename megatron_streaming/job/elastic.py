@@ -43,7 +43,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..errors import JobFailure
+from ..errors import JobFailure, first_line
 from .lifecycle import STORE_CALL_SECONDS
 from ..parallel.topology import device_of
 
@@ -127,7 +127,7 @@ class Elastic:
         except Exception as e:  # cut off from the rendezvous (and so from the job)
             raise OutsideTheJob(f"worker {topo.worker} lost the job after step {iteration} "
                                 f"({cause}) and cannot reach the rendezvous store: "
-                                f"{_first_line(e)}") from None
+                                f"{first_line(e)}") from None
         gone = {topo.layout.coords(r)["worker"] for r in survey["lost"] + survey["exiting"]}
         gone &= set(self.record.members)  # those lost earlier are not news
         alive = [w for w in self.record.members if w not in gone]
@@ -310,7 +310,7 @@ def rejoin_when_reachable(outside: OutsideTheJob, timeout_s: float, hosts_store:
             if time.monotonic() > deadline:
                 raise JobFailure(f"{outside}; the rendezvous store stayed unreachable for "
                                  f"{timeout_s:g} s (--distributed-timeout-minutes): "
-                                 f"{_first_line(e)}") from None
+                                 f"{first_line(e)}") from None
             time.sleep(2.0)
     log.warning("the rendezvous store answers again: restarting this rank to rejoin")
     for handler in logging.getLogger().handlers + log.handlers:
@@ -340,8 +340,3 @@ def _connect(fallback, seconds: float = 60.0):
         return fallback
     return dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
                          timeout=datetime.timedelta(seconds=seconds))
-
-
-def _first_line(e: Optional[BaseException]) -> str:
-    text = str(e).strip().splitlines() if e is not None else []
-    return text[0] if text else type(e).__name__
