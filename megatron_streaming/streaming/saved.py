@@ -100,8 +100,7 @@ class OuterStateful:
                                     e.get("quant_error", 0.0), 0.0)
             self.pending[index] = Pending.completed(
                 result, e["step"], f"fragment {g.fragment} (param group {g.param_group})")
-        merged = set(state.get("merged_early", ()))
-        self.merged_early = {g.index for g in self.groups if g.fragment in merged}
+        self.mark_merged(state.get("merged_early", ()))
         self.transport.bytes_sent, self.transport.bytes_received = state["bytes"]
 
     def merge_at_load(self, theta_g: torch.Tensor, momentum: torch.Tensor,

@@ -438,8 +438,9 @@ class StreamingSync(OuterStateful):
                 cross.count_control(t.numel() * t.element_size() * (cross.workers - 1))
 
     def mark_merged(self, fragments) -> None:
-        """A rejoining worker: the exchanges of ``fragments`` in flight when it was admitted
-        were merged into the state it took; their scheduled merges do nothing."""
+        """The exchanges of ``fragments`` were merged already (into the state a rejoining
+        worker took, or by ``finish`` before a checkpoint): their scheduled merges do
+        nothing."""
         self.merged_early = {g.index for g in self.groups if g.fragment in set(fragments)}
 
     def regroup(self, cross) -> None:
