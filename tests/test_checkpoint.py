@@ -254,7 +254,7 @@ def resumes_in_flight_exactly(tmp_path, args, extra_env=None):
 def test_restored_adam_step_count_lives_where_torch_keeps_it():
     """Fused Adam (what a GPU run uses) wants its step counts on the parameters' device; a
     CPU step count there fails the first step after a resume ("meta" stands in for CUDA)."""
-    from megatron_streaming.checkpoint.job import step_tensor
+    from megatron_streaming.worker.optimizer_state import step_tensor
 
     param = torch.empty(3, device="meta")
     assert step_tensor(7, param, {"fused": True}).device.type == "meta"

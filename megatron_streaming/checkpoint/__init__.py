@@ -3,8 +3,9 @@
 Format: megatron-core's ``dist_checkpointing`` (Megatron-LM's ``torch_dist``, i.e.
 ``torch.distributed.checkpoint`` files): every rank writes its own tensor slices in parallel,
 and a load under another TP / PP / SP / DP / ZeRO layout reads the boxes it needs from them.
-What is stored (``job``), how a resume under other flags is decided (``resume``), the
-directory and its checks (``store``). ``python -m megatron_streaming.checkpoint`` inspects,
+What is stored (``job``, under the names of ``keys``), the JSON that describes it (``meta``),
+how a resume under other flags is decided (``resume``), the directory and its checks
+(``store``). ``python -m megatron_streaming.checkpoint`` inspects,
 exports to and imports from Hugging Face.
 """
 
@@ -15,6 +16,7 @@ import shutil
 from typing import Callable, List, Optional
 
 from ..errors import JobFailure, first_line
+from .meta import document
 from .resume import FORMAT_VERSION, CheckpointError
 from .store import (TRACKER, check_files, check_safe, check_writable, checkpoint_files, commit,
                     file_table, find_checkpoint, has_checkpoint, iteration_dir, read_meta, share,
@@ -120,10 +122,9 @@ class Checkpointer:
                         "hash": t4 - t3}
         meta = None
         if leads:
-            meta = {"format_version": FORMAT_VERSION, "iteration": iteration,
-                    "run": run_state,
-                    **state.describe([i for p in parts for i in p[0]]),
-                    "files": {k: v for p in parts for k, v in sorted(p[1].items())}}
+            every_rank = [i for p in parts for i in p[0]]
+            meta = document(iteration, run_state, state.describe(every_rank),
+                            {k: v for p in parts for k, v in sorted(p[1].items())})
         self._agree(root, iteration, partial, (lambda: commit(
             root, partial, final, meta)) if leads else None)
         return final

@@ -12,7 +12,8 @@ from typing import Dict, Optional
 
 import torch
 
-from .resume import FORMAT_VERSION, CheckpointError
+from . import keys
+from .resume import CheckpointError
 from .store import (all_parts, atomic_write, check_files, check_safe, commit, file_table,
                     iteration_dir, resolve, worker_part)
 
@@ -51,28 +52,32 @@ def parameters(path: str, params: str = "global", worker: Optional[int] = None):
     the sync, its only worker's weights); ``"local"``: worker ``worker``'s own weights."""
     directory, meta = open_checkpoint(path)
     prefixes = set(meta["kinds"]["prefixes"])
+
+    def weights_of(w):  # the fp32 masters where there are any
+        master = keys.worker(w, keys.MASTER)
+        return master if master in prefixes else keys.worker(w, keys.MODEL)
+
     w = None  # global: any worker's part holds theta_g (the lowest's is read)
     if params == "global":
-        if "outer.theta_g" in prefixes:
-            prefix = "outer.theta_g"
+        if keys.outer(keys.THETA_G) in prefixes:
+            prefix = keys.outer(keys.THETA_G)
         else:
             w = 0
-            prefix = f"worker{w}.master" if f"worker{w}.master" in prefixes else \
-                f"worker{w}.model"
+            prefix = weights_of(w)
     elif params == "local":
         w = 0 if worker is None else worker
         workers = meta["layout"]["workers"]
         if not 0 <= w < workers:
             raise CheckpointError(f"--worker {w}: the checkpoint has {workers} worker(s)")
-        prefix = f"worker{w}.master" if f"worker{w}.master" in prefixes else f"worker{w}.model"
+        prefix = weights_of(w)
     else:
         raise CheckpointError(f"--params {params!r}: expected global or local")
     names = list(meta["params"])
     loaded = read_tensors(os.path.join(directory, worker_part(meta, w)),
-                          [f"{prefix}.{n}" for n in names])
+                          [keys.tensor(prefix, n) for n in names])
     out = {}
     for n in names:
-        t = loaded[f"{prefix}.{n}"].float()
+        t = loaded[keys.tensor(prefix, n)].float()
         out[n] = t.reshape(-1, *t.shape[2:]) if _gated(n, t, meta) else t
     return meta["model"]["config"], meta["model"]["vocab_size"], out
 
@@ -86,12 +91,10 @@ def write(root: str, model_cfg, params: Dict[str, torch.Tensor], vocab_size: int
           flags, source: str) -> str:
     """A checkpoint of iteration 0 holding only one worker's weights (fp32): ``--load`` it to
     start training from them, in any layout and with any number of workers."""
-    import dataclasses
-
     import torch.distributed.checkpoint as dcp
 
-    from .resume import architecture, streaming_description
-
+    from .meta import description, document
+    from .resume import streaming_description
     from ..config import Config
 
     directory = iteration_dir(root, 0)
@@ -105,35 +108,26 @@ def write(root: str, model_cfg, params: Dict[str, torch.Tensor], vocab_size: int
         if model_cfg.swiglu and ".linear_fc1." in f".{name}":
             t = t.view(2, -1, *t.shape[1:])
         stored[name] = t
-    dcp.save({f"worker0.model.{n}": t for n, t in stored.items()},
+    prefix = keys.worker(0, keys.MODEL)
+    dcp.save({keys.tensor(prefix, n): t for n, t in stored.items()},
              storage_writer=dcp.FileSystemWriter(part), no_dist=True)
     # megatron-core's own two files, as its torch_dist save writes them.
     atomic_write(os.path.join(part, "metadata.json"),
                  '{"sharded_backend": "torch_dist", "sharded_backend_version": 1, '
                  '"common_backend": "torch", "common_backend_version": 1}')
     torch.save({}, os.path.join(part, "common.pt"))
-    cfg = Config(model=model_cfg)
-    numel = sum(t.numel() for t in stored.values())
-    meta = {
-        "format_version": FORMAT_VERSION, "iteration": 0,
-        "run": {"iteration": 0, "consumed_samples": 0, "tokens": 0},
-        "source": source, "model_flags": list(flags),
-        "layout": {"world_size": 1, "workers": 1, "tp": 1, "pp": 1, "dp": 1, "sp": 1,
-                   "zero_stage": 0},
-        "model": {"architecture": architecture(model_cfg),
-                  "config": dataclasses.asdict(model_cfg), "vocab_size": vocab_size,
-                  "parameter_count": numel},
-        "tokenizer": {}, "precision": "fp32", "optimizer": {"name": None},
-        "streaming": {**streaming_description(cfg), "enabled": False},
-        "workers": {"0": {"optimizer_keys": [], "optimizer_steps": [], "residuals": False,
-                          "loss_scaler": {}}},
-        "pending": [], "merged_early": [],
-        "kinds": {"prefixes": ["worker0.model"],
-                  "keys": sorted(f"worker0.model.{n}" for n in stored),
-                  "keys_by_part": {"worker0": sorted(f"worker0.model.{n}" for n in stored)}},
-        "params": {n: list(t.shape) for n, t in sorted(stored.items())},
-        "ranks": [{"rank": 0, "worker": 0}],
-    }
-    meta["files"] = {f"worker0/{k}": v for k, v in file_table(part).items()}
+    # One rank of one worker that holds only weights (no optimizer state, no sync).
+    rank = {"rank": 0, "worker": 0, "prefixes": [prefix],
+            "keys": [keys.tensor(prefix, n) for n in stored],
+            "shapes": {n: list(t.shape) for n, t in stored.items()}}
+    described = description(
+        [rank], layout={"world_size": 1, "workers": 1, "tp": 1, "pp": 1, "dp": 1, "sp": 1,
+                        "zero_stage": 0},
+        model_cfg=model_cfg, vocab_size=vocab_size, tokenizer={}, precision="fp32",
+        optimizer=None,
+        streaming={**streaming_description(Config(model=model_cfg)), "enabled": False})
+    meta = document(0, {"iteration": 0, "consumed_samples": 0, "tokens": 0}, described,
+                    {f"worker0/{k}": v for k, v in file_table(part).items()},
+                    source=source, model_flags=list(flags))
     commit(root, partial, directory, meta)
     return directory

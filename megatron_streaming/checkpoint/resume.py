@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
+from . import keys
 from ..errors import UsageError
 
 FORMAT_VERSION = 3  # 3: a part per worker (checkpoint/store.py); 2: one for the job
@@ -149,7 +150,7 @@ def plan(meta: dict, cfg, layout, rank: int, new_worker_optimizer: str) -> Resum
     # New: beyond the checkpoint's workers, or one it has no part of (lost before the save).
     new_worker = worker >= old_workers or str(worker) not in meta["workers"]
     lowest = min(int(w) for w in meta["workers"])
-    if new_worker and "outer.theta_g" not in meta["kinds"]["prefixes"]:
+    if new_worker and keys.outer(keys.THETA_G) not in meta["kinds"]["prefixes"]:
         weights_worker = lowest  # a run without the sync: worker 0's weights are the model
     else:
         weights_worker = None if new_worker else worker

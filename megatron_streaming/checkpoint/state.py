@@ -1,22 +1,16 @@
 """One rank's training state as tensors keyed by global parameter names, and back.
 
-What a checkpoint holds for every parameter, whatever layout wrote it (``kinds``):
+Every kind of state (``keys``) is stored per parameter as a megatron-core ``ShardedTensor`` of
+the parameter's full (TP=1) shape; this rank supplies its tensor-parallel slice, and among the
+ranks that hold the same slice (data and sequence parallel replicas, a tied embedding's copy
+on the last stage, other workers for the global state) exactly one writes it.
 
-* ``worker<w>.model.<name>``: the worker's weights, in the model's dtype;
-* ``worker<w>.master.<name>``: the fp32 master copy (ZeRO, or --bf16/--fp16 without ZeRO);
-* ``worker<w>.optim.<state>.<name>``: the inner optimizer's per-element state (AdamW's
-  ``exp_avg`` and ``exp_avg_sq``, SGD's ``momentum_buffer``);
-* ``outer.theta_g.<name>``, ``outer.momentum.<name>``: the global parameters and the outer
-  momentum, the same on every worker, stored once;
-* ``worker<w>.outer.residual.<name>``: the worker's error-feedback residual;
-* ``outer.pending.<name>``: the averaged outer gradient of an exchange in flight.
-
-Each is a megatron-core ``ShardedTensor`` of the parameter's full (TP=1) shape; this rank
-supplies its tensor-parallel slice, and among the ranks that hold the same slice (data and
-sequence parallel replicas, a tied embedding's copy on the last stage, other workers for the
-global state) exactly one writes it. ZeRO keeps each rank's part of a param group as one flat
-fp32 partition: a ``GroupSpace`` turns partition-shaped vectors into whole parameters (an
-all-gather over ZeRO's group) and back (a slice), so the file never depends on the DP size.
+A rank's state comes in three shapes, which ``LayoutMap`` converts between: whole parameters
+by global name (``Slot``, what the checkpoint stores); per inner param group, one flat fp32
+vector of this rank's part (``GroupSpace``: ZeRO's partition, gathered into whole parameters
+over ZeRO's group and sliced back, so the file never depends on the DP size; the inner
+optimizer's state); and the sync's shard groups, flat views into those spaces (its outer
+state).
 
 A SwiGLU ``linear_fc1`` holds ``[gate_r; up_r]`` on TP rank r (``weights.tp_shard``); it is
 stored as a ``(2, ffn, hidden)`` tensor, so its TP slices are regular boxes.
@@ -33,6 +27,7 @@ import torch.distributed as dist
 
 from patches import deepspeed_zero
 
+from . import keys
 from ..worker.weights import global_name, local_spec_name
 
 EMBEDDING = "embedding.word_embeddings.weight"
@@ -199,3 +194,80 @@ def vocab_rows(slot: Slot, full: torch.Tensor, current: torch.Tensor, tp_rank: i
     n = max(0, min(rows, full.shape[0] - lo))
     out[:n] = full[lo:lo + n]
     return out
+
+
+class LayoutMap:
+    """This rank's parameters as the checkpoint sees them (``slots``), as the inner optimizer
+    does (``spaces``) and as the sync does (``groups``, its shard groups), and the tensors of
+    one shape turned into another."""
+
+    def __init__(self, cfg, topology, model, engine, groups):
+        layout = topology.layout
+        self.tp_rank, self.tp = topology.tp_rank, layout.tp
+        offset = topology.pp_rank * (cfg.model.num_layers // layout.pp)
+        tied = not cfg.model.untie_embeddings_and_output_weights
+        self.slots = build_slots(model, offset, tied, cfg.model.swiglu)
+        self.spaces: List[GroupSpace] = group_spaces(engine, self.slots)
+        # The ranks holding the same slices: ZeRO's group (sequence x data parallel).
+        sdp = topology.groups.get("sdp")
+        self.sdp_rank = dist.get_rank(sdp) if sdp is not None else 0
+        self.sdp_size = dist.get_world_size(sdp) if sdp is not None else 1
+        self.groups = groups
+        # Per shard group: (position in its space, length) of each of its views.
+        self.pieces = [[(self.spaces[g.param_group].position(t), t.numel()) for t in g.tensors]
+                       for g in groups]
+
+    def stored_shapes(self) -> dict:
+        """global name -> stored shape (this rank's parameters)."""
+        return {s.gname: list(s.global_shape(self.tp)) for s in self.slots}
+
+    def params(self, vectors: List[torch.Tensor]) -> Dict[int, torch.Tensor]:
+        """Per space vectors -> slot index -> whole parameter (collective: ZeRO gathers)."""
+        out = {}
+        for space, vector in zip(self.spaces, vectors):
+            out.update(space.gather(vector))
+        return out
+
+    def scatter(self, tensors: Dict[int, torch.Tensor], zeros_for_missing=False) \
+            -> List[torch.Tensor]:
+        """``params``' inverse: per space, this rank's vector of whole-parameter ``tensors``
+        (every slot's, or zeros where one is missing)."""
+        if zeros_for_missing:
+            tensors = {s.index: tensors.get(s.index, torch.zeros(s.param.shape))
+                       for s in self.slots}
+        return [space.scatter(tensors) for space in self.spaces]
+
+    def from_groups(self, values: List[torch.Tensor]) -> List[torch.Tensor]:
+        """Per shard group values (flat) -> per space vectors (CPU; zeros elsewhere)."""
+        vectors = [torch.zeros(space.length) for space in self.spaces]
+        for g, value in zip(self.groups, values):
+            offset = 0
+            for position, n in self.pieces[g.index]:
+                vectors[g.param_group][position:position + n] = \
+                    value[offset:offset + n].detach().float().cpu()
+                offset += n
+        return vectors
+
+    def to_groups(self, vectors: List[torch.Tensor]) -> List[torch.Tensor]:
+        """``from_groups``' inverse: one flat tensor per shard group."""
+        values = []
+        for g in self.groups:
+            vector = vectors[g.param_group]
+            values.append(torch.cat([vector[p:p + n] for p, n in self.pieces[g.index]])
+                          if self.pieces[g.index] else torch.zeros(0))
+        return values
+
+    def sharded(self, prefix: str, tensors: Dict[int, torch.Tensor]):
+        """``ShardedTensor``s of whole-parameter ``tensors`` under ``prefix`` (``keys``), and
+        the bytes this rank writes of them: one rank among those holding a slice writes it,
+        also of the global state (each worker's part has it)."""
+        out, written = {}, 0
+        for slot in self.slots:
+            if slot.index not in tensors:
+                continue
+            key, t = keys.tensor(prefix, slot.gname), tensors[slot.index]
+            write = replica_writer(slot.gname, self.sdp_rank, self.sdp_size)
+            if write:
+                written += t.numel() * t.element_size()
+            out[key] = sharded(key, slot, t, self.tp_rank, self.tp, write)
+        return out, written

@@ -43,6 +43,7 @@ import torch
 
 from ..comm.codec import ErrorFeedback
 from .outer import OuterOptimizer, merge
+from .saved import OuterStateful
 from .schedule import SyncSchedule
 from ..comm.transport import Pending, Transport, pinned_host_copy
 
@@ -111,7 +112,9 @@ class FragmentStats:
     skipped: int = 0
 
 
-class StreamingSync:
+class StreamingSync(OuterStateful):
+    """The sync of one rank; what a checkpoint keeps of it: ``saved.OuterStateful``."""
+
     def __init__(self, groups: List[ShardGroup], schedule: SyncSchedule, transport: Transport,
                  outer: OuterOptimizer, alpha: float, error_feedback: bool,
                  offload: bool, push_to_model: Callable[[], None]):
@@ -309,15 +312,24 @@ class StreamingSync:
             self.merged_early.discard(g.index)
         elif g.index in self.pending:
             mean = self._arrived(g)  # None: non-finite somewhere, its others' shares dropped
-        grad = self.own[g.index].div(-workers)
-        if mean is not None:
-            grad.add_(mean.to(theta_g.device))
         fresh = torch.zeros_like(theta_g)
         if delta is not None and bool(torch.isfinite(delta).all()):
             fresh = delta.to(theta_g.device)  # a non-finite one is skipped by every worker
-        grad.add_(fresh, alpha=1.0 / workers)
+        grad = self._eager_grad(self.own[g.index], mean, fresh, workers)
         self.own[g.index] = fresh
         self._apply(g, grad)
+
+    @staticmethod
+    def _eager_grad(own: torch.Tensor, mean: Optional[torch.Tensor], fresh: torch.Tensor,
+                    workers: int) -> torch.Tensor:
+        """The eager outer gradient: the round's ``mean`` (None: dropped) less this worker's
+        share ``own`` of it, applied at its send, plus its ``fresh`` share of the round now
+        sent; the shares are over ``workers``."""
+        grad = own.div(-workers)
+        if mean is not None:
+            grad.add_(mean.to(own.device))
+        grad.add_(fresh, alpha=1.0 / workers)
+        return grad
 
     def _arrived(self, g: ShardGroup) -> Optional[torch.Tensor]:
         """Wait for the shard's exchange in flight; its mean, or None if some worker's outer
@@ -360,14 +372,20 @@ class StreamingSync:
 
     def _apply(self, g: ShardGroup, grad: torch.Tensor) -> None:
         """Outer step on the shard's ``theta_g`` with ``grad``, then the local merge."""
-        theta_g = self.theta_g[g.index]
         local = g.read()
+        self._outer_update(self.theta_g[g.index], self.momentum[g.index], local, grad)
+        g.write(local)
+
+    def _outer_update(self, theta_g: torch.Tensor, momentum: torch.Tensor,
+                      local: torch.Tensor, grad: Optional[torch.Tensor]) -> None:
+        """In place: the outer step on ``theta_g`` with ``grad`` (None: none), then the merge
+        of ``local`` with it; a shard group's tensors, or whole parameters at a resume."""
         offloaded = local.is_cuda and not theta_g.is_cuda
         if offloaded:  # the last copy out of the pinned theta_g may still be reading it
             torch.cuda.current_stream().synchronize()
-        self.outer.step(theta_g, self.momentum[g.index], grad.to(theta_g.device))
+        if grad is not None:
+            self.outer.step(theta_g, momentum, grad.to(theta_g.device))
         merge(local, theta_g.to(local.device, non_blocking=offloaded), self.alpha)
-        g.write(local)
 
     # ---- evaluation with the global parameters ------------------------------------------
     @contextlib.contextmanager
@@ -396,20 +414,6 @@ class StreamingSync:
             out[g.fragment, 1] += float(torch.dot(theta, theta))
         return out
 
-    # ---- checkpoints (``checkpoint.job`` reads and restores the state) ------------------
-    def in_flight_fragments(self) -> list:
-        """Fragments whose exchange is in flight after the current step, by the schedule
-        alone (the same answer on every rank, also one holding no shard of them); none once
-        ``finish`` merged them."""
-        if self.finished_step == self.step:
-            return []
-        return self.schedule.in_flight_after(self.step)
-
-    def merged_early_fragments(self) -> list:
-        """Fragments ``finish`` merged before their scheduled step (at the current step)."""
-        return self.schedule.in_flight_after(self.step) if self.finished_step == self.step \
-            else []
-
     # ---- membership changes (``elastic``) -------------------------------------------------
     def abandon(self) -> None:
         """Drop every exchange not merged yet (their groups were aborted): theta_g keeps its
@@ -434,8 +438,9 @@ class StreamingSync:
                 cross.count_control(t.numel() * t.element_size() * (cross.workers - 1))
 
     def mark_merged(self, fragments) -> None:
-        """A rejoining worker: the exchanges of ``fragments`` in flight when it was admitted
-        were merged into the state it took; their scheduled merges do nothing."""
+        """The exchanges of ``fragments`` were merged already (into the state a rejoining
+        worker took, or by ``finish`` before a checkpoint): their scheduled merges do
+        nothing."""
         self.merged_early = {g.index for g in self.groups if g.fragment in set(fragments)}
 
     def _exchange_failed(self, error: BaseException) -> None:
@@ -531,6 +536,18 @@ class NoSync:
 
     def merged_early_fragments(self) -> list:
         return []
+
+    def settle(self) -> None:
+        pass
+
+    def state_dict(self) -> dict:
+        return {}  # no outer state
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+    def merge_at_load(self, theta_g, momentum, local, mean, own, workers) -> None:
+        pass
 
     def close(self) -> None:
         pass

@@ -25,6 +25,7 @@ import torch
 from patches import deepspeed_zero
 
 from . import grads
+from .optimizer_state import InnerOptimizerState
 from ..config import Config
 from ..parallel.topology import Topology
 
@@ -255,6 +256,8 @@ class WorkerEngine:
         self.sequence_parallel_grads = grads.SequenceParallelGrads(model, self.optimizer,
                                                                    topology.groups["tp"])
         self.step_hooks: list = []  # objects with before_step(step) and after_step()
+        # What a checkpoint keeps of this worker's optimizer (``state_dict`` and back).
+        self.optimizer_state = InnerOptimizerState(self)
 
     @property
     def inner_optimizer(self) -> torch.optim.Optimizer:
