@@ -17,7 +17,7 @@ from typing import Callable, List, Optional
 from ..errors import JobFailure
 from .resume import FORMAT_VERSION, CheckpointError
 from .store import (TRACKER, check_files, check_safe, check_writable, checkpoint_files, commit,
-                    file_table, find_checkpoint, has_checkpoint, iteration_dir, read_meta, share,
+                    file_table, find_checkpoint, has_checkpoint, iteration_dir, share,
                     worker_part)
 
 __all__ = ["CheckpointError", "CheckpointWriteError", "Checkpointer", "FORMAT_VERSION",
@@ -257,7 +257,3 @@ def check_loadable(root: str, cfg, layout, vocab_size=None):
     check_files(root, directory, meta, hashes=False)
     check_compatible(root, meta, cfg, vocab_size)
     return directory, meta
-
-
-def load_meta(path: str) -> dict:
-    return read_meta(path, path)

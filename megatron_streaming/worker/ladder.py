@@ -390,10 +390,3 @@ def ladder_block_spec(config, layer_spec, ladder_layers: Set[int], pp_rank: int 
             sends=stage_last and continues_out and i != last))
     return TransformerBlockSubmodules(layer_specs=specs, layer_norm=final_norm)
 
-
-def ladder_chain_of(model) -> Optional[LadderChain]:
-    """The chain of a built model (to attach a ``LadderTrace``), or None without ladder."""
-    for module in model.modules():
-        if isinstance(module, LadderTransformerLayer):
-            return module.ladder_chain
-    return None
