@@ -17,3 +17,10 @@ class ConfigError(UsageError):
 class JobFailure(RuntimeError):
     """The job cannot go on (a lost or stuck peer, an unwritable checkpoint); the message
     says what happened and what to resume from. ``pretrain_gpt.py`` prints it and exits 3."""
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of ``error``'s message, or its type's name where it has none: what a
+    one-line report quotes of an error from below (a store, a file, a tokenizer)."""
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__

@@ -14,7 +14,7 @@ import os
 import shutil
 from typing import Callable, List, Optional
 
-from ..errors import JobFailure
+from ..errors import JobFailure, first_line
 from .resume import FORMAT_VERSION, CheckpointError
 from .store import (TRACKER, check_files, check_safe, check_writable, checkpoint_files, commit,
                     file_table, find_checkpoint, has_checkpoint, iteration_dir, share,
@@ -185,7 +185,7 @@ class Checkpointer:
             if _is_read_error(e):
                 raise CheckpointError(f"--load {root}: cannot read "
                                       f"{os.path.join(directory, part)}: "
-                                      f"{_first_line(e)}") from None
+                                      f"{first_line(e)}") from None
             raise
         return meta["run"]
 
@@ -215,7 +215,7 @@ def _os_error(e: BaseException):
             for failure in e.failures.values():
                 inner = failure[0] if isinstance(failure, tuple) else failure  # (exc, trace)
                 found = _os_error(inner) if isinstance(inner, BaseException) else None
-                text = _first_line(inner).replace("Worker failure: ", "")
+                text = first_line(inner).replace("Worker failure: ", "")
                 return found or OSError(text)
             # No failure of its own: the writer failed on another rank, which reports it.
             return OSError("the checkpoint writer failed on another rank")
@@ -229,11 +229,6 @@ def _is_read_error(e: BaseException) -> bool:
     from torch.distributed.checkpoint.api import CheckpointException
 
     return isinstance(e, (OSError, pickle.UnpicklingError, EOFError, CheckpointException))
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return text[0] if text else type(e).__name__
 
 
 def _write_error_message(root: str, iteration: int, failed, error) -> str:

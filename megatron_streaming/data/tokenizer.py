@@ -10,7 +10,7 @@ that plus ``tokenize``/``detokenize``, without inheriting from megatron's deprec
 class, so importing this module does not import megatron.
 """
 
-from megatron_streaming.errors import UsageError
+from megatron_streaming.errors import UsageError, first_line
 import hashlib
 import io
 from collections import OrderedDict
@@ -22,11 +22,6 @@ PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 NEWLINE = "\n"
 # Below this size the 256 byte pieces of byte fallback would crowd out real subwords.
 MIN_VOCAB_FOR_BYTE_FALLBACK = 512
-
-
-def _first_line(err: Exception) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
 
 
 class SentencePieceTokenizer:
@@ -148,7 +143,7 @@ def load_tokenizer(path: str) -> SentencePieceTokenizer:
         tokenizer = SentencePieceTokenizer(proto, path)
     except Exception as err:  # sentencepiece raises RuntimeError/OSError/TypeError by version
         raise UsageError(
-            f"{flag}: not a valid sentencepiece model ({_first_line(err)})") from None
+            f"{flag}: not a valid sentencepiece model ({first_line(err)})") from None
     if tokenizer.eod < 0:
         raise UsageError(f"{flag}: the model has no end-of-sentence piece, which is needed as "
                          "the end-of-document token")
@@ -177,7 +172,7 @@ def train_tokenizer(lines: Iterable[str], model_path: str, vocab_size: int,
             input_sentence_size=2_000_000, shuffle_input_sentence=True, minloglevel=2)
     except RuntimeError as err:
         raise UsageError(f"--vocab-size {vocab_size}: sentencepiece could not train a "
-                         f"tokenizer ({_first_line(err)})") from None
+                         f"tokenizer ({first_line(err)})") from None
     proto = model.getvalue()
     with open(model_path, "wb") as f:
         f.write(proto)

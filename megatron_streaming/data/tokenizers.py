@@ -39,7 +39,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterable, List, Optional, Sequence
 
-from megatron_streaming.errors import UsageError
+from megatron_streaming.errors import UsageError, first_line
 
 SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
 TOKENIZER_TYPES = (*SENTENCEPIECE_TYPES, "GPT2BPETokenizer", "HuggingFaceTokenizer",
@@ -162,9 +162,8 @@ def _megatron_core_tokenizer(spec: TokenizerSpec):
         return MegatronTokenizer.from_pretrained(
             tokenizer_path=spec.tokenizer_model, metadata_path={"library": library}, **kwargs)
     except Exception as err:  # the libraries raise ValueError/OSError/KeyError by version
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise UsageError(f"--tokenizer-model {spec.tokenizer_model}: {kind} cannot load it "
-                         f"({first[:300]})") from None
+                         f"({first_line(err)[:300]})") from None
 
 
 _TRANSFORMERS_NEEDED = ("--tokenizer-type {kind} needs the transformers package (pinned in "

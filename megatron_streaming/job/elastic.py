@@ -43,7 +43,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..errors import JobFailure
+from ..errors import JobFailure, first_line
 from .lifecycle import STORE_CALL_SECONDS
 from ..parallel.topology import device_of
 
@@ -87,7 +87,7 @@ class Elastic:
     def note(self, error: BaseException) -> None:
         """A cross-worker collective failed on this rank."""
         if self.noted is None:
-            self.noted = _first_line(error)
+            self.noted = first_line(error)
             log.warning("rank %d: %s", self.run.topology.rank, self.noted)
 
     def end_of_step(self, iteration: int) -> None:
@@ -132,7 +132,7 @@ class Elastic:
         except Exception as e:  # cut off from the rendezvous (and so from the job)
             raise OutsideTheJob(f"worker {topo.worker} lost the job after step {iteration} "
                                 f"({cause}) and cannot reach the rendezvous store: "
-                                f"{_first_line(e)}") from None
+                                f"{first_line(e)}") from None
         gone = {topo.layout.coords(r)["worker"] for r in survey["lost"] + survey["exiting"]}
         gone &= set(self.record.members)  # those lost earlier are not news
         alive = [w for w in self.record.members if w not in gone]
@@ -318,7 +318,7 @@ def rejoin_when_reachable(outside: OutsideTheJob, timeout_s: float, hosts_store:
             if time.monotonic() > deadline:
                 raise JobFailure(f"{outside}; the rendezvous store stayed unreachable for "
                                  f"{timeout_s:g} s (--distributed-timeout-minutes): "
-                                 f"{_first_line(e)}") from None
+                                 f"{first_line(e)}") from None
             time.sleep(2.0)
     log.warning("the rendezvous store answers again: restarting this rank to rejoin")
     for handler in logging.getLogger().handlers + log.handlers:
@@ -349,7 +349,3 @@ def _connect(fallback, seconds: float = 60.0):
     return dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
                          timeout=datetime.timedelta(seconds=seconds))
 
-
-def _first_line(e: Optional[BaseException]) -> str:
-    text = str(e).strip().splitlines() if e is not None else []
-    return text[0] if text else type(e).__name__

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from ..comm.crossworker import byte_count
 from ..comm.failures import hand_over
 from ..comm.serial import BoundedCalls
+from ..errors import first_line
 from ..parallel.topology import device_of
 
 log = logging.getLogger("megatron_streaming")
@@ -363,9 +364,8 @@ def failure_message(error: BaseException, layout, rank: int, iteration: int,
                     survey: Optional[dict], survey_error: Optional[str],
                     checkpoint: str) -> str:
     """One paragraph: what was lost, where this rank was, the last good checkpoint."""
-    text = str(error).strip() or type(error).__name__
     # gloo appends advice to its errors ("This is typically caused by ..."): keep the fact.
-    first_line = text.splitlines()[0].split(". This is typically")[0]
+    fact = first_line(error).split(". This is typically")[0]
     if survey_error:
         from ..parallel.distributed import STORE_HOST
 
@@ -383,7 +383,7 @@ def failure_message(error: BaseException, layout, rank: int, iteration: int,
             who += "; stuck: " + ", ".join(f"{describe_rank(layout, r)} at iteration {it}"
                                            for it, r in behind[:8])
     return (f"{who}. {describe_rank(layout, rank)} stopped at iteration {iteration}: "
-            f"{first_line}. {checkpoint}")
+            f"{fact}. {checkpoint}")
 
 
 def checkpoint_advice(save: Optional[str]) -> str:

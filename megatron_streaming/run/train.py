@@ -285,7 +285,7 @@ class Run:
         weights.initialize_weights(
             self.model, seed=cfg.training.seed, std=cfg.model.init_method_std,
             num_layers=cfg.model.num_layers,
-            layer_offset=topo.pp_rank * (cfg.model.num_layers // topo.layout.pp),
+            layer_offset=topo.first_layer(cfg.model.num_layers),
             tp_rank=topo.tp_rank, tp_size=topo.layout.tp,
             tied_output_name="embedding.word_embeddings.weight" if tied else None,
             gated_mlp=cfg.model.swiglu, zero_centered_norms=cfg.model.apply_layernorm_1p)
