@@ -126,8 +126,8 @@ class Elastic:
         run.sync.abandon()  # first: the failed exchanges' errors hold their groups
         self._release_groups()
         try:  # a new connection: the standalone rendezvous may have been restarted since
-            _answers(STORE_CALL_SECONDS)
-            self.membership.store = _connect(topo.store, seconds=STORE_CALL_SECONDS)
+            _answers(run.rendezvous, STORE_CALL_SECONDS)
+            self.membership.store = _connect(run.rendezvous, topo.store, STORE_CALL_SECONDS)
             survey = run.liveness.survey(self.membership.store)
         except Exception as e:  # cut off from the rendezvous (and so from the job)
             raise OutsideTheJob(f"worker {topo.worker} lost the job after step {iteration} "
@@ -220,7 +220,7 @@ class Elastic:
     def _admit(self, iteration: int) -> None:
         """On every live rank, after the same step: let the workers that asked in join."""
         run, topo = self.run, self.run.topology
-        store = self.membership.store = _connect(topo.store)
+        store = self.membership.store = _connect(run.rendezvous, topo.store)
         asking = [w for w in range(topo.layout.workers) if w not in self.record.members
                   and store.check([f"{JOIN}{w}"])]
         run.stop_request.join_pending = False
@@ -292,11 +292,12 @@ class OutsideTheJob(JobFailure):
 
 
 def rejoin_when_reachable(outside: OutsideTheJob, timeout_s: float, hosts_store: bool,
-                          environment: dict) -> None:
-    """Wait (up to ``timeout_s``) until the rendezvous store answers, then restart this
-    process with its own command line (same pid, environment and launcher), so that it
-    comes back through the door as a restarted worker: a cut link heals by itself
-    (``environment``: the process's own, as its launcher gave it). Raises a ``JobFailure``
+                          address, environment: dict) -> None:
+    """Wait (up to ``timeout_s``) until the rendezvous store (at ``address``, a
+    ``distributed.StoreAddress``) answers, then restart this process with its own command
+    line (same pid, environment and launcher), so that it comes back through the door as a
+    restarted worker: a cut link heals by itself (``environment``: the process's own, as its
+    launcher gave it). Raises a ``JobFailure``
     with ``outside``'s message when it cannot: this rank hosts the store (a restart would
     take the store with it), or the store stays away."""
     import os
@@ -311,8 +312,8 @@ def rejoin_when_reachable(outside: OutsideTheJob, timeout_s: float, hosts_store:
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            _answers(5.0)
-            _connect(None, seconds=5.0).check(["megatron_streaming/door/"])
+            _answers(address, 5.0)
+            _connect(address, None, 5.0).check(["megatron_streaming/door/"])
             break
         except Exception as e:
             if time.monotonic() > deadline:
@@ -328,24 +329,13 @@ def rejoin_when_reachable(outside: OutsideTheJob, timeout_s: float, hosts_store:
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], environment)
 
 
-def _answers(seconds: float) -> None:
-    """Raise unless the rendezvous store's port takes a connection within ``seconds`` (a
-    plain socket: a store client's failed tries log pages of traces)."""
-    import os
-    import socket
-
-    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-    if host and port:
-        socket.create_connection((host, int(port)), timeout=seconds).close()
+def _answers(address, seconds: float) -> None:
+    """Raise unless the rendezvous store's port takes a connection within ``seconds`` (where
+    the launcher named one)."""
+    if address.known:
+        address.answers(seconds)
 
 
-def _connect(fallback, seconds: float = 60.0):
+def _connect(address, fallback, seconds: float = 60.0):
     """A fresh client of the job's rendezvous store (``fallback`` without a launcher)."""
-    import os
-
-    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-    if not (host and port):
-        return fallback
-    return dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
-                         timeout=datetime.timedelta(seconds=seconds))
-
+    return address.client(seconds) if address.known else fallback

@@ -148,8 +148,8 @@ class Run:
         if self.own_processes:  # exists already
             from ..job.door import Door, fingerprint
 
-            store = distributed.rendezvous_store(p.distributed_timeout_minutes,
-                                                 p.rendezvous_external)
+            store, self.rendezvous = distributed.rendezvous_store(
+                p.distributed_timeout_minutes, p.rendezvous_external)
             rank = int(os.environ["RANK"])
             coords = layout.coords(rank)
             door = Door(store, coords["worker"], layout.workers, coords["local"],
@@ -176,6 +176,8 @@ class Run:
                 store, layout, int(os.environ["RANK"]),
                 self.rejoin.epoch if self.rejoin else 0, p.distributed_timeout_minutes,
                 own_host)
+        else:  # the job's store is the one its caller's launcher named
+            self.rendezvous = distributed.StoreAddress.of_launcher(os.environ)
         # Each worker is its own world, on its own store (distributed.init_distributed).
         rank, _ = distributed.init_distributed(
             p.distributed_backend, p.distributed_timeout_minutes, world_store, layout=layout)
@@ -194,7 +196,7 @@ class Run:
             self.topology.cross.count_control(door.bytes + crossed)
         from ..job.lifecycle import Liveness, StopAgreement
 
-        self.liveness = Liveness(self.topology, stop=self.stop_request,
+        self.liveness = Liveness(self.topology, self.rendezvous, stop=self.stop_request,
                                  store_timeout=60.0 * p.distributed_timeout_minutes,
                                  saves=bool(cfg.checkpoint.save))
         self.stop = StopAgreement(self.topology, self.stop_request, s.diloco_control_lag)
@@ -518,7 +520,8 @@ class Run:
             survey_error = str(e)
         message = lifecycle.failure_message(
             error, self.topology.layout, self.topology.rank, self.iteration, survey,
-            survey_error, lifecycle.checkpoint_advice(self.cfg.checkpoint.save))
+            survey_error, lifecycle.checkpoint_advice(self.cfg.checkpoint.save),
+            self.rendezvous.hosted_by)
         self.liveness.mark_exiting(message)
         self.liveness.linger(survey["lost"] if survey else [])
         failure = lifecycle.JobFailure(message)
@@ -633,7 +636,7 @@ def pretrain(cfg: Config, extensions=()) -> Optional[dict]:
         except Exception as e:
             raise run.failure(e)
     rejoin_when_reachable(outside, 60.0 * cfg.parallel.distributed_timeout_minutes,
-                          hosts_store, run.launch_environment)
+                          hosts_store, run.rendezvous, run.launch_environment)
 
 
 def _train_and_report(run: Run) -> Optional[dict]:
