@@ -508,7 +508,7 @@ class Run:
         naming the lost (or stuck) ranks and the last good checkpoint; anything else (a bug,
         bad input) is returned unchanged."""
         from ..comm.failures import is_communication_error
-        from ..errors import UsageError
+        from ..errors import JobFailure, UsageError
         from ..job import lifecycle
 
         if isinstance(error, UsageError) or not is_communication_error(error):
@@ -524,7 +524,7 @@ class Run:
             self.rendezvous.hosted_by)
         self.liveness.mark_exiting(message)
         self.liveness.linger(survey["lost"] if survey else [])
-        failure = lifecycle.JobFailure(message)
+        failure = JobFailure(message)
         failure.__cause__ = error
         return failure
 
@@ -649,7 +649,8 @@ def _train_and_report(run: Run) -> Optional[dict]:
         if cfg.checkpoint.save and run.last_saved != run.iteration:
             run.save()
         if run.elastic.stopping:
-            from ..job.lifecycle import JobFailure, checkpoint_advice
+            from ..errors import JobFailure
+            from ..job.lifecycle import checkpoint_advice
 
             raise JobFailure(f"{run.elastic.stopping}. "
                              f"{checkpoint_advice(cfg.checkpoint.save)}")
