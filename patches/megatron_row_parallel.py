@@ -11,26 +11,17 @@ method is private and its arguments release-specific: another megatron-core vers
 refused.
 """
 
-from ._pinning import require_version
+from ._pinning import require_version_once
 
 NAME = "megatron_row_parallel"
 PACKAGE, VERSION = "megatron-core", "0.16.1"
-
-_checked = False
-
-
-def _check() -> None:
-    global _checked
-    if not _checked:
-        require_version(PACKAGE, VERSION, NAME)
-        _checked = True
 
 
 def partial_sum(linear, input_):
     """This TP rank's partial sum of the row-parallel ``linear`` on its (already split)
     ``input_``: no bias, no all-reduce; the input's gradient is this rank's own, as in
     megatron's forward (its reduction region passes gradients through)."""
-    _check()
+    require_version_once(PACKAGE, VERSION, NAME)
     return linear._forward_impl(
         input=input_, weight=linear.weight, bias=None,
         gradient_accumulation_fusion=linear.gradient_accumulation_fusion,

@@ -219,8 +219,7 @@ def test_adapters_refuse_another_version_before_touching_anything(monkeypatch):
     monkeypatch.setattr(_pinning, "installed_version",
                         {"megatron-core": "0.17.0", "deepspeed": "0.20.0",
                          "torch": "2.12.0+cpu"}.get)
-    monkeypatch.setattr(deepspeed_zero, "_checked", False)
-    monkeypatch.setattr(megatron_row_parallel, "_checked", False)
+    _pinning.require_version_once.cache_clear()  # as in a fresh process
     optimizer = SimpleNamespace(single_partition_of_fp32_groups=[])
     with pytest.raises(_pinning.UpstreamVersionError,
                        match=r"'deepspeed_zero' .*deepspeed==0\.19\.8 .*deepspeed==0\.20\.0"):
