@@ -32,6 +32,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))  # seams: the transport's collectives, counted
 
 # 6 x 12 x 672^2 + 2048 x 672 + 512 x 672 = 34.2M parameters (the paper's smallest, 35M).
 MODEL = ["--num-layers", "6", "--hidden-size", "672", "--num-attention-heads", "12",
@@ -80,7 +81,8 @@ def torchrun(nproc: int, script: str, args: list) -> list:
 class Timeline:
     """Step hook: the GPU is synchronised at each step's end, so a step runs from the previous
     step's end to its own (forward, backward, optimizer, the sync's hooks); the transport's
-    exchanges (on their thread) and the merges' waits for them are timed too."""
+    exchanges (on their thread) and the merges' waits for them are timed too, and the
+    exchanges' collectives counted."""
 
     def __init__(self, run):
         import torch
@@ -90,6 +92,9 @@ class Timeline:
         self.step, self.ended = 0, None
         sync = run.sync
         if getattr(sync, "transport", None) is not None:
+            from seams import count_collectives
+
+            count_collectives(sync.transport)
             exchange, arrived = sync.transport._exchange, sync._arrived
 
             def timed_exchange(*args):

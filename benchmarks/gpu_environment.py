@@ -72,7 +72,8 @@ def sync_memory(numel: int, device_name: str) -> dict:
            "send_now": _peak_above(send, device),
            "fp64_norm": _peak_above(lambda: float(delta.double().pow(2).sum()), device),
            "copy_on_the_way": _peak_above(
-               lambda: transport.all_reduce_mean(delta, 3, "copy").wait(), device)}
+               lambda: transport.all_reduce_mean_many([delta], 3, ["copy"], [None])[0].wait(),
+               device)}
     transport.close()
     return out
 

@@ -264,7 +264,7 @@ def build_both(argv: list, ours_flags: list) -> tuple:
     """The bare loop from ``argv``'s model and optimizer settings; ours from ``argv`` plus
     ``ours_flags`` (settings the bare loop has no counterpart for, e.g. ``--zero-stage``)."""
     from megatron_streaming.cli.arguments import parse_args
-    from megatron_streaming.worker.model import padded_vocab_size
+    from megatron_streaming.config.shape import padded_vocab_size
     from megatron_streaming.run.train import Run
 
     cfg = parse_args(argv)

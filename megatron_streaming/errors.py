@@ -19,7 +19,8 @@ class JobFailure(RuntimeError):
     says what happened and what to resume from. ``pretrain_gpt.py`` prints it and exits 3."""
 
 
-def first_line(e: BaseException) -> str:
-    """An error's first line, for one-line messages (its type's name where it has none)."""
-    text = str(e).strip().splitlines()
-    return text[0] if text else type(e).__name__
+def first_line(error: BaseException) -> str:
+    """The first line of ``error``'s message, or its type's name where it has none: what a
+    one-line report quotes of an error from below (a store, a file, a tokenizer)."""
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__

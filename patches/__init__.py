@@ -22,7 +22,9 @@ private upstream state through one module per package, version-pinned the same w
 checkpoint use) and ``megatron_parallel_state`` (``parallel_state``'s module globals, pointed at
 a worker's own groups; it also creates megatron's global memory buffer, which
 ``DotProductAttention`` and the sequence-parallel layers need and which only
-``initialize_model_parallel`` would otherwise create).
+``initialize_model_parallel`` would otherwise create), ``megatron_row_parallel`` (a
+``RowParallelLinear``'s partial sum before its all-reduce, for the ladder residual) and
+``torch_process_group`` (process groups made on a store, outside the world).
 """
 
 import importlib

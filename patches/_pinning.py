@@ -4,6 +4,7 @@ Every patch reaches into private names of one upstream release; on any other rel
 names may have moved or changed meaning, so a patch refuses to run rather than guess.
 """
 
+import functools
 from importlib import metadata
 from typing import Optional
 
@@ -32,3 +33,10 @@ def require_version(package: str, expected, patch_name: str) -> None:
             f"{package}=={found}; re-verify the call sites it covers against {package} {found} "
             f"and update the pin in patches/{patch_name}.py"
         )
+
+
+@functools.lru_cache(maxsize=None)
+def require_version_once(package: str, expected, patch_name: str) -> None:
+    """``require_version``, remembered once it has passed (a refusal is not: it raises again):
+    for adapters called on every step."""
+    require_version(package, expected, patch_name)

@@ -26,20 +26,15 @@ from typing import Callable, Dict, List, NamedTuple
 
 import torch.distributed as dist
 
-from ._pinning import require_version
+from ._pinning import require_version_once
 
 NAME = "deepspeed_zero"
 PACKAGE, VERSION = "deepspeed", "0.19.8"
 LOSS_SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
 
-_checked = False
-
 
 def _check() -> None:
-    global _checked
-    if not _checked:
-        require_version(PACKAGE, VERSION, NAME)
-        _checked = True
+    require_version_once(PACKAGE, VERSION, NAME)
 
 
 class ZeroGroup(NamedTuple):

@@ -9,7 +9,8 @@ interpreter. Each scenario prints one line, ``RESULT_PREFIX`` + JSON, for the te
   faked present or blocked (``FAKE_APEX=present|blocked``; TE is always blocked).
 * ``two_ranks``: a tiny GPTModel (local spec) trained through megatron's schedules on 2 gloo
   ranks (env RANK, WORLD_SIZE, MASTER_*): TP=2 with sequence parallelism and megatron DDP,
-  then PP=2 with shared embeddings, attention dropout and full activation recompute.
+  then PP=2 with shared embeddings, attention dropout and full activation recompute; and the
+  adapter ``megatron_row_parallel`` against ``RowParallelLinear`` at TP=2.
 
 Models use ``cross_entropy_fusion_impl="native"``: the unfused loss reads parallel_state's global
 TP group, the native one the model's own ``pg_collection.tp``. Its jit_fuser is torch.compile
@@ -617,6 +618,43 @@ def _run_pp2_shared_embedding():
     }
 
 
+def _row_parallel_partial_sum():
+    """The adapter ``megatron_row_parallel`` at TP=2: each rank's partial sum, all-reduced,
+    is what ``RowParallelLinear`` returns, and its backward gives the same gradients."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.core.tensor_parallel.layers import RowParallelLinear
+
+    from patches import megatron_row_parallel
+
+    pgs = _groups(tp=2)
+    config = _tiny_config(tp=2)
+    torch.manual_seed(3)
+    model_parallel_cuda_manual_seed(3, tp_rank=pgs.tp.rank(), ep_rank=0, etp_rank=0)
+    linear = RowParallelLinear(2 * HIDDEN, HIDDEN, config=config,
+                               init_method=torch.nn.init.normal_, bias=True,
+                               input_is_parallel=True, skip_bias_add=True, tp_group=pgs.tp)
+    x = torch.randn(SEQ, 2, HIDDEN, generator=torch.Generator().manual_seed(pgs.tp.rank()),
+                    requires_grad=True)  # this rank's half of the input features
+    grad = torch.randn(SEQ, 2, HIDDEN, generator=torch.Generator().manual_seed(9))
+
+    def backward(output):
+        linear.weight.grad, x.grad = None, None
+        output.backward(grad)
+        return linear.weight.grad.clone(), x.grad.clone()
+
+    full, bias = linear(x)
+    expected = backward(full)
+    partial = megatron_row_parallel.partial_sum(linear, x)
+    got = backward(partial)
+    summed = partial.detach().clone()
+    dist.all_reduce(summed, group=pgs.tp)
+    return {"sum_is_the_output": bool(torch.allclose(summed, full.detach(), atol=1e-6)),
+            "bias_returned_apart": bias is linear.bias,
+            "gradients_equal": all(torch.equal(a, b) for a, b in zip(got, expected))}
+
+
 def _scenario_two_ranks():
     # apply() before any megatron import: the other order from single_rank.
     import patches
@@ -629,7 +667,8 @@ def _scenario_two_ranks():
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=90))
     _ensure_global_memory_buffer()
     result = {"applied": applied, "tp2_sp_ddp": _run_tp2_sp(),
-              "pp2_shared_embedding": _run_pp2_shared_embedding()}
+              "pp2_shared_embedding": _run_pp2_shared_embedding(),
+              "row_parallel_partial_sum": _row_parallel_partial_sum()}
     dist.destroy_process_group()
     _emit(result)
 

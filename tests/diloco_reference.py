@@ -38,11 +38,11 @@ from megatron_streaming.worker import weights  # noqa: E402
 from megatron_streaming.cli.arguments import parse_args  # noqa: E402
 from megatron_streaming.config import ParallelConfig  # noqa: E402
 from megatron_streaming.data import MicroBatchSampler, build_iterator  # noqa: E402
-from megatron_streaming.worker.engine import lr_at, num_microbatches  # noqa: E402
 from megatron_streaming.data.inputs import RunData, load_run_tokenizer  # noqa: E402
 from megatron_streaming.worker.model import build_model  # noqa: E402
 from megatron_streaming.streaming.settings import fragment_plan, sync_schedule  # noqa: E402
 from megatron_streaming.parallel.topology import RankLayout, Topology  # noqa: E402
+from seams import lr_at, num_microbatches  # noqa: E402
 
 
 def single_process_models(cfg, tokenizer, count):

@@ -25,7 +25,7 @@ from megatron_streaming.worker.weights import global_name, tp_unshard  # noqa: E
 def full_parameters(run) -> dict:
     """This stage's parameters, TP shards gathered, by global name (collective over TP)."""
     topo = run.topology
-    offset = topo.pp_rank * (run.cfg.model.num_layers // topo.layout.pp)
+    offset = topo.first_layer(run.cfg.model.num_layers)
     out = {}
     for name, param in run.model.named_parameters():
         tensor = param.detach().float()

@@ -257,33 +257,33 @@ def test_an_elastic_job_goes_on_across_a_link_cut_and_heals_when_the_link_comes_
     assert keys and all(torch.equal(parts[0][k], p[k]) for p in parts[1:] for k in keys)
 
 
-def _liveness_on_own_store(monkeypatch, store_timeout: float):
+def _liveness_on_own_store(store_timeout: float):
     """A one-rank Liveness (heartbeat every 0.1 s) on a store this process hosts."""
     from types import SimpleNamespace
 
     import torch.distributed as dist
 
     from megatron_streaming.job import lifecycle
+    from megatron_streaming.parallel.distributed import StoreAddress
 
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(port))
     topology = SimpleNamespace(rank=0, layout=SimpleNamespace(world_size=1), worker=0,
                                cross=None)
     stop = lifecycle.StopRequest(signals=())
-    return store, stop, lifecycle.Liveness(topology, interval=0.1, stop=stop,
+    return store, stop, lifecycle.Liveness(topology, StoreAddress("127.0.0.1", port),
+                                           interval=0.1, stop=stop,
                                            store_timeout=store_timeout)
 
 
-def test_liveness_asks_to_stop_when_the_launcher_or_the_store_is_gone(monkeypatch):
+def test_liveness_asks_to_stop_when_the_launcher_or_the_store_is_gone():
     """The heartbeat thread's two orphan checks, in one process: the store (hosted here)
     goes away and stays away past the timeout; the rank is re-parented (its launcher died)."""
     import gc
 
     from megatron_streaming.job import lifecycle
 
-    store, stop, liveness = _liveness_on_own_store(monkeypatch, store_timeout=0.5)
+    store, stop, liveness = _liveness_on_own_store(store_timeout=0.5)
     try:
         time.sleep(0.8)
         assert stop.received is None  # beating fine, past the timeout
@@ -312,7 +312,7 @@ def test_a_store_that_stops_answering_counts_as_unreachable(monkeypatch):
     from megatron_streaming.job import lifecycle
 
     monkeypatch.setattr(lifecycle, "STORE_CALL_SECONDS", 0.3)
-    store, stop, liveness = _liveness_on_own_store(monkeypatch, store_timeout=1.0)
+    store, stop, liveness = _liveness_on_own_store(store_timeout=1.0)
     link_back, calls = threading.Event(), []
 
     class Partitioned:  # every call hangs until the link is back

@@ -166,7 +166,8 @@ def test_import_gives_the_same_logits(megatron_world, case):
     from transformers import AutoModelForCausalLM
 
     from megatron_streaming.parallel import distributed
-    from megatron_streaming.worker.model import build_model, padded_vocab_size
+    from megatron_streaming.config.shape import padded_vocab_size
+    from megatron_streaming.worker.model import build_model
 
     torch.manual_seed(0)
     theirs = AutoModelForCausalLM.from_config(IMPORTS[case](), dtype=torch.float32).eval()

@@ -87,7 +87,8 @@ def _build(topo, ladder, trace=None, tied=True):
     from megatron_streaming.worker import ladder as ladder_mod
     from megatron_streaming.worker import weights
     from megatron_streaming.parallel.distributed import seed_everything
-    from megatron_streaming.worker.model import layer_spec, padded_vocab_size
+    from megatron_streaming.config.shape import padded_vocab_size
+    from megatron_streaming.worker.model import layer_spec
 
     tp, pp = topo.layout.tp, topo.layout.pp
     cfg, _, config = _configs(tp, pp)
@@ -102,9 +103,9 @@ def _build(topo, ladder, trace=None, tied=True):
                      position_embedding_type="learned_absolute",
                      pg_collection=topo.pg_collection())
     weights.initialize_weights(model, seed=SEED, std=cfg.init_method_std, num_layers=LAYERS,
-                               layer_offset=topo.pp_rank * (LAYERS // pp),
+                               layer_offset=topo.first_layer(LAYERS),
                                tp_rank=topo.tp_rank, tp_size=tp)
-    _random_biases(model, topo.tp_rank, tp, topo.pp_rank * (LAYERS // pp))
+    _random_biases(model, topo.tp_rank, tp, topo.first_layer(LAYERS))
     return model
 
 
@@ -343,7 +344,7 @@ def _pipeline_loss_and_grads(topo, model):
         forward_only=False, p2p_communicator=P2PCommunicator(pp_group=topo.groups["pp"],
                                                              config=model.config),
         pg_collection=topo.pg_collection())
-    offset = topo.pp_rank * (LAYERS // topo.layout.pp)
+    offset = topo.first_layer(LAYERS)
     grads = {global_name(n, offset): _full_grad(p, topo.pg_collection().tp)
              for n, p in model.named_parameters()}
     losses = [o["loss"].item() for o in outputs] if topo.is_last_stage else None

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from megatron_streaming.worker import model, weights
-from megatron_streaming.config import ModelConfig
+from megatron_streaming.config import ModelConfig, shape
 
 
 def test_transformer_engine_is_optional(monkeypatch):
@@ -87,9 +87,9 @@ def test_forward_step_moves_the_loaders_batch_to_the_gpu(monkeypatch):
 
 
 def test_padded_vocab_is_a_multiple_of_divisor_times_tp():
-    assert model.padded_vocab_size(1000, 128, 1) == 1024
-    assert model.padded_vocab_size(1000, 128, 2) == 1024
-    assert model.padded_vocab_size(1025, 128, 4) == 1536
+    assert shape.padded_vocab_size(1000, 128, 1) == 1024
+    assert shape.padded_vocab_size(1000, 128, 2) == 1024
+    assert shape.padded_vocab_size(1025, 128, 4) == 1536
 
 
 def test_global_names_shift_by_the_stage_offset():

@@ -213,12 +213,13 @@ def test_adapters_refuse_another_version_before_touching_anything(monkeypatch):
     """The adapters to private upstream state refuse another release, naming the adapter."""
     from types import SimpleNamespace
 
-    from patches import _pinning, deepspeed_zero, megatron_parallel_state, torch_process_group
+    from patches import (_pinning, deepspeed_zero, megatron_parallel_state,
+                         megatron_row_parallel, torch_process_group)
 
     monkeypatch.setattr(_pinning, "installed_version",
                         {"megatron-core": "0.17.0", "deepspeed": "0.20.0",
                          "torch": "2.12.0+cpu"}.get)
-    monkeypatch.setattr(deepspeed_zero, "_checked", False)
+    _pinning.require_version_once.cache_clear()  # as in a fresh process
     optimizer = SimpleNamespace(single_partition_of_fp32_groups=[])
     with pytest.raises(_pinning.UpstreamVersionError,
                        match=r"'deepspeed_zero' .*deepspeed==0\.19\.8 .*deepspeed==0\.20\.0"):
@@ -226,6 +227,9 @@ def test_adapters_refuse_another_version_before_touching_anything(monkeypatch):
     with pytest.raises(_pinning.UpstreamVersionError,
                        match=r"'megatron_parallel_state' .*megatron-core==0\.16\.1"):
         megatron_parallel_state.install_groups({}, {})
+    with pytest.raises(_pinning.UpstreamVersionError,
+                       match=r"'megatron_row_parallel' .*megatron-core==0\.16\.1"):
+        megatron_row_parallel.partial_sum(SimpleNamespace(), None)
     with pytest.raises(_pinning.UpstreamVersionError,
                        match=r"'torch_process_group' .*torch==2\.13\.0 or 2\.11\.0 .*2\.12\.0"):
         torch_process_group.standalone_group("gloo", None, 0, 1, None)
@@ -296,4 +300,9 @@ def test_tiny_gpt_trains_with_tp_sp_and_pp_on_two_gloo_ranks(workers):
     # Shared embedding: first and last stage hold the same weight after init and training.
     assert ranks[0]["pp2_shared_embedding"]["shared_weight_max_diff"] == 0.0
     assert ranks[1]["pp2_shared_embedding"]["last_stage_losses"]
+    # The ladder's row-parallel partial sum (patches.megatron_row_parallel): reduced over TP
+    # it is megatron's output, with the same gradients, the bias handed back apart.
+    for rank, result in ranks.items():
+        assert result["row_parallel_partial_sum"] == {
+            "sum_is_the_output": True, "bias_returned_apart": True, "gradients_equal": True}, rank
 

@@ -9,7 +9,7 @@ import pytest
 
 from harness import REPO, TINY, read_jsonl, run
 from megatron_streaming.cli.arguments import parse_args, validate
-from megatron_streaming.worker.engine import lr_at
+from seams import lr_at
 
 # Per worker: batch 2, 2, 4, 6, 8, 8, 8, 8 (ramp 2 -> 8 by 2 over 12 samples): 46 samples.
 RAMP = [*TINY, "--diloco-workers", "2", "--global-batch-size", "8", "--rampup-batch-size", "2",

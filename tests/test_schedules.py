@@ -228,7 +228,7 @@ def test_every_stage_has_three_nonempty_groups_with_decoupled_lr(megatron_world,
 
 def test_lr_at_keeps_its_signature_and_megatron_warmup():
     """The first step of a warmup runs at --lr-warmup-init (0), as in Megatron."""
-    from megatron_streaming.worker.engine import lr_at
+    from seams import lr_at
 
     cfg = parse_args([*MOCK, "--lr", "1.0", "--lr-warmup-iters", "4", "--train-iters", "10"])
     assert [lr_at(i, cfg) for i in range(5)] == [0.0, 0.25, 0.5, 0.75, 1.0]

@@ -122,7 +122,7 @@ def test_lr_spacing_with_a_constant_lr_is_even_spacing():
 @pytest.mark.parametrize("spacing", ["lr", "decay"])
 def test_spacing_follows_the_runs_own_learning_rate(spacing):
     from megatron_streaming.cli.arguments import parse_args
-    from megatron_streaming.worker.engine import lr_at
+    from seams import lr_at
 
     cfg = parse_args(["--mock-data", "--diloco-workers", "2", "--diloco-inner-steps", "12",
                       "--diloco-fragments", "3", "--diloco-overlap-steps", "1",

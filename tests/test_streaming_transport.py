@@ -15,6 +15,7 @@ from megatron_streaming.streaming.outer import OuterOptimizer, merge
 from megatron_streaming.comm.transport import GroupReleased, SyncTimeout, Transport
 
 from conftest import spawn_gloo
+from seams import all_reduce_mean, count_collectives
 
 
 def _gen(seed):
@@ -157,13 +158,14 @@ def _transport_worker(rank, world, group):
     ranks = list(range(world))
     out = {}
     for name in CODEC_NAMES:
-        t = Transport(group, ranks, rank, make_codec(name, TRANSPORT_BLOCK), 60.0)
-        r = t.all_reduce_mean(_worker_input(rank), 1, name).wait()
+        t = count_collectives(Transport(group, ranks, rank, make_codec(name, TRANSPORT_BLOCK),
+                                        60.0))
+        r = all_reduce_mean(t, _worker_input(rank), 1, name).wait()
         out[name] = {"mean": r.mean, "all_finite": r.all_finite,
                      "bytes": (r.bytes_sent, r.bytes_received),
                      "counters": (t.bytes_sent, t.bytes_received),
                      "quant_error": r.quant_error}
-        t.all_reduce_mean(_worker_input(rank) * 2, 2, name).wait()
+        all_reduce_mean(t, _worker_input(rank) * 2, 2, name).wait()
         out[name]["counters_after_two"] = (t.bytes_sent, t.bytes_received)
         out[name]["collectives_after_two"] = t.collectives
         t.close()
@@ -172,12 +174,12 @@ def _transport_worker(rank, world, group):
     x = _worker_input(rank)
     if rank == 1:
         x[17] = float("nan")
-    r = t.all_reduce_mean(x, 3, "nan").wait()
+    r = all_reduce_mean(t, x, 3, "nan").wait()
     out["nonfinite"] = {"all_finite": r.all_finite, "mean_finite": bool(r.mean.isfinite().all())}
     t.close()
     # A fragment's shards on this rank (several param groups) in one exchange; a NaN in one
     # shard on rank 1 skips that shard only.
-    t = Transport(group, ranks, rank, make_codec("fp4", TRANSPORT_BLOCK), 60.0)
+    t = count_collectives(Transport(group, ranks, rank, make_codec("fp4", TRANSPORT_BLOCK), 60.0))
     xs = [_worker_input(rank), _worker_input(rank, MANY_N[1]) * 3, _worker_input(rank, MANY_N[2])]
     if rank == 1:
         xs[1][5] = float("nan")
@@ -187,7 +189,7 @@ def _transport_worker(rank, world, group):
     t.close()
     # Asynchrony: while the link has not delivered, the caller goes on computing.
     t = _GatedTransport(group, ranks, rank, make_codec("none"), 60.0)
-    pending = t.all_reduce_mean(_worker_input(rank), 4, "gated")
+    pending = all_reduce_mean(t, _worker_input(rank), 4, "gated")
     done_at_once = pending.done()
     a = torch.randn(128, 128, generator=_gen(rank))
     computed = float((a @ a).trace())
@@ -200,7 +202,7 @@ def _transport_worker(rank, world, group):
     # Let go (a membership change) while an exchange waits to reach the wire: it posts
     # nothing on the group and fails; the next transport on the same group pairs up exactly.
     t = _GatedTransport(group, ranks, rank, make_codec("none"), 60.0)
-    pending = t.all_reduce_mean(_worker_input(rank), 6, "abandoned")
+    pending = all_reduce_mean(t, _worker_input(rank), 6, "abandoned")
     t.abandon()
     t.gate.set()
     try:
@@ -209,7 +211,7 @@ def _transport_worker(rank, world, group):
     except GroupReleased as e:
         out["abandoned"] = str(e)
     t = Transport(group, ranks, rank, make_codec("none"), 60.0)
-    out["after_abandon"] = t.all_reduce_mean(_worker_input(rank) * 3, 7, "after").wait().mean
+    out["after_abandon"] = all_reduce_mean(t, _worker_input(rank) * 3, 7, "after").wait().mean
     t.close()
     # The wire over gloo: many point-to-point messages a peer (7 bytes each, the last one
     # short) carry exactly what gloo's all-to-all and all-gather carry.
@@ -385,13 +387,13 @@ def test_transport_single_worker_returns_its_input():
     t = Transport(None, [5], 5, make_codec("fp4", TRANSPORT_BLOCK), 10.0)
     x = _worker_input(0)
     original = x.clone()
-    pending = t.all_reduce_mean(x, 1, "solo")
+    pending = all_reduce_mean(t, x, 1, "solo")
     x.add_(1.0)  # the caller trains on; the exchange has its own copy
     r = pending.wait()
     assert torch.equal(r.mean, original) and r.all_finite
     assert (r.bytes_sent, r.bytes_received, t.bytes_sent, t.bytes_received) == (0, 0, 0, 0)
     original[3] = float("nan")
-    assert not t.all_reduce_mean(original, 2, "solo").wait().all_finite
+    assert not all_reduce_mean(t, original, 2, "solo").wait().all_finite
     t.close()
 
 
@@ -404,7 +406,7 @@ def _timeout_worker(rank, world, group):
         time.sleep(TIMEOUT_S + 2)  # alive but silent, then gone
         return None
     t = Transport(group, [0, 1], 0, make_codec("none"), TIMEOUT_S)
-    pending = t.all_reduce_mean(torch.ones(10), 17, TIMEOUT_TAG)
+    pending = all_reduce_mean(t, torch.ones(10), 17, TIMEOUT_TAG)
     started = time.perf_counter()
     try:
         pending.wait()

@@ -7,7 +7,7 @@ import pytest
 
 from harness import SHARED_DATA, run
 from megatron_streaming.cli.arguments import parse_args
-from megatron_streaming.worker.engine import lr_at
+from seams import lr_at
 
 
 def test_warmup_then_cosine_and_linear_decay():

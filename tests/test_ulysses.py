@@ -176,7 +176,7 @@ def _gpt(topo, layer_spec, position_embedding_type, tp=1, megatron_sp=False):
 
     from megatron_streaming.worker import weights
     from megatron_streaming.parallel.distributed import seed_everything
-    from megatron_streaming.worker.model import padded_vocab_size
+    from megatron_streaming.config.shape import padded_vocab_size
 
     cfg, config = _config(position_embedding_type=position_embedding_type, tp=tp,
                           megatron_sp=megatron_sp)

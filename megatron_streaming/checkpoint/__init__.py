@@ -19,7 +19,7 @@ from ..errors import JobFailure, first_line
 from .meta import document
 from .resume import FORMAT_VERSION, CheckpointError
 from .store import (TRACKER, check_files, check_safe, check_writable, checkpoint_files, commit,
-                    file_table, find_checkpoint, has_checkpoint, iteration_dir, read_meta, share,
+                    file_table, find_checkpoint, has_checkpoint, iteration_dir, share,
                     worker_part)
 
 __all__ = ["CheckpointError", "CheckpointWriteError", "Checkpointer", "FORMAT_VERSION",
@@ -253,7 +253,3 @@ def check_loadable(root: str, cfg, layout, vocab_size=None):
     check_files(root, directory, meta, hashes=False)
     check_compatible(root, meta, cfg, vocab_size)
     return directory, meta
-
-
-def load_meta(path: str) -> dict:
-    return read_meta(path, path)

@@ -324,7 +324,7 @@ def from_hf(hf_config, hf_state_dict: Params, *,
 
 
 def pad_vocab(params: Params, padded_vocab_size: int) -> Params:
-    """Embedding and output rows zero-padded to ``padded_vocab_size`` (``model.
+    """Embedding and output rows zero-padded to ``padded_vocab_size`` (``config.shape.
     padded_vocab_size``), as our model holds them. The padding tokens' logits are then 0:
     never sampled from a real tokenizer, but they do enter the softmax of the training loss."""
     out = dict(params)

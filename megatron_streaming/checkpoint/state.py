@@ -204,7 +204,7 @@ class LayoutMap:
     def __init__(self, cfg, topology, model, engine, groups):
         layout = topology.layout
         self.tp_rank, self.tp = topology.tp_rank, layout.tp
-        offset = topology.pp_rank * (cfg.model.num_layers // layout.pp)
+        offset = topology.first_layer(cfg.model.num_layers)
         tied = not cfg.model.untie_embeddings_and_output_weights
         self.slots = build_slots(model, offset, tied, cfg.model.swiglu)
         self.spaces: List[GroupSpace] = group_spaces(engine, self.slots)

@@ -242,11 +242,6 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def dir_size(directory: str) -> int:
-    return sum(os.path.getsize(os.path.join(d, n)) for d, _, files in os.walk(directory)
-               for n in files)
-
-
 def dump_meta(meta: dict) -> str:
     return json.dumps(meta, indent=1, sort_keys=True)
 

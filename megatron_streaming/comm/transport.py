@@ -148,7 +148,6 @@ class Transport:
             if use_cuda_stream else None
         self.bytes_sent = 0
         self.bytes_received = 0
-        self.collectives = 0  # issued on the cross-worker group: 2 per exchange
         self._lock = threading.Lock()
         self._executor = SerialThread("cross-worker", initializer=self._set_device)
         self._stream = torch.cuda.Stream(self.cuda_device) if use_cuda_stream else None
@@ -157,11 +156,6 @@ class Transport:
         """Shards are padded so that each worker's chunk is a whole number of blocks."""
         multiple = self.workers * self.codec.block
         return -(-numel // multiple) * multiple
-
-    def all_reduce_mean(self, x: torch.Tensor, step: int, tag: str,
-                        feedback: Optional[ErrorFeedback] = None) -> Pending:
-        """Start averaging ``x`` (flat fp32) over the workers; returns at once."""
-        return self.all_reduce_mean_many([x], step, [tag], [feedback])[0]
 
     def buffer(self, numel: int, device) -> torch.Tensor:
         """A zeroed fp32 buffer of ``padded_numel(numel)`` elements on ``device`` (the codec's),
@@ -294,7 +288,6 @@ class Transport:
         rows = _pack(layout)
         received = _all_to_all(self._to_wire(rows.view(-1)), self.post)
         received = received.to(device, non_blocking=True).view(M, -1)
-        self.collectives += 1
         flags_of, parts_of = [], []  # per worker: its flags; its (scales, codes) per shard
         for w in range(M):
             flags_w, *rest = _unpack(received[w], layout)
@@ -331,7 +324,6 @@ class Transport:
         row = _pack(layout).view(-1)
         rows = [r.to(row.device, non_blocking=True)
                 for r in _all_gather(self._to_wire(row), self.post, M)]
-        self.collectives += 1
         means = [torch.empty(M * e.numel, dtype=torch.float32, device=row.device)
                  for e in encoded]
         for w in range(M):

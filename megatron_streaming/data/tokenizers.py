@@ -162,9 +162,8 @@ def _megatron_core_tokenizer(spec: TokenizerSpec):
         return MegatronTokenizer.from_pretrained(
             tokenizer_path=spec.tokenizer_model, metadata_path={"library": library}, **kwargs)
     except Exception as err:  # the libraries raise ValueError/OSError/KeyError by version
-        first = first_line(err)
         raise UsageError(f"--tokenizer-model {spec.tokenizer_model}: {kind} cannot load it "
-                         f"({first[:300]})") from None
+                         f"({first_line(err)[:300]})") from None
 
 
 _TRANSFORMERS_NEEDED = ("--tokenizer-type {kind} needs the transformers package (pinned in "

@@ -49,6 +49,7 @@ from dataclasses import fields
 from typing import Callable, Dict, List, Optional
 
 from ..config import flag_name
+from ..config.shape import parameter_count
 from ..errors import ConfigError
 
 log = logging.getLogger("megatron_streaming")
@@ -75,7 +76,7 @@ def fingerprint(cfg, layout, tokenizer) -> Dict[str, str]:
             out[flag_name(name)] = _shown(getattr(obj, name))
 
     section(cfg.model, [f.name for f in fields(cfg.model) if f.name not in _MODEL_SKIP])
-    out["parameters (from the model flags)"] = str(parameter_count(cfg.model, tokenizer))
+    out["parameters (from the model flags)"] = str(parameter_count(cfg.model, tokenizer.vocab_size))
     section(cfg.precision, _PRECISION)
     section(cfg.streaming, [f.name for f in fields(cfg.streaming)
                             if f.name not in _STREAMING_SKIP])
@@ -89,35 +90,6 @@ def fingerprint(cfg, layout, tokenizer) -> Dict[str, str]:
 def _shown(value) -> str:
     """A flag's value as typed: strings bare, the rest as JSON (lists, None -> null)."""
     return value if isinstance(value, str) else json.dumps(value)
-
-
-def padded_vocab_size(model_cfg, vocab_size: int) -> int:
-    """Megatron's padding of the vocabulary (a multiple of --make-vocab-size-divisible-by;
-    the TP factor is left out: the door compares flags, and TP is compared on its own)."""
-    m = model_cfg.make_vocab_size_divisible_by
-    return -(-vocab_size // m) * m
-
-
-def parameter_count(m, tokenizer) -> int:
-    """Parameters of the GPT the model flags describe (a formula; compared across workers, so
-    two launches that would build different models differ here too)."""
-    h, L = m.hidden_size, m.num_layers
-    heads = m.num_attention_heads
-    kv_channels = m.kv_channels or h // heads
-    groups = m.num_query_groups if (m.group_query_attention and m.num_query_groups) else heads
-    ffn = m.ffn_hidden_size or 4 * h
-    bias = 0 if m.disable_bias_linear else 1
-    norm = h * (1 if m.normalization == "RMSNorm" else 2)
-    q, kv = heads * kv_channels, 2 * groups * kv_channels
-    attention = h * (q + kv) + bias * (q + kv) + q * h + bias * h
-    mlp = h * ffn * (2 if m.swiglu else 1) + bias * ffn * (2 if m.swiglu else 1) + ffn * h \
-        + bias * h
-    vocab = padded_vocab_size(m, tokenizer.vocab_size)
-    embedding = vocab * h
-    if m.position_embedding_type == "learned_absolute":
-        embedding += (m.max_position_embeddings or m.seq_length) * h
-    output = vocab * h if m.untie_embeddings_and_output_weights else 0
-    return embedding + L * (attention + mlp + 2 * norm) + norm + output
 
 
 def tokenizer_fingerprint(data_cfg, tokenizer) -> Dict[str, str]:

@@ -55,15 +55,16 @@ JOIN = "megatron_streaming/join/"  # + worker index: a restarted worker asks to 
 class Elastic:
     """This rank's part of the job's membership; built by the run after the sync, from what it
     acts on: the topology and its communicator (which records a failed collective: ``lost``),
-    the sync, the stop agreement and request, the heartbeats, every worker's shape (``job``)
-    and ``report_from_here(bool)``, called when this rank starts or stops reporting."""
+    the sync, the stop agreement and request, the heartbeats, every worker's shape (``job``),
+    the job's rendezvous store (``rendezvous``, a ``distributed.StoreAddress``) and
+    ``report_from_here(bool)``, called when this rank starts or stops reporting."""
 
-    def __init__(self, cfg, topology, sync, stop, stop_request, liveness, job,
+    def __init__(self, cfg, topology, sync, stop, stop_request, liveness, job, rendezvous,
                  report_from_here):
         s = cfg.streaming
         self.cfg, self.topology, self.sync, self.job = cfg, topology, sync, job
         self.stop, self.stop_request, self.liveness = stop, stop_request, liveness
-        self.report_from_here = report_from_here
+        self.rendezvous, self.report_from_here = rendezvous, report_from_here
         topo = topology
         self.min_workers = s.diloco_min_workers or s.diloco_workers
         self.enabled = sync.enabled and self.min_workers < topo.layout.workers
@@ -121,8 +122,8 @@ class Elastic:
         self.sync.abandon()  # first: the failed exchanges' errors hold their groups
         self._release_groups()
         try:  # a new connection: the standalone rendezvous may have been restarted since
-            _answers(STORE_CALL_SECONDS)
-            self.membership.store = _connect(topo.store, seconds=STORE_CALL_SECONDS)
+            _answers(self.rendezvous, STORE_CALL_SECONDS)
+            self.membership.store = _connect(self.rendezvous, topo.store, STORE_CALL_SECONDS)
             survey = self.liveness.survey(self.membership.store)
         except Exception as e:  # cut off from the rendezvous (and so from the job)
             raise OutsideTheJob(f"worker {topo.worker} lost the job after step {iteration} "
@@ -212,7 +213,7 @@ class Elastic:
     def _admit(self, iteration: int) -> None:
         """On every live rank, after the same step: let the workers that asked in join."""
         topo = self.topology
-        store = self.membership.store = _connect(topo.store)
+        store = self.membership.store = _connect(self.rendezvous, topo.store)
         asking = [w for w in range(topo.layout.workers) if w not in self.record.members
                   and store.check([f"{JOIN}{w}"])]
         self.stop_request.join_pending = False
@@ -284,11 +285,12 @@ class OutsideTheJob(JobFailure):
 
 
 def rejoin_when_reachable(outside: OutsideTheJob, timeout_s: float, hosts_store: bool,
-                          environment: dict) -> None:
-    """Wait (up to ``timeout_s``) until the rendezvous store answers, then restart this
-    process with its own command line (same pid, environment and launcher), so that it
-    comes back through the door as a restarted worker: a cut link heals by itself
-    (``environment``: the process's own, as its launcher gave it). Raises a ``JobFailure``
+                          address, environment: dict) -> None:
+    """Wait (up to ``timeout_s``) until the rendezvous store (at ``address``, a
+    ``distributed.StoreAddress``) answers, then restart this process with its own command
+    line (same pid, environment and launcher), so that it comes back through the door as a
+    restarted worker: a cut link heals by itself (``environment``: the process's own, as its
+    launcher gave it). Raises a ``JobFailure``
     with ``outside``'s message when it cannot: this rank hosts the store (a restart would
     take the store with it), or the store stays away."""
     import os
@@ -303,8 +305,8 @@ def rejoin_when_reachable(outside: OutsideTheJob, timeout_s: float, hosts_store:
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            _answers(5.0)
-            _connect(None, seconds=5.0).check(["megatron_streaming/door/"])
+            _answers(address, 5.0)
+            _connect(address, None, 5.0).check(["megatron_streaming/door/"])
             break
         except Exception as e:
             if time.monotonic() > deadline:
@@ -320,23 +322,13 @@ def rejoin_when_reachable(outside: OutsideTheJob, timeout_s: float, hosts_store:
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], environment)
 
 
-def _answers(seconds: float) -> None:
-    """Raise unless the rendezvous store's port takes a connection within ``seconds`` (a
-    plain socket: a store client's failed tries log pages of traces)."""
-    import os
-    import socket
-
-    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-    if host and port:
-        socket.create_connection((host, int(port)), timeout=seconds).close()
+def _answers(address, seconds: float) -> None:
+    """Raise unless the rendezvous store's port takes a connection within ``seconds`` (where
+    the launcher named one)."""
+    if address.known:
+        address.answers(seconds)
 
 
-def _connect(fallback, seconds: float = 60.0):
+def _connect(address, fallback, seconds: float = 60.0):
     """A fresh client of the job's rendezvous store (``fallback`` without a launcher)."""
-    import os
-
-    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-    if not (host and port):
-        return fallback
-    return dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
-                         timeout=datetime.timedelta(seconds=seconds))
+    return address.client(seconds) if address.known else fallback

@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from ..comm.crossworker import byte_count
 from ..comm.serial import BoundedCalls
+from ..errors import first_line
 from ..parallel.topology import device_of
 
 log = logging.getLogger("megatron_streaming")
@@ -186,9 +187,10 @@ class Liveness:
 
     PREFIX = "megatron_streaming/liveness"
 
-    def __init__(self, topology, interval: float = HEARTBEAT_SECONDS,
+    def __init__(self, topology, address, interval: float = HEARTBEAT_SECONDS,
                  stop: Optional[StopRequest] = None, store_timeout: float = 600.0,
                  saves: bool = False):
+        """``address``: the job's rendezvous store (``distributed.StoreAddress``)."""
         self.topology = topology
         # Where an orphaned rank asks to stop; whether that stop writes a checkpoint (--save).
         self.stop_request, self.store_timeout, self.saves = stop, store_timeout, saves
@@ -203,7 +205,7 @@ class Liveness:
         self.world = topology.layout.world_size
         self.interval = interval
         self.iteration = 0  # written by the training loop, published by the heartbeat
-        self.address = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        self.address = address
         self.prefix = self.launch_prefix()
         self._calls = BoundedCalls("rendezvous-store")
         self.watch = None  # called with the store at every beat (``elastic``)
@@ -216,11 +218,7 @@ class Liveness:
         self._thread.start()
 
     def _connect(self, seconds: float = 10.0):
-        import datetime
-
-        host, port = self.address.rsplit(":", 1)
-        return dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
-                             timeout=datetime.timedelta(seconds=seconds))
+        return self.address.client(seconds)
 
     @classmethod
     def launch_prefix(cls) -> str:
@@ -325,10 +323,7 @@ class Liveness:
     def hosts_store(self) -> bool:
         """Global rank 0 hosts the store unless an agent (torchrun) or a standalone
         rendezvous (``--rendezvous-external``) does."""
-        from ..parallel.distributed import STORE_HOST
-
-        agent = "agent" if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") else "rank0"
-        return self.rank == 0 and os.environ.get(STORE_HOST, agent) == "rank0"
+        return self.rank == 0 and self.address.hosted_by == "rank0"
 
     def linger(self, lost: List[int], seconds: float = 8.0) -> None:
         """On the store's host: wait (bounded) until every rank that is not lost has left a
@@ -357,15 +352,13 @@ def describe_rank(layout, rank: int) -> str:
 
 def failure_message(error: BaseException, layout, rank: int, iteration: int,
                     survey: Optional[dict], survey_error: Optional[str],
-                    checkpoint: str) -> str:
-    """One paragraph: what was lost, where this rank was, the last good checkpoint."""
-    text = str(error).strip() or type(error).__name__
+                    checkpoint: str, store_hosted_by: str) -> str:
+    """One paragraph: what was lost, where this rank was, the last good checkpoint.
+    ``store_hosted_by``: who hosts the rendezvous store (``StoreAddress.hosted_by``)."""
     # gloo appends advice to its errors ("This is typically caused by ..."): keep the fact.
-    first_line = text.splitlines()[0].split(". This is typically")[0]
+    fact = first_line(error).split(". This is typically")[0]
     if survey_error:
-        from ..parallel.distributed import STORE_HOST
-
-        host = ("the standalone rendezvous" if os.environ.get(STORE_HOST) == "external"
+        host = ("the standalone rendezvous" if store_hosted_by == "external"
                 else describe_rank(layout, 0))
         who = (f"cannot tell which rank was lost: {survey_error} (its host, {host}, has "
                "exited or died, or the link to it is down; see its error)")
@@ -379,7 +372,7 @@ def failure_message(error: BaseException, layout, rank: int, iteration: int,
             who += "; stuck: " + ", ".join(f"{describe_rank(layout, r)} at iteration {it}"
                                            for it, r in behind[:8])
     return (f"{who}. {describe_rank(layout, rank)} stopped at iteration {iteration}: "
-            f"{first_line}. {checkpoint}")
+            f"{fact}. {checkpoint}")
 
 
 def checkpoint_advice(save: Optional[str]) -> str:

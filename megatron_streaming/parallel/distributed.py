@@ -9,6 +9,10 @@ rendezvous) carries what crosses workers: the door, membership, heartbeats and t
 cross-worker groups. Each worker's own world (its default group, the in-worker groups, NCCL's
 unique ids) meets on a store its first rank hosts (``worker_world_store``), so none of that
 crosses the link between clusters; one key in the job's store says where it is.
+
+Every client of a store that another process hosts is made by ``store_client``. Where the
+job's store is, and who hosts it, travels as a ``StoreAddress`` to the parts that connect to
+it again later (the heartbeat, elastic recovery, the failure message).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import datetime
 import os
 import random
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -77,13 +82,66 @@ def is_initialized() -> bool:
     return dist.is_initialized()
 
 
-STORE_HOST = "MEGATRON_STREAMING_STORE_HOST"  # set here: rank0, agent or external
+@dataclass(frozen=True)
+class StoreAddress:
+    """Where the job's rendezvous store listens, and who hosts it: global rank 0 (``rank0``),
+    torchrun's agent (``agent``) or a standalone rendezvous (``external``)."""
+
+    host: Optional[str]
+    port: Optional[int]
+    hosted_by: str = "rank0"
+
+    @classmethod
+    def of_launcher(cls, env) -> "StoreAddress":
+        """The launcher's MASTER_ADDR:MASTER_PORT, for a run whose processes and groups its
+        caller made (its store is the launcher's, or rank 0's)."""
+        port = env.get("MASTER_PORT")
+        return cls(env.get("MASTER_ADDR"), int(port) if port else None,
+                   "agent" if _agent_hosts_store(env) else "rank0")
+
+    @property
+    def known(self) -> bool:
+        return bool(self.host and self.port)
+
+    def __str__(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def client(self, seconds: float):
+        """A fresh client of the store (``store_client``)."""
+        return store_client(self.host, self.port, seconds)
+
+    def answers(self, seconds: float) -> None:
+        """Raise ``OSError`` unless the store's port takes a connection (``port_answers``)."""
+        port_answers(self.host, self.port, seconds)
 
 
-def rendezvous_store(timeout_minutes: float, external: bool = False):
-    """The job's TCPStore, before any process group: global rank 0 hosts it at
-    MASTER_ADDR:MASTER_PORT, every other rank connects; with ``external``
-    (``--rendezvous-external``) nobody in the job hosts it: ``python -m
+def store_client(host: str, port: int, seconds: float):
+    """A client of the TCPStore another process hosts at ``host:port``: it waits for no other
+    client, and each of its calls gives up after ``seconds``. Every store this package connects
+    to without hosting it is reached through here."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=seconds))
+
+
+def port_answers(host: str, port: int, seconds: float) -> None:
+    """Raise ``OSError`` unless ``host:port`` takes a connection within ``seconds`` (a plain
+    socket: a store client's failed tries log pages of traces)."""
+    import socket
+
+    socket.create_connection((host, int(port)), timeout=seconds).close()
+
+
+def _agent_hosts_store(env) -> bool:
+    """Under torchrun the agent already hosts the store on MASTER_PORT."""
+    return env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+
+
+def rendezvous_store(timeout_minutes: float, external: bool = False) -> tuple:
+    """The job's TCPStore, before any process group, and its ``StoreAddress``: ``(store,
+    address)``. Global rank 0 hosts it at MASTER_ADDR:MASTER_PORT, every other rank connects;
+    with ``external`` (``--rendezvous-external``) nobody in the job hosts it: ``python -m
     megatron_streaming.job.rendezvous`` serves it elsewhere. The workers meet here first (the
     door, ``megatron_streaming.job.door``); ``init_distributed`` then builds the default group on
     it. A lone process (no launcher) picks a free port, retrying if it was taken meanwhile."""
@@ -99,20 +157,23 @@ def rendezvous_store(timeout_minutes: float, external: bool = False):
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     # Under torchrun the agent already hosts the store on MASTER_PORT (as torch's own env://
     # rendezvous does, join it then rather than fail to bind).
-    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    agent = _agent_hosts_store(os.environ)
     hosts = rank == 0 and not agent and not external
-    os.environ[STORE_HOST] = "external" if external else "agent" if agent else "rank0"
+    hosted_by = "external" if external else "agent" if agent else "rank0"
     if external and "MASTER_PORT" not in os.environ:
         raise JobFailure("--rendezvous-external needs --master-addr/--master-port (where "
                          "`python -m megatron_streaming.job.rendezvous` serves the store)")
     for attempt in range(5 if lone else 1):
         if lone:
             os.environ["MASTER_PORT"] = str(_free_port())
-        address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+        address = StoreAddress(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                               hosted_by)
+        timeout = datetime.timedelta(minutes=timeout_minutes)
         try:
-            return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                                 world, is_master=hosts, wait_for_workers=False,
-                                 timeout=datetime.timedelta(minutes=timeout_minutes))
+            if hosts:
+                return dist.TCPStore(address.host, address.port, world, is_master=True,
+                                     wait_for_workers=False, timeout=timeout), address
+            return store_client(address.host, address.port, timeout.total_seconds()), address
         except dist.DistNetworkError as err:
             if lone and "EADDRINUSE" in str(err) and attempt < 4:
                 continue
@@ -181,14 +242,12 @@ def worker_world_store(job_store, layout, rank: int, incarnation: int, timeout_m
         return store, len(key) + len(address)
     address, crossed = _published_address(job_store, key, worker, timeout)
     host, port = address.rsplit(":", 1)
-    return dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
-                         timeout=timeout), crossed
+    return store_client(host, int(port), timeout.total_seconds()), crossed
 
 
 def _published_address(job_store, key: str, worker: int, timeout) -> tuple:
     """The address worker ``worker``'s first rank published, once it takes a connection (a
     launch that took over a predecessor's claim may find the predecessor's address first)."""
-    import socket
     import time
 
     from ..errors import JobFailure
@@ -202,7 +261,7 @@ def _published_address(job_store, key: str, worker: int, timeout) -> tuple:
             crossed += len(key) + len(address)
             host, port = address.rsplit(":", 1)
             try:
-                socket.create_connection((host, int(port)), timeout=10).close()
+                port_answers(host, int(port), 10)
                 return address, crossed
             except OSError as e:
                 error = e
@@ -276,7 +335,7 @@ def init_distributed(backend: str, timeout_minutes: float, store=None,
     if dist.is_initialized():  # embedded: the caller's world is the job
         rank, size = dist.get_rank(), dist.get_world_size()
     else:
-        store = store if store is not None else rendezvous_store(timeout_minutes)
+        store = store if store is not None else rendezvous_store(timeout_minutes)[0]
         rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         world_rank, world_size = rank, size
         if layout is not None:

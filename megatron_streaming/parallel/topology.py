@@ -329,6 +329,11 @@ class Topology:
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.layout.pp - 1
 
+    def first_layer(self, num_layers: int) -> int:
+        """Global index of this rank's first transformer layer: the pipeline stages hold
+        ``num_layers / PP`` layers each (an even split, checked with the flags)."""
+        return self.pp_rank * (num_layers // self.layout.pp)
+
     @property
     def data_shard(self):
         return self.layout.data_shard(self.rank)

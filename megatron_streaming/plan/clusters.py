@@ -67,10 +67,6 @@ class Link:
     # gap starts from TCP's initial window; false where the hosts set it to 0.
     slow_start_after_idle: bool = True
 
-    @property
-    def bytes_per_s(self) -> float:
-        return self.bandwidth_gbit_per_s * 1e9 / 8
-
 
 def _read(path: str) -> dict:
     try:

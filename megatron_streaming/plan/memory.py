@@ -60,6 +60,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict
 
+from ..config import shape
+
 GIB = 1024 ** 3
 STEP_COPIES = 4  # fp32 copies of the ZeRO partition the optimizer step holds at once (CPU)
 STEP_COPIES_FUSED = 1.3  # the same with CUDA's fused AdamW (memory_phases.py, one H200)
@@ -113,84 +115,9 @@ class Layout:
 
 
 @dataclass(frozen=True)
-class ModelShape:
-    """What the memory and time models need of the model flags."""
-    layers: int
-    hidden: int
-    heads: int
-    ffn: int
-    kv_channels: int
-    query_groups: int
-    vocab: int  # padded
-    seq: int
-    swiglu: bool = False
-    bias: bool = True
-    tied: bool = True
-    learned_positions: bool = True
-    rms_norm: bool = False
-    attention_dropout: float = 0.1
-    hidden_dropout: float = 0.1
-
-    @classmethod
-    def from_config(cls, m, vocab_size: int) -> "ModelShape":
-        from ..job.door import padded_vocab_size
-
-        heads = m.num_attention_heads
-        return cls(
-            layers=m.num_layers, hidden=m.hidden_size, heads=heads,
-            ffn=m.ffn_hidden_size or 4 * m.hidden_size,
-            kv_channels=m.kv_channels or m.hidden_size // heads,
-            query_groups=(m.num_query_groups if m.group_query_attention and m.num_query_groups
-                          else heads),
-            vocab=padded_vocab_size(m, vocab_size), seq=m.seq_length, swiglu=m.swiglu,
-            bias=not m.disable_bias_linear, tied=not m.untie_embeddings_and_output_weights,
-            learned_positions=m.position_embedding_type == "learned_absolute",
-            rms_norm=m.normalization == "RMSNorm", attention_dropout=m.attention_dropout,
-            hidden_dropout=m.hidden_dropout)
-
-    # ---- parameters ------------------------------------------------------------------
-    def layer_parameters(self, tp: int = 1) -> float:
-        """One transformer layer's parameters on one TP rank (norms replicated)."""
-        h, q = self.hidden, self.heads * self.kv_channels
-        kv = 2 * self.query_groups * self.kv_channels
-        up = self.ffn * (2 if self.swiglu else 1)
-        split = h * (q + kv) + q * h + h * up + self.ffn * h
-        split += self.bias * (q + kv + up)
-        replicated = self.bias * 2 * h + 2 * h * (1 if self.rms_norm else 2)
-        return split / tp + replicated
-
-    def embedding_parameters(self, tp: int = 1) -> float:
-        positions = self.seq * self.hidden if self.learned_positions else 0
-        return self.vocab * self.hidden / tp + positions
-
-    def parameters(self) -> int:
-        out = self.layers * self.layer_parameters() + self.embedding_parameters()
-        out += self.hidden * (1 if self.rms_norm else 2)  # final norm
-        return int(out + (0 if self.tied else self.vocab * self.hidden))
-
-    def stage_tensors(self, pp: int, stage: int) -> float:
-        """Parameter tensors on a rank of pipeline stage ``stage`` (megatron-core's local
-        layers: two norms, the fused QKV, the projection and the two MLP matrices a layer,
-        their biases and the norms' with bias and LayerNorm)."""
-        per_layer = 6 + self.bias * 4 + (0 if self.rms_norm else 2)
-        out = self.layers / pp * per_layer
-        if stage == 0:
-            out += 1 + self.learned_positions
-        if stage == pp - 1:
-            out += (1 if self.rms_norm else 2) + (not self.tied or pp > 1)
-        return out
-
-    def stage_parameters(self, tp: int, pp: int, stage: int) -> float:
-        """Parameters on a rank of pipeline stage ``stage``: its layers, the embedding on
-        the first, the final norm and the output layer (or the tied copy) on the last."""
-        out = self.layers / pp * self.layer_parameters(tp)
-        if stage == 0:
-            out += self.embedding_parameters(tp)
-        if stage == pp - 1:
-            out += self.hidden * (1 if self.rms_norm else 2)
-            if not self.tied or pp > 1:  # a tied output layer on another stage is a copy
-                out += self.vocab * self.hidden / tp
-        return out
+class ModelShape(shape.ModelShape):
+    """The model flags' shape and its parameters (``config.shape.ModelShape``), and what one
+    rank keeps for the backward: activations, attention scores, logits."""
 
     # ---- activations ------------------------------------------------------------------
     def scores(self, micro_batch: int, tp: int, sp: int) -> float:

@@ -29,7 +29,7 @@ def build_model(cfg: Config, topology, vocab_size: int, reports: bool):
     weights.initialize_weights(
         model, seed=cfg.training.seed, std=cfg.model.init_method_std,
         num_layers=cfg.model.num_layers,
-        layer_offset=topology.pp_rank * (cfg.model.num_layers // topology.layout.pp),
+        layer_offset=topology.first_layer(cfg.model.num_layers),
         tp_rank=topology.tp_rank, tp_size=topology.layout.tp,
         tied_output_name="embedding.word_embeddings.weight" if tied else None,
         gated_mlp=cfg.model.swiglu, zero_centered_norms=cfg.model.apply_layernorm_1p)

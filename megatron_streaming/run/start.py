@@ -30,6 +30,7 @@ class Started:
     own_processes: bool  # False: embedded in a world its caller made
     patches: list  # the upstream patches applied
     launched_by: Optional[str]  # a bare srun read as a launcher, said at start
+    rendezvous: object  # parallel.distributed.StoreAddress: the job's rendezvous store
 
 
 def start_processes(cfg: Config) -> Started:
@@ -67,8 +68,8 @@ def start_processes(cfg: Config) -> Started:
         from ..job.door import Door, fingerprint
         from ..job.rejoin import running_job
 
-        store = distributed.rendezvous_store(p.distributed_timeout_minutes,
-                                             p.rendezvous_external)
+        store, rendezvous = distributed.rendezvous_store(p.distributed_timeout_minutes,
+                                                         p.rendezvous_external)
         rank = int(os.environ["RANK"])
         coords = layout.coords(rank)
         door = Door(store, coords["worker"], layout.workers, coords["local"],
@@ -94,6 +95,8 @@ def start_processes(cfg: Config) -> Started:
         world_store, crossed = distributed.worker_world_store(
             store, layout, int(os.environ["RANK"]), rejoin.epoch if rejoin else 0,
             p.distributed_timeout_minutes, own_host)
+    else:  # the job's store is the one its caller's launcher named
+        rendezvous = distributed.StoreAddress.of_launcher(os.environ)
     # Each worker is its own world, on its own store (distributed.init_distributed).
     rank, _ = distributed.init_distributed(
         p.distributed_backend, p.distributed_timeout_minutes, world_store, layout=layout)
@@ -111,7 +114,7 @@ def start_processes(cfg: Config) -> Started:
     if door is not None and topology.worker != 0:  # worker 0 hosts the store
         topology.cross.count_control(door.bytes + crossed)
     return Started(topology, tokenizer, job, resume, resume_plan, rejoin, own_processes,
-                   applied, launched_by)
+                   applied, launched_by, rendezvous)
 
 
 def resume_source(cfg: Config, layout, vocab_size: int):

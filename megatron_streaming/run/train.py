@@ -53,7 +53,8 @@ class Run:
         self.resume, self.resume_plan, self.rejoin = started.resume, started.resume_plan, \
             started.rejoin
         self.own_processes, self.patches = started.own_processes, started.patches
-        self.liveness = Liveness(self.topology, stop=self.stop_request,
+        self.rendezvous = started.rendezvous
+        self.liveness = Liveness(self.topology, self.rendezvous, stop=self.stop_request,
                                  store_timeout=60.0 * p.distributed_timeout_minutes,
                                  saves=bool(cfg.checkpoint.save))
         self.stop = StopAgreement(self.topology, self.stop_request,
@@ -71,7 +72,7 @@ class Run:
         self.report = RunReport(cfg, self.topology, self.model, self.engine, self.sync)
         self.writer = None  # made below, once the data is known (a rejoining worker: joined)
         self.elastic = Elastic(cfg, self.topology, self.sync, self.stop, self.stop_request,
-                               self.liveness, self.job, self.report_from_here)
+                               self.liveness, self.job, self.rendezvous, self.report_from_here)
         for make in self.extensions:
             self.engine.step_hooks.append(make(self))
         self.iteration = 0
@@ -262,7 +263,8 @@ class Run:
             survey_error = str(e)
         message = lifecycle.failure_message(
             error, self.topology.layout, self.topology.rank, self.iteration, survey,
-            survey_error, lifecycle.checkpoint_advice(self.cfg.checkpoint.save))
+            survey_error, lifecycle.checkpoint_advice(self.cfg.checkpoint.save),
+            self.rendezvous.hosted_by)
         self.liveness.mark_exiting(message)
         self.liveness.linger(survey["lost"] if survey else [])
         failure = JobFailure(message)
@@ -288,7 +290,7 @@ def pretrain(cfg: Config, extensions=()) -> Optional[dict]:
         except Exception as e:
             raise run.failure(e)
     rejoin_when_reachable(outside, 60.0 * cfg.parallel.distributed_timeout_minutes,
-                          hosts_store, run.launch_environment)
+                          hosts_store, run.rendezvous, run.launch_environment)
 
 
 def _train_and_report(run: Run) -> Optional[dict]:

@@ -17,7 +17,7 @@ def model_name_function(cfg: Config, topology: Topology) -> Callable[[str], str]
     """Local parameter name on this rank -> its name in the whole model, the same on every
     layout: global layer index, megatron-core's local-spec name (``weights.local_spec_name``)
     and, on a last stage holding the tied output layer, the embedding it copies."""
-    offset = topology.pp_rank * (cfg.model.num_layers // topology.layout.pp)
+    offset = topology.first_layer(cfg.model.num_layers)
     tied = not cfg.model.untie_embeddings_and_output_weights
 
     def model_name(name: str) -> str:

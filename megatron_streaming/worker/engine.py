@@ -32,24 +32,6 @@ from ..parallel.topology import Topology
 log = logging.getLogger("megatron_streaming")
 
 
-def lr_at(iteration: int, cfg: Config, dp: int = 1, max_lr: Optional[float] = None,
-          min_lr: Optional[float] = None) -> float:
-    """The learning rate of step ``iteration`` (0-based), as Megatron's scheduler sets it
-    after the samples of the steps before (``schedules.LrSchedule``); ``max_lr`` / ``min_lr``:
-    a param group's own (default --lr and --min-lr)."""
-    from ..config.schedules import BatchSchedule, LrSchedule
-
-    return LrSchedule(cfg, BatchSchedule(cfg.training, cfg.model.seq_length, dp))(
-        iteration, max_lr, min_lr)
-
-
-def num_microbatches(cfg: Config, dp: int) -> int:
-    """Micro-batches of a full step (after any batch ramp-up)."""
-    from ..config.schedules import BatchSchedule
-
-    return BatchSchedule(cfg.training, cfg.model.seq_length, dp).final_micro_batches
-
-
 def deepspeed_config(cfg: Config) -> dict:
     """The DeepSpeed JSON, generated from the dataclasses (never from a template)."""
     o = cfg.optimizer

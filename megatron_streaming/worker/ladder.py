@@ -44,6 +44,8 @@ import torch.distributed as dist
 from megatron.core.tensor_parallel.layers import RowParallelLinear
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
+from patches import megatron_row_parallel
+
 FLAG = "--ladder-layers"
 SUB_BLOCKS = ("attn", "mlp")
 
@@ -191,7 +193,8 @@ def all_reduce_async(partial: torch.Tensor, group, pending: PendingReduce) -> Pe
 class PartialRowParallelLinear(RowParallelLinear):
     """megatron's ``RowParallelLinear`` returning this rank's partial sum: no all-reduce (the
     ladder layer starts it asynchronously) and the bias handed back, to be added after the
-    reduction exactly once, as megatron does."""
+    reduction exactly once, as megatron does. The partial sum comes through the pinned
+    adapter ``patches.megatron_row_parallel`` (megatron's private ``_forward_impl``)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -202,12 +205,7 @@ class PartialRowParallelLinear(RowParallelLinear):
             raise ValueError("ladder residual with --sequence-parallel is not supported yet")
 
     def forward(self, input_):
-        partial = self._forward_impl(
-            input=input_, weight=self.weight, bias=None,
-            gradient_accumulation_fusion=self.gradient_accumulation_fusion,
-            allreduce_dgrad=False, sequence_parallel=False, tp_group=None,
-            grad_output_buffer=None)
-        return partial, self.bias
+        return megatron_row_parallel.partial_sum(self, input_), self.bias
 
 
 # ---- the layer ----------------------------------------------------------------------------------
@@ -390,10 +388,3 @@ def ladder_block_spec(config, layer_spec, ladder_layers: Set[int], pp_rank: int 
             sends=stage_last and continues_out and i != last))
     return TransformerBlockSubmodules(layer_specs=specs, layer_norm=final_norm)
 
-
-def ladder_chain_of(model) -> Optional[LadderChain]:
-    """The chain of a built model (to attach a ``LadderTrace``), or None without ladder."""
-    for module in model.modules():
-        if isinstance(module, LadderTransformerLayer):
-            return module.ladder_chain
-    return None

@@ -13,15 +13,10 @@ from typing import Optional
 import torch
 
 from ..config import ModelConfig, ParallelConfig, PrecisionConfig, TransformerEngineConfig
+from ..config.shape import padded_vocab_size
 from ..parallel.topology import Topology
 
 log = logging.getLogger(__name__)
-
-
-def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
-    """Megatron's padding: a multiple of ``divisible_by x TP`` so every TP shard is equal."""
-    multiple = divisible_by * tp
-    return ((vocab_size + multiple - 1) // multiple) * multiple
 
 
 def have_transformer_engine() -> bool:
