@@ -11,6 +11,7 @@ momentum to [-phi, phi]; unlike CO2's released code, the clamp here is kept.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -50,3 +51,15 @@ def merge(theta_local: torch.Tensor, theta_g: torch.Tensor, alpha: float) -> Non
         theta_local.copy_(theta_g)  # exact replacement, also for a non-finite local value
     else:
         theta_local.mul_(alpha).add_(theta_g.to(theta_local.device), alpha=1.0 - alpha)
+
+
+def eager_grad(own: torch.Tensor, mean: Optional[torch.Tensor], fresh: torch.Tensor,
+               workers: int) -> torch.Tensor:
+    """The eager outer gradient (arXiv 2502.12996): the round's ``mean`` (None: dropped)
+    less this worker's share ``own`` of it, applied at its send, plus its ``fresh`` share of
+    the round now sent; the shares are over ``workers``."""
+    grad = own.div(-workers)
+    if mean is not None:
+        grad.add_(mean.to(own.device))
+    grad.add_(fresh, alpha=1.0 / workers)
+    return grad

@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 
 from ..comm.transport import ExchangeResult, Pending
+from .outer import eager_grad
 
 
 class OuterStateful:
@@ -112,5 +113,5 @@ class OuterStateful:
         updates, ``own`` is this worker's share of it, applied at its send, over the saved
         run's ``workers``: taken out, as at the eager step."""
         grad = mean if own is None else \
-            self._eager_grad(own, mean, torch.zeros_like(own), workers)
+            eager_grad(own, mean, torch.zeros_like(own), workers)
         self._outer_update(theta_g, momentum, local, grad)

@@ -42,7 +42,8 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from ..comm.codec import ErrorFeedback
-from .outer import OuterOptimizer, merge
+from .membership import MembershipChanges
+from .outer import OuterOptimizer, eager_grad, merge
 from .saved import OuterStateful
 from .schedule import SyncSchedule
 from ..comm.transport import Pending, Transport, pinned_host_copy
@@ -112,8 +113,9 @@ class FragmentStats:
     skipped: int = 0
 
 
-class StreamingSync(OuterStateful):
-    """The sync of one rank; what a checkpoint keeps of it: ``saved.OuterStateful``."""
+class StreamingSync(OuterStateful, MembershipChanges):
+    """The sync of one rank; what a checkpoint keeps of it: ``saved.OuterStateful``; what a
+    change of the job's members does to it: ``membership.MembershipChanges``."""
 
     def __init__(self, groups: List[ShardGroup], schedule: SyncSchedule, transport: Transport,
                  outer: OuterOptimizer, alpha: float, error_feedback: bool,
@@ -315,21 +317,9 @@ class StreamingSync(OuterStateful):
         fresh = torch.zeros_like(theta_g)
         if delta is not None and bool(torch.isfinite(delta).all()):
             fresh = delta.to(theta_g.device)  # a non-finite one is skipped by every worker
-        grad = self._eager_grad(self.own[g.index], mean, fresh, workers)
+        grad = eager_grad(self.own[g.index], mean, fresh, workers)
         self.own[g.index] = fresh
         self._apply(g, grad)
-
-    @staticmethod
-    def _eager_grad(own: torch.Tensor, mean: Optional[torch.Tensor], fresh: torch.Tensor,
-                    workers: int) -> torch.Tensor:
-        """The eager outer gradient: the round's ``mean`` (None: dropped) less this worker's
-        share ``own`` of it, applied at its send, plus its ``fresh`` share of the round now
-        sent; the shares are over ``workers``."""
-        grad = own.div(-workers)
-        if mean is not None:
-            grad.add_(mean.to(own.device))
-        grad.add_(fresh, alpha=1.0 / workers)
-        return grad
 
     def _arrived(self, g: ShardGroup) -> Optional[torch.Tensor]:
         """Wait for the shard's exchange in flight; its mean, or None if some worker's outer
@@ -414,56 +404,11 @@ class StreamingSync(OuterStateful):
             out[g.fragment, 1] += float(torch.dot(theta, theta))
         return out
 
-    # ---- membership changes (``elastic``) -------------------------------------------------
-    def abandon(self) -> None:
-        """Drop every exchange not merged yet (their groups were aborted): theta_g keeps its
-        value for them, on every survivor alike."""
-        self.pending.clear()
-        self._outbox.clear()
-        self._merge_later.clear()
-        self.merged_early.clear()
-
-    def share_global_state(self, src: int, cross) -> None:
-        """theta_g and the outer momentum of the member at index ``src`` of the epoch, to
-        every member (collective over the cross-worker data groups; counted as control)."""
-        import torch.distributed as dist
-
-        if torch.cuda.is_available():  # copies out of a pinned theta_g may still read it
-            torch.cuda.current_stream().synchronize()
-        for tensors in (self.theta_g, self.momentum):
-            for t in tensors:
-                on_wire = t.to(cross.data_device)
-                dist.broadcast(on_wire, group_src=src, group=cross.data_group)
-                t.copy_(on_wire)
-                cross.count_control(t.numel() * t.element_size() * (cross.workers - 1))
-
-    def mark_merged(self, fragments) -> None:
-        """The exchanges of ``fragments`` were merged already (into the state a rejoining
-        worker took, or by ``finish`` before a checkpoint): their scheduled merges do
-        nothing."""
-        self.merged_early = {g.index for g in self.groups if g.fragment in set(fragments)}
-
     def _exchange_failed(self, error: BaseException) -> None:
         """Skip a failed exchange if the communicator says the run goes on; else raise."""
         if self.cross is None:
             raise error
         self.cross.failed(error)
-
-    def regroup(self, cross) -> None:
-        """Average over a new membership's groups from now on (``cross``: the CrossWorker,
-        already regrouped); the error-feedback residuals carry over (repadded: the chunking
-        follows the number of workers)."""
-        self.cross = cross
-        old = self.transport
-        self.transport = cross.make_transport(old.codec, old.timeout, old.codec_device)
-        self.workers = cross.workers or self.transport.workers
-        for i, f in enumerate(self.feedback):
-            if f is not None:
-                n = self.groups[i].numel
-                self.feedback[i] = f.resized(self.transport.padded_numel(n), n)
-        self.transport.bytes_sent, self.transport.bytes_received = \
-            old.bytes_sent, old.bytes_received
-        old.abandon()
 
     def close(self) -> None:
         """Let exchanges in flight finish (their peers are running them too), then stop.
