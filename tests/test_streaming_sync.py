@@ -435,3 +435,27 @@ def test_worker_scalars_on_one_rank(megatron_world):
     for p in range(P):
         assert scalars[f"streaming/fragment_{p}/outer_grad_norm"] == pytest.approx(
             math.sqrt(ref.sent_sq[p]), rel=1e-6), p
+
+
+def test_merge_at_load_does_what_the_merge_step_would_have_done():
+    """A resume under another schedule merges the exchange in flight at once: a finite mean
+    is the outer step and the merge of ``_apply``; a non-finite one is skipped as at the merge
+    step (no outer step, the local parameters left alone)."""
+    alpha = 0.5
+    layout = _layout(2)
+    tensors = _initial_tensors(layout)
+    sync, _ = _build_sync(layout, tensors, SyncSchedule(4, 2, 1), alpha)
+    g = _gen(3)
+    theta, local, mean = (torch.randn(6, generator=g) for _ in range(3))
+    momentum = torch.zeros(6)
+
+    t, m, l_ = theta.clone(), momentum.clone(), local.clone()
+    sync.merge_at_load(t, m, l_, mean, None, 2)
+    want_m = mean.clone()  # first outer step: momentum = grad (Nesterov below)
+    want_t = theta - LR * (mean + MU * want_m)
+    assert torch.allclose(m, want_m) and torch.allclose(t, want_t)
+    assert torch.allclose(l_, alpha * local + (1 - alpha) * want_t)
+
+    t, m, l_ = theta.clone(), momentum.clone(), local.clone()
+    sync.merge_at_load(t, m, l_, None, None, 2)  # some worker's outer gradient not finite
+    assert torch.equal(t, theta) and torch.equal(m, momentum) and torch.equal(l_, local)
