@@ -362,3 +362,15 @@ def test_launches_probing_one_save_directory_at_once_do_not_trip_each_other(tmp_
         list(pool.map(lambda _: [check_writable(str(tmp_path), 1) for _ in range(200)],
                       range(8)))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_one_line_report_quotes_an_errors_first_line_or_its_type():
+    """Every one-line report of an error from below goes through ``first_line``: an error
+    without a message (several stores and libraries raise them) is named by its type instead
+    of failing the report with an IndexError."""
+    from megatron_streaming.errors import first_line
+
+    assert first_line(OSError("No space left on device\nmore detail")) == \
+        "No space left on device"
+    assert first_line(ValueError("")) == "ValueError"
+    assert first_line(RuntimeError("  \n")) == "RuntimeError"

@@ -33,6 +33,7 @@ import json
 import os
 from typing import Optional
 
+from ..errors import first_line
 from .resume import FORMAT_VERSION, READABLE_VERSIONS, CheckpointError
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -191,7 +192,7 @@ def _check_safe(root: str, directory: str) -> None:
             SafeUnpickler(f).load()
     except Exception as e:  # noqa: BLE001 - any failure means the file is not metadata
         raise CheckpointError(f"--load {root}: {path} is not checkpoint metadata and was not "
-                              f"loaded ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+                              f"loaded ({type(e).__name__}: {first_line(e)[:200]})"
                               ) from None
     path = os.path.join(directory, "common.pt")
     if os.path.exists(path):
@@ -200,7 +201,7 @@ def _check_safe(root: str, directory: str) -> None:
         except (pickle.UnpicklingError, RuntimeError, EOFError, OSError) as e:
             raise CheckpointError(f"--load {root}: {path} holds more than data and was not "
                                   f"loaded ({type(e).__name__}: "
-                                  f"{str(e).splitlines()[0][:200]})") from None
+                                  f"{first_line(e)[:200]})") from None
 
 
 def check_writable(root: str, rank: int) -> None:

@@ -25,6 +25,8 @@ from typing import Optional
 
 import torch
 
+from ..errors import first_line
+
 
 def join_worker_launch(env, workers: int, worker_index: Optional[int],
                        master_addr: Optional[str], master_port: Optional[int]) -> Optional[str]:
@@ -184,7 +186,7 @@ def rendezvous_store(timeout_minutes: float, external: bool = False) -> tuple:
                      else "worker 0's first rank hosts it; is worker 0 running?")
             raise JobFailure(f"rendezvous store {address} unreachable within "
                              f"{timeout_minutes:g} min (--distributed-timeout-minutes): "
-                             f"{where} ({type(err).__name__}: {str(err).splitlines()[0]})") \
+                             f"{where} ({type(err).__name__}: {first_line(err)})") \
                 from None
 
 
@@ -235,7 +237,7 @@ def worker_world_store(job_store, layout, rank: int, incarnation: int, timeout_m
                                   wait_for_workers=False, timeout=timeout)
         except dist.DistNetworkError as err:
             raise JobFailure(f"worker {worker}'s own store cannot start at {host}:{port or 0}"
-                             f": {str(err).splitlines()[0]} (set {WORKER_STORE_ENV} to an "
+                             f": {first_line(err)} (set {WORKER_STORE_ENV} to an "
                              "address of this node, with a free port or none)") from None
         address = f"{host}:{store.port}"
         job_store.set(key, address)

@@ -17,6 +17,8 @@ import argparse
 import sys
 from typing import List
 
+from ..errors import first_line
+
 # pretrain_gpt.py flags the plan sets (value-taking unless listed in _SWITCHES).
 _PLANNED = {"--tensor-model-parallel-size", "--pipeline-model-parallel-size",
             "--ds-sequence-parallel-size", "--zero-stage", "--micro-batch-size",
@@ -87,7 +89,7 @@ def launcher_check(cfg, workers: int):
         try:
             validate(c, layout.ranks * workers)
         except UsageError as e:
-            return str(e).splitlines()[0]
+            return first_line(e)
         return None
 
     return check

@@ -34,6 +34,7 @@ import math
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
 
+from ..errors import first_line
 from .clusters import Cluster, Link
 from .memory import GIB, RECOMPUTE, Layout, ModelShape, Training, estimate
 from .step_time import step_time
@@ -192,7 +193,7 @@ def plan(shape: ModelShape, clusters: Sequence[Cluster], link: Link, global_batc
                                      global_batch, training, headroom, check, memo)
         except UsageError as e:
             first_error = first_error or e
-            option.why_not = str(e).splitlines()[0]
+            option.why_not = first_line(e)
             continue
         option.step_seconds = max(w.step_seconds for w in option.workers)
     usable = [o for o in options if not o.why_not]
