@@ -138,7 +138,7 @@ def timeline_rank(out: Path, argv: list) -> None:
                   "waits": hooks[0].waits, "events": run.sync.events, "cross_worker_bytes": sent,
                   "collectives": run.sync.transport.collectives}
         (out / f"timeline_w{worker}.json").write_text(json.dumps(record))
-    run.topology.barrier()  # neither rank leaves while the other still talks to it
+    run.topology.cross.job_barrier()  # neither rank leaves while the other still talks to it
 
 
 def overlap_summary(record: dict, skip: int = 10) -> dict:

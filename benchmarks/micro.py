@@ -165,7 +165,7 @@ def sync_overhead_rank(blocks: int, block_steps: int, warmup: int, out: Path) ->
               "parameters": run.report.parameter_count()}
     (out / f"sync_rank{dist.get_rank()}.json").write_text(json.dumps(result))
     run.liveness.close()
-    run.topology.barrier()
+    run.topology.cross.job_barrier()
 
 
 def bootstrap_ratio(on: list, off: list, resamples: int = 2000) -> tuple:

@@ -314,7 +314,7 @@ def measure_rank(opts, out: Path) -> None:
                   parameters=run.report.parameter_count())
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(record))
     run.liveness.close()
-    run.topology.barrier()
+    run.topology.cross.job_barrier()
 
 
 # ---- the launcher and the summary -----------------------------------------------------------

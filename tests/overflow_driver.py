@@ -64,7 +64,7 @@ def main():
                     "skipped": [r.skipped for r in results],
                     "loss_scale": [r.loss_scale for r in results]},
                    os.path.join(out_dir, f"rank{run.topology.rank}.pt"))
-    run.topology.barrier()
+    run.topology.cross.job_barrier()
 
 
 if __name__ == "__main__":

@@ -115,7 +115,7 @@ def main():
                         # lanes (workers of different layouts): what moved inside the worker
                         "in_worker_bytes": getattr(run.sync, "in_worker_bytes", 0)},
                        os.path.join(out_dir, f"{tag}.pt"))
-    topo.barrier()
+    topo.cross.job_barrier()
 
 if __name__ == "__main__":
     main()

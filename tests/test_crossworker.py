@@ -22,11 +22,11 @@ def _worker(rank, world, group):
     work.wait()
     out["max"] = top.tolist()
     out["after_two"] = cross.control_bytes
-    out["reporting"] = topo.ranks_reporting(rank == 1)
-    topo.barrier()
+    out["reporting"] = cross.ranks_reporting(rank == 1)
+    cross.job_barrier()
     cross.count_control(100 * (rank + 1))  # what the store carried for this rank
     before = cross.control_bytes
-    out["total"] = cross.total_control_bytes(topo.groups["worker"])
+    out["total"] = cross.total_control_bytes()
     out["before_total"] = before
     return out
 

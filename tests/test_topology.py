@@ -314,7 +314,7 @@ def _check_topology_on_rank(rank, world, store_path):
             dist.all_reduce(value, group=topo.groups[name])
             assert value.item() == sum(r + 1 for r in topo.group_ranks[name]), (rank, name)
         topo.cross = CrossWorker(topo)
-        topo.barrier()
+        topo.cross.job_barrier()
         assert topo.cross.gather_control(rank) == [rank % 4, rank % 4 + 4]
 
         mpu = topo.mpu()

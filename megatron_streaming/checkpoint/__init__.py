@@ -59,7 +59,7 @@ class Checkpointer:
 
     ``state`` objects (``job.JobState``) give ``sharded_state_dict()``, ``rank_info()`` and
     ``describe()``; ``failed_ranks(flag)`` is a collective over every rank of every worker that
-    returns the ranks whose flag is set (``Topology.ranks_reporting``); ``gather(obj)`` every
+    returns the ranks whose flag is set (``CrossWorker.ranks_reporting``); ``gather(obj)`` every
     rank of this worker's object, in rank order; ``gather_workers(obj)`` every worker's, in
     worker order (a collective of every rank; each worker's first rank's object counts)."""
 

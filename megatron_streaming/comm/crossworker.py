@@ -5,9 +5,10 @@ and every byte this rank puts on the cross-worker wire is counted here, data and
   ``make_transport`` over this rank's cross-worker data group, which pairs the ranks at one
   in-worker coordinate of every worker);
 * control: the stop flag of every step (``lifecycle.StopAgreement``), checkpoint agreement
-  (``Topology.ranks_reporting``) and the end-of-run barrier, over the control group, plus what
-  the door (``door``) and the heartbeats (``lifecycle.Liveness``) exchange through the
-  rendezvous store (``count_control``).
+  (``ranks_reporting``) and the end-of-run barrier (``job_barrier``), over the control group
+  (those two over the worker's group first: every rank of the job takes part), plus what the
+  door (``door``) and the heartbeats (``lifecycle.Liveness``) exchange through the rendezvous
+  store (``count_control``).
 
 Counting convention for a collective on the control group: the tensor's bytes to and from
 each of the M-1 peers (``2 x bytes x (M-1)``), whatever the backend's algorithm. Tensors are
@@ -67,6 +68,8 @@ class CrossWorker:
         from ..parallel.topology import device_of
 
         self.workers = len(topology.members)
+        self.worker_group = topology.groups["worker"]  # in-worker half of a job-wide call
+        self.world_size = topology.layout.world_size
         self.data_group = topology.groups.get("cross_worker")
         self.data_ranks: List[int] = topology.group_ranks.get("cross_worker", [topology.rank])
         self.control_group = topology.groups.get("cross_worker_control")
@@ -142,16 +145,34 @@ class CrossWorker:
                 dist.barrier(group=group)
                 self.count_control(2 * (self.workers - 1))  # a byte each way (gloo's)
 
-    def total_control_bytes(self, worker_group) -> int:
+    # ---- over every rank of the job (the worker's group, then across) ----------------------
+    def job_barrier(self) -> None:
+        """Wait for every rank of every worker, without a world-spanning group: after the
+        in-worker barrier each rank of worker w knows w arrived; after the barrier over its
+        cross-worker group it knows every worker did."""
+        dist.barrier(group=self.worker_group)
+        self.barrier()
+
+    def ranks_reporting(self, flag: bool) -> List[int]:
+        """The global ranks whose ``flag`` is set, known to every rank (collective over
+        all ranks, like ``job_barrier``: summed over the worker, then across workers)."""
+        flags = torch.zeros(self.world_size, dtype=torch.int32)
+        flags[self.rank] = int(flag)
+        return [int(r) for r in self._summed_over_the_job(flags).nonzero().flatten().tolist()]
+
+    def total_control_bytes(self) -> int:
         """Control bytes of every rank of every worker, as counted before this call
         (collective over the worker, then across workers)."""
+        mine = torch.tensor([self.control_bytes], dtype=torch.float64)
+        return int(self._summed_over_the_job(mine).item())
+
+    def _summed_over_the_job(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` summed over every rank of the job: over the worker, then across."""
         from ..parallel.topology import device_of
 
-        mine = torch.tensor([self.control_bytes], dtype=torch.float64,
-                            device=device_of(worker_group))
-        dist.all_reduce(mine, group=worker_group)
-        _, total = self.all_reduce_control(mine)
-        return int(total.item())
+        tensor = tensor.to(device_of(self.worker_group))
+        dist.all_reduce(tensor, group=self.worker_group)
+        return self.all_reduce_control(tensor)[1]
 
 
 class _AllOf:

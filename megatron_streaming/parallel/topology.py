@@ -356,28 +356,6 @@ class Topology:
     def describe(self) -> str:
         return describe(self.layout, self.rank)
 
-    def barrier(self) -> None:
-        """Wait for every rank of every worker, without a world-spanning group: after the
-        in-worker barrier each rank of worker w knows w arrived; after the barrier over its
-        cross-worker group it knows every worker did."""
-        import torch.distributed as dist
-
-        dist.barrier(group=self.groups["worker"])
-        self.cross.barrier()
-
-    def ranks_reporting(self, flag: bool) -> List[int]:
-        """The global ranks whose ``flag`` is set, known to every rank (collective over
-        all ranks, like ``barrier``: summed over the worker, then across workers)."""
-        import torch
-        import torch.distributed as dist
-
-        flags = torch.zeros(self.layout.world_size, dtype=torch.int32,
-                            device=device_of(self.groups["worker"]))
-        flags[self.rank] = int(flag)
-        dist.all_reduce(flags, group=self.groups["worker"])
-        _, flags = self.cross.all_reduce_control(flags)
-        return [int(r) for r in flags.nonzero().flatten().tolist()]
-
     # ---- adapters ----------------------------------------------------------------------
     def pg_collection(self):
         """Megatron-core's ProcessGroupCollection for the model and the pipeline schedule."""

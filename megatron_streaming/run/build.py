@@ -62,7 +62,7 @@ def build_checkpointing(cfg: Config, topology, model, engine, sync, vocab_size: 
     from ..checkpoint.job import JobState
 
     checkpointer = Checkpointer(
-        topology.rank, topology.ranks_reporting, lambda obj: _gather_objects(obj, topology),
+        topology.rank, topology.cross.ranks_reporting, lambda obj: _gather_objects(obj, topology),
         topology.layout.ranks_per_worker, topology.worker, topology.cross.gather_control,
         topology.leads_job, local=topology.coords["local"])
     return checkpointer, JobState(cfg, topology, model, engine, sync, vocab_size)

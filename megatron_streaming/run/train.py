@@ -318,7 +318,7 @@ def _train_and_report(run: Run) -> Optional[dict]:
     run.sync.close()  # finishes exchanges still in flight, so the byte count is final
     peak = run.report.peak_memory_mib()
     sync_bytes = run.report.cross_worker_bytes()
-    control_bytes = run.topology.cross.total_control_bytes(run.topology.groups["worker"])
+    control_bytes = run.topology.cross.total_control_bytes()
     parameters = run.report.parameter_count()
     summary = None
     if run.topology.is_logging_rank():
@@ -328,5 +328,5 @@ def _train_and_report(run: Run) -> Optional[dict]:
             write_summary(cfg.logging.summary_json, summary)
         log.info("done: %s", summary)
     run.close()
-    run.topology.barrier()
+    run.topology.cross.job_barrier()
     return summary
