@@ -280,7 +280,10 @@ def _stage_fragment_function(untie, P, pattern, pp_rank=1, pp=2, num_layers=4):
     cfg = Config()
     cfg.model.num_layers, cfg.model.untie_embeddings_and_output_weights = num_layers, untie
     cfg.streaming.diloco_fragments, cfg.streaming.diloco_fragment_pattern = P, pattern
+    from megatron_streaming.parallel.topology import Topology
+
     topo = SimpleNamespace(pp_rank=pp_rank, layout=SimpleNamespace(pp=pp))
+    topo.first_layer = lambda n: Topology.first_layer(topo, n)  # the stage's, as a rank's
     return builder.fragment_function(cfg, topo)
 
 
