@@ -7,5 +7,8 @@ it (``tests/test_layout.py`` holds the tree to this, docs/DESIGN.md draws it):
 ``errors`` -> ``config`` -> ``parallel`` -> ``comm`` -> ``worker`` -> ``data`` ->
 ``streaming`` -> ``checkpoint`` -> ``job`` -> ``cli`` -> ``run`` -> ``plan``
 
-Importing this package imports nothing heavy.
+Importing this package imports nothing heavy. It imports ``patches``, whose import hook keeps
+torch.compile's machinery out of megatron-core's import (``patches/megatron_jit.py``).
 """
+
+import patches as _patches  # noqa: F401  (before megatron-core's first import)

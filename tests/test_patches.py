@@ -306,3 +306,38 @@ def test_tiny_gpt_trains_with_tp_sp_and_pp_on_two_gloo_ranks(workers):
         assert result["row_parallel_partial_sum"] == {
             "sum_is_the_output": True, "bias_returned_apart": True, "gradients_equal": True}, rank
 
+
+
+def test_megatron_core_imports_without_torch_compile_and_its_fused_functions_still_work():
+    """The import hook (patches/megatron_jit.py): megatron-core's import leaves torch._dynamo
+    unimported and torch.compile torch's own; a fused function compiles at its first call
+    and computes what its eager formula does."""
+    code = """
+import sys, patches, torch, megatron.core
+from megatron.core.fusions.fused_bias_gelu import bias_gelu
+assert 'torch._dynamo' not in sys.modules, 'dynamo imported with megatron-core'
+assert torch.compile.__module__ == 'torch', torch.compile
+x, b = torch.randn(4, 8), torch.randn(8)
+y = x + b
+want = y * 0.5 * (1.0 + torch.tanh(0.79788456 * y * (1 + 0.044715 * y * y)))
+assert torch.allclose(bias_gelu(b, x), want, atol=1e-6)
+assert 'torch._dynamo' in sys.modules  # compiled at the first call
+"""
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=300,
+                   env={**os.environ, "TORCH_COMPILE_DISABLE": "1"})
+
+
+def test_compile_on_first_call_defers_the_real_compile_with_its_options():
+    from patches.megatron_jit import compile_on_first_call
+
+    calls = []
+
+    def real(fn, **options):
+        calls.append(options)
+        return lambda *a: fn(*a) + 100
+
+    lazy = compile_on_first_call(real)
+    plain, configured = lazy(lambda x: x), lazy(dynamic=True)(lambda x: 2 * x)
+    assert calls == []  # decorating compiles nothing
+    assert (plain(1), plain(2), configured(3)) == (101, 102, 106)
+    assert calls == [{}, {"dynamic": True}]  # once per function, with its options
