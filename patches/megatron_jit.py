@@ -1,19 +1,23 @@
-"""megatron-core's import without torch.compile's machinery (megatron-core 0.16.1).
+"""Upstream imports without torch.compile's machinery (megatron-core 0.16.1, DeepSpeed 0.19.8).
 
-Why: ``megatron.core.jit`` sets ``jit_fuser = torch.compile``, and some twenty functions of
-``megatron.core.fusions`` are decorated with it as ``megatron.core`` imports. Decorating with
-``torch.compile`` imports ``torch._dynamo`` and ``torch._inductor`` at once: about half of every
-process's import of megatron-core (4 of 8 s on a 2-core CPU), paid by every rank of every
-launch, whether or not a fused function is ever called (the CPU runs call none of them).
+Why: decorating a function with ``torch.compile`` imports ``torch._dynamo`` and
+``torch._inductor`` at once (3-4 s of CPU on these 2 cores), paid by every rank of every launch
+whether or not the function is ever called. Two imports do it:
 
-Fix: while ``megatron.core`` itself executes, ``torch.compile`` is a decorator that compiles
-at the first call instead (with the same arguments, through the real ``torch.compile``), so
-``jit_fuser`` and the functions decorated with it compile when first used, as
-``torch.compile`` itself does; outside that import ``torch.compile`` is torch's. An import
-hook (``install_hook``) does it, since it must act before megatron-core is first imported;
-``patches`` and ``megatron_streaming`` install it when imported. On another megatron-core
-version, or once megatron-core is imported, the hook does nothing (an import-time saving,
-never a behaviour: it has no refusal to make).
+* ``megatron.core``: ``megatron.core.jit`` sets ``jit_fuser = torch.compile``, and some twenty
+  functions of ``megatron.core.fusions`` are decorated with it (the CPU runs call none);
+* ``deepspeed.runtime.zero.muon.original_muon``: its Muon steps are decorated with
+  ``compiler.compile()`` (that is, ``torch.compile``), and ``deepspeed.initialize`` imports it
+  to check whether the optimizer is one ZeRO supports.
+
+Fix: while one of those modules itself executes, ``torch.compile`` is a decorator that
+compiles at the first call instead (with the same arguments, through the real
+``torch.compile``), so the functions decorated there compile when first used, as
+``torch.compile`` itself does; outside those imports ``torch.compile`` is torch's. An import
+hook (``install_hook``) does it, since it must act before their first import; ``patches`` and
+``megatron_streaming`` install it when imported. For a module of another version than pinned
+here, or one imported already, the hook does nothing (an import-time saving, never a
+behaviour: it has no refusal to make).
 """
 
 import contextlib
@@ -23,8 +27,11 @@ import importlib.machinery
 import sys
 
 NAME = "megatron_jit"
-PACKAGE, VERSION = "megatron-core", "0.16.1"
-TARGET = "megatron.core"
+# Module -> the distribution and version whose import of it was measured.
+TARGETS = {
+    "megatron.core": ("megatron-core", "0.16.1"),
+    "deepspeed.runtime.zero.muon.original_muon": ("deepspeed", "0.19.8"),
+}
 
 
 def compile_on_first_call(real_compile):
@@ -60,15 +67,20 @@ def _lazy_torch_compile():
 
 
 class _Hook(importlib.abc.MetaPathFinder):
-    """Finds ``megatron.core`` as the path finder does and runs its module under
-    ``_lazy_torch_compile``; removes itself at its first use."""
+    """Finds each of ``TARGETS`` as the path finder does and runs its module under
+    ``_lazy_torch_compile``; removes itself once it has seen them all."""
+
+    def __init__(self):
+        self.waiting = {name for name in TARGETS if name not in sys.modules}
 
     def find_spec(self, name, path, target=None):
-        if name != TARGET:
+        if name not in self.waiting:
             return None
-        _remove()
+        self.waiting.discard(name)
+        if not self.waiting:
+            _remove()
         spec = importlib.machinery.PathFinder.find_spec(name, path, target)
-        if spec is None or spec.loader is None or not _pinned():
+        if spec is None or spec.loader is None or not _pinned(*TARGETS[name]):
             return spec
         execute = spec.loader.exec_module
 
@@ -80,11 +92,11 @@ class _Hook(importlib.abc.MetaPathFinder):
         return spec
 
 
-def _pinned() -> bool:
+def _pinned(package: str, version: str) -> bool:
     from ._pinning import installed_version
 
-    found = installed_version(PACKAGE)
-    return found is not None and found.split("+", 1)[0] == VERSION
+    found = installed_version(package)
+    return found is not None and found.split("+", 1)[0] == version
 
 
 def _remove() -> None:
@@ -92,7 +104,8 @@ def _remove() -> None:
 
 
 def install_hook() -> None:
-    """Before megatron-core's first import (idempotent; nothing once it is imported)."""
-    if TARGET in sys.modules or any(isinstance(f, _Hook) for f in sys.meta_path):
+    """Before the first import of ``TARGETS`` (idempotent; nothing for those imported)."""
+    if all(name in sys.modules for name in TARGETS) or \
+            any(isinstance(f, _Hook) for f in sys.meta_path):
         return
     sys.meta_path.insert(0, _Hook())
