@@ -109,9 +109,9 @@ class OuterStateful:
                       own: Optional[torch.Tensor], workers: int) -> None:
         """A resume under another schedule, which never sent the exchange in flight at the
         save: merge it now as its merge step would have done, in place, on tensors of any one
-        shape (whole parameters). ``mean`` None: not finite, no outer step and no merge. Saved with eager
-        updates, ``own`` is this worker's share of it, applied at its send, over the saved
-        run's ``workers``: taken out, as at the eager step."""
+        shape (whole parameters). ``mean`` None: not finite, no outer step and no merge.
+        Saved with eager updates, ``own`` is this worker's share of it, applied at its send,
+        over the saved run's ``workers``: taken out, as at the eager step."""
         if own is None and mean is None:
             return  # skipped everywhere, as at the merge step: no outer step, no merge
         grad = mean if own is None else \
