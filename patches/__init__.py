@@ -6,7 +6,8 @@ Nothing here edits installed files. One call applies every fix this process need
     patches.apply()          # -> ["megatron_rng", "megatron_devices", ...]
 
 Each fix lives in its own module (``megatron_rng``, ``megatron_devices``, ``megatron_embedding``,
-``megatron_norm``, ``deepspeed_shm``, ``deepspeed_cpu_fp16``, ``torch_dcp_safe_metadata``) whose docstring names the upstream
+``megatron_norm``, ``deepspeed_shm``, ``deepspeed_cpu_fp16``, ``torch_dcp_safe_metadata``,
+``megatron_moe``) whose docstring names the upstream
 call sites it covers.
 Each is pinned to the exact upstream version it was verified on and refuses any other
 (``UpstreamVersionError``), and each applies only where needed: the CUDA-only fixes do nothing
@@ -52,6 +53,7 @@ PATCH_NAMES = (
     "deepspeed_shm",
     "deepspeed_cpu_fp16",
     "torch_dcp_safe_metadata",
+    "megatron_moe",
 )
 
 SKIP_ENV = "MEGATRON_STREAMING_SKIP_PATCHES"

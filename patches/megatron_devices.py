@@ -27,6 +27,8 @@ pipeline schedules on gloo):
   frequencies to ``torch.cuda.current_device()`` (``--position-embedding-type rope``).
 * ``dist_checkpointing.strategies.filesystem_async`` / ``state_dict_saver``: the torch_dist
   writer stages tensors with ``torch.cuda`` stream and device calls before writing.
+* ``transformer.moe.router``: ``TopKRouter.gating`` moves a weight it finds on the CPU to
+  ``torch.cuda.current_device()`` at every forward (mixture-of-experts layers).
 """
 
 import importlib
@@ -48,6 +50,7 @@ MODULES = (
     "megatron.core.models.common.embeddings.rotary_pos_embedding",
     "megatron.core.dist_checkpointing.strategies.filesystem_async",
     "megatron.core.dist_checkpointing.strategies.state_dict_saver",
+    "megatron.core.transformer.moe.router",
 )
 
 

@@ -49,6 +49,7 @@ CHECK_NEEDS = {
     "embedding_pp_setup": {"megatron_embedding"},
     "dev_dist_checkpoint_save": {"megatron_devices"},
     "dcp_metadata_refuses_code": {"torch_dcp_safe_metadata"},
+    "moe_router": {"megatron_moe", "megatron_devices", "megatron_rng"},
 }
 
 
@@ -417,7 +418,27 @@ def _single_rank_checks(port):
     checks["embedding_pp_setup"] = _outcome(_check_embedding_pp_setup)
     checks["dev_dist_checkpoint_save"] = _outcome(_check_dist_checkpoint_save)
     checks["dcp_metadata_refuses_code"] = _outcome(_check_dcp_metadata_refuses_code)
+    checks["moe_router"] = _outcome(partial(_check_moe_router, pgs))
     return checks
+
+
+def _check_moe_router(pgs):
+    """A mixture-of-experts layer (megatron-core's local spec, allgather dispatcher) forward
+    and backward: the router's gating GEMM and its weight's device."""
+    import torch
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.spec_utils import build_module
+
+    model_parallel_cuda_manual_seed(0, tp_rank=0, ep_rank=0, etp_rank=0)
+    config = _tiny_config(num_moe_experts=4, moe_router_topk=2, moe_aux_loss_coeff=1e-2,
+                          moe_token_dispatcher_type="allgather", add_bias_linear=False)
+    pgs.tp_dp_cp = pgs.tp  # the router's; one rank
+    layer = build_module(get_gpt_layer_local_spec(num_experts=4).submodules.mlp,
+                         config=config, pg_collection=pgs)
+    out, _ = layer(torch.randn(SEQ, 2, HIDDEN))
+    out.sum().backward()
+    assert layer.router.weight.grad is not None and layer.router.weight.device.type == "cpu"
 
 
 def _check_embedding_pp_setup():
@@ -508,6 +529,8 @@ def _touched() -> list:
         "torch_dcp_safe_metadata":
             importlib.import_module("torch.distributed.checkpoint.filesystem").pickle
             is not importlib.import_module("pickle"),
+        "megatron_moe": hasattr(importlib.import_module("megatron.core.transformer.moe.moe_utils"),
+                                "te_general_gemm"),
     }
     return [name for name, changed in touched.items() if changed]
 
