@@ -55,6 +55,31 @@ def _synchronize(device=None) -> None:
     return None
 
 
+class _CpuStream:
+    """A CUDA stream and its events on the CPU: work is done when a call returns, so there is
+    nothing to wait for or record."""
+
+    def wait_stream(self, other) -> None:
+        return None
+
+    def record_event(self, event=None):
+        return self
+
+    def synchronize(self) -> None:
+        return None
+
+
+_ONE_STREAM = _CpuStream()
+
+
+def stream_overrides() -> dict:
+    """``torch.cuda`` stream calls answered on the CPU: one stream, events that are done."""
+    import contextlib
+
+    return {"Stream": lambda *a, **k: _CpuStream(), "current_stream": lambda *a: _ONE_STREAM,
+            "stream": lambda s=None: contextlib.nullcontext()}
+
+
 class _CpuCuda:
     """``torch.cuda`` as seen through the view: CPU answers for the overridden names."""
 

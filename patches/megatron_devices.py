@@ -29,11 +29,20 @@ pipeline schedules on gloo):
   writer stages tensors with ``torch.cuda`` stream and device calls before writing.
 * ``transformer.moe.router``: ``TopKRouter.gating`` moves a weight it finds on the CPU to
   ``torch.cuda.current_device()`` at every forward (mixture-of-experts layers).
+* ``transformer.moe.token_dispatcher``: ``MoEAlltoAllTokenDispatcher`` makes a
+  ``torch.cuda.Stream`` when it is built and copies its token counts to the host on it, with
+  an event to wait for (``--moe-token-dispatcher-type alltoall``): a CPU stream whose work is
+  done when each call returns (``_cpu_torch.stream_overrides``). Its all-to-all takes the
+  split sizes as the host arrays ``moe_utils.maybe_move_tensor_to_cpu`` makes of CUDA
+  tensors; a CPU tensor it returns as it is, which ``all_to_all_single`` refuses: the
+  dispatcher's name is bound to one that makes the array of a CPU tensor too.
 """
 
 import importlib
 
-from ._cpu_torch import install_view
+import torch
+
+from ._cpu_torch import install_view, stream_overrides
 from ._patch import Patch, cuda_unavailable
 
 NAME = "megatron_devices"
@@ -51,12 +60,28 @@ MODULES = (
     "megatron.core.dist_checkpointing.strategies.filesystem_async",
     "megatron.core.dist_checkpointing.strategies.state_dict_saver",
     "megatron.core.transformer.moe.router",
+    "megatron.core.transformer.moe.token_dispatcher",
 )
+# Modules whose view also answers torch.cuda's stream calls.
+WITH_STREAMS = ("megatron.core.transformer.moe.token_dispatcher",)
+
+
+def _host_copy(original):
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        if as_numpy and torch.is_tensor(tensor) and tensor.device.type == "cpu":
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+    maybe_move_tensor_to_cpu.patched = True
+    return maybe_move_tensor_to_cpu
 
 
 def install() -> None:
     for name in MODULES:
-        install_view(importlib.import_module(name))
+        install_view(importlib.import_module(name),
+                     stream_overrides() if name in WITH_STREAMS else None)
+    dispatcher = importlib.import_module("megatron.core.transformer.moe.token_dispatcher")
+    if not getattr(dispatcher.maybe_move_tensor_to_cpu, "patched", False):
+        dispatcher.maybe_move_tensor_to_cpu = _host_copy(dispatcher.maybe_move_tensor_to_cpu)
 
 
 PATCH = Patch(

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from patches import deepspeed_zero
 
 from . import keys
+from ..worker.moe import expert_offset
 from ..worker.weights import global_name, local_spec_name
 
 EMBEDDING = "embedding.word_embeddings.weight"
@@ -67,12 +68,14 @@ class Slot:
         return tuple(shape)
 
 
-def build_slots(model, layer_offset: int, tied: bool, swiglu: bool) -> List[Slot]:
+def build_slots(model, layer_offset: int, tied: bool, swiglu: bool,
+                expert_offset: int = 0) -> List[Slot]:
     slots = []
     for name, param in model.named_parameters():
         tied_copy = tied and name == "output_layer.weight"
         # TE's fused norm names -> the local spec's: GPU checkpoints load on CPU and back.
-        gname = EMBEDDING if tied_copy else local_spec_name(global_name(name, layer_offset))
+        gname = EMBEDDING if tied_copy else \
+            local_spec_name(global_name(name, layer_offset, expert_offset))
         tp_axis = param.partition_dim if getattr(param, "tensor_model_parallel", False) \
             else None
         gated = swiglu and ".linear_fc1." in f".{gname}" and tp_axis == 0
@@ -206,7 +209,8 @@ class LayoutMap:
         self.tp_rank, self.tp = topology.tp_rank, layout.tp
         offset = topology.first_layer(cfg.model.num_layers)
         tied = not cfg.model.untie_embeddings_and_output_weights
-        self.slots = build_slots(model, offset, tied, cfg.model.swiglu)
+        self.slots = build_slots(model, offset, tied, cfg.model.swiglu,
+                                 expert_offset(cfg.model, topology))
         self.spaces: List[GroupSpace] = group_spaces(engine, self.slots)
         # The ranks holding the same slices: ZeRO's group (sequence x data parallel).
         sdp = topology.groups.get("sdp")

@@ -160,8 +160,7 @@ def validate(cfg: Config, world_size: int) -> None:
 
     m, p, o, d = cfg.model, cfg.parallel, cfg.optimizer, cfg.data
     try:
-        layout = RankLayout(world_size, cfg.streaming.diloco_workers, p.tensor_model_parallel_size,
-                            p.pipeline_model_parallel_size, p.ds_sequence_parallel_size)
+        layout = RankLayout.of(cfg, world_size)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     tp, pp, dp = layout.tp, layout.pp, layout.dp
@@ -195,6 +194,7 @@ def validate(cfg: Config, world_size: int) -> None:
              f"--max-position-embeddings ({max_pos}) is smaller than --seq-length "
              f"({m.seq_length})")
     _validate_layer_kinds(cfg)
+    _validate_moe(cfg, layout)
     _validate_gpu_features(cfg)
     _validate_streaming(cfg)
     _validate_zero(cfg, pp)
@@ -294,6 +294,69 @@ def _validate_layer_kinds(cfg: Config) -> None:
     _require(not (m.attention_backend == "local" and m.transformer_impl == "transformer_engine"),
              "--attention-backend local is megatron-core's own attention on its local layers: "
              "use --transformer-impl local (or auto), as Megatron-LM's --spec local")
+
+
+def _validate_moe(cfg: Config, layout) -> None:
+    """Mixture of experts: Megatron-LM's rules, and what does not run here, by flag."""
+    from ..config.schema import moe_layer_pattern
+
+    m, p = cfg.model, cfg.parallel
+    ep, etp = p.expert_model_parallel_size, p.expert_tensor_parallel_size
+    _require(m.num_experts is None or m.num_experts >= 1,
+             f"--num-experts must be >= 1, got {m.num_experts}")
+    if not m.moe:
+        _require(ep == 1, f"--expert-model-parallel-size {ep} needs --num-experts above 1")
+        return
+    e = m.num_experts
+    _require(e % ep == 0, f"--num-experts ({e}) is not divisible by "
+             f"--expert-model-parallel-size ({ep})")
+    _require(1 <= m.moe_router_topk <= e,
+             f"--moe-router-topk must be in [1, --num-experts ({e})], got {m.moe_router_topk}")
+    _require(m.moe_router_topk > 1 or m.moe_router_pre_softmax,
+             "--moe-router-topk 1 needs --moe-router-pre-softmax (a softmax over the one "
+             "chosen expert has no gradient), as in Megatron-LM")
+    try:
+        moe_layer_pattern(m.moe_layer_freq, m.num_layers)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    _require(etp is None or etp == p.tensor_model_parallel_size,
+             f"--expert-tensor-parallel-size {etp}: only the tensor-parallel size "
+             f"({p.tensor_model_parallel_size}, the default) is supported")
+    # megatron-core 0.16.1 refuses expert biases at expert TP > 1, and at expert TP 1 its
+    # expert MLP adds the bias in place to the output of the tensor-parallel reduction,
+    # which autograd refuses at the first forward (mlp.py, per_token_scale branch).
+    _require(m.disable_bias_linear,
+             "--num-experts needs --disable-bias-linear: megatron-core 0.16.1's experts do not "
+             "train with linear biases (Mixtral, Qwen-MoE and DeepSeek have none)")
+    _require(not (ep > 1 and p.tensor_model_parallel_size > 1 and not p.sequence_parallel),
+             "--expert-model-parallel-size > 1 with --tensor-model-parallel-size > 1 needs "
+             "--sequence-parallel, as in Megatron-LM")
+    # DeepSpeed's stage-0 clipping averages each rank's own norm over the data-parallel
+    # ranks, which hold different experts: the norm would not be the model's.
+    _require(not (ep > 1 and p.zero_stage == 0 and cfg.optimizer.clip_grad > 0),
+             f"--zero-stage 0 with --expert-model-parallel-size {ep}: DeepSpeed's stage-0 "
+             "gradient clipping averages per-rank norms, which differ with experts spread "
+             "over the ranks; use --zero-stage 1 or 2 (or --clip-grad 0)")
+    width = m.moe_ffn_hidden_size or m.ffn_size()
+    _require(width > 0 and width % (etp or p.tensor_model_parallel_size) == 0,
+             f"--moe-ffn-hidden-size ({width}) is not divisible by the expert tensor-parallel "
+             f"size ({etp or p.tensor_model_parallel_size})")
+    shared = m.moe_shared_expert_intermediate_size
+    _require(shared is None or shared > 0,
+             f"--moe-shared-expert-intermediate-size must be > 0, got {shared}")
+    capacity = m.moe_expert_capacity_factor
+    _require(capacity is None or capacity > 0,
+             f"--moe-expert-capacity-factor must be > 0, got {capacity}")
+    _require(not m.moe_pad_expert_input_to_capacity or capacity is not None,
+             "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
+    _require(not (m.ladder_residual or m.ladder_layers),
+             "--num-experts does not go with --ladder-residual / --ladder-layers (the ladder "
+             "block's MLP is dense)")
+    import torch
+
+    _require(not m.moe_grouped_gemm or torch.cuda.is_available(),
+             "--moe-grouped-gemm: the grouped GEMM is a GPU kernel and this machine has no "
+             "GPU; drop it (the experts then run one after another: the same math)")
 
 
 def _validate_gpu_features(cfg: Config) -> None:

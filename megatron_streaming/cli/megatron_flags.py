@@ -115,12 +115,26 @@ def _flash_attention(flag: str) -> Callable:
     return act
 
 
+def _set_model(field: str, kind) -> Callable:
+    def act(cfg, value, given):
+        setattr(cfg.model, field, kind(value))
+    return act
+
+
+def _capacity_factor(cfg, value, given):
+    if "--disable-moe-token-dropping" not in given:
+        cfg.model.moe_expert_capacity_factor = float(value)
+
+
+def _no_dropping(cfg, value, given):
+    cfg.model.moe_expert_capacity_factor = None
+
+
 _FUSION = "a CUDA kernel-fusion switch: the math is the same fused or not"
 _LOG_ALWAYS = "TensorBoard always gets this here (see docs/running.md, Monitoring)"
 _NO_EFFECT_LOG = "a logging option of a report this project does not make; no effect"
 _FLASH = ("--attention-backend flash on every device: torch's fused scaled_dot_product_attention "
           "on the local layers, Transformer Engine's flash kernel on its own")
-_DENSE = "mixture-of-experts is not supported; a value of 1 (dense) is accepted"
 
 FLAGS: List[ForeignFlag] = [
     # --- the only behaviour there is ------------------------------------------------------
@@ -235,15 +249,30 @@ FLAGS: List[ForeignFlag] = [
                 "data parallelism inside a worker is DeepSpeed ZeRO; use --zero-stage"),
     ForeignFlag("--cpu-optimizer", REFUSED,
                 "optimizer offload (ZeRO-Offload) is not supported; drop the flag"),
-    ForeignFlag("--num-experts", ACCEPTED, _DENSE, ONE,
-                _at_most_one("--num-experts", "mixture-of-experts is not supported; train a "
-                             "dense model (drop the flag)")),
-    ForeignFlag("--moe-expert-parallel-size", ACCEPTED, _DENSE, ONE,
-                _at_most_one("--moe-expert-parallel-size", "mixture-of-experts is not "
-                             "supported; train a dense model (drop the flag)")),
-    ForeignFlag("--expert-model-parallel-size", ACCEPTED, _DENSE, ONE,
-                _at_most_one("--expert-model-parallel-size", "mixture-of-experts is not "
-                             "supported; train a dense model (drop the flag)")),
+    # --- Megatron-DeepSpeed's DeepSpeed-MoE flags ---------------------------------------------
+    ForeignFlag("--mlp-type", ACCEPTED,
+                "standard: the MoE layer replaces the MLP; residual (PR-MoE) is refused", ONE,
+                _only("--mlp-type", ("standard",), "Residual-MoE (a dense MLP beside each MoE "
+                      "layer) has no megatron-core layer; --moe-shared-expert-intermediate-size "
+                      "adds an always-on expert instead")),
+    ForeignFlag("--topk", MAPPED, "-> --moe-router-topk", ONE, _set_model("moe_router_topk", int)),
+    ForeignFlag("--moe-loss-coeff", MAPPED, "-> --moe-aux-loss-coeff (the same Switch-style "
+                "load-balancing loss)", ONE, _set_model("moe_aux_loss_coeff", float)),
+    ForeignFlag("--moe-train-capacity-factor", MAPPED,
+                "-> --moe-expert-capacity-factor (DeepSpeed-MoE drops tokens beyond it unless "
+                "--disable-moe-token-dropping)", ONE, _capacity_factor),
+    ForeignFlag("--disable-moe-token-dropping", MAPPED,
+                "no capacity limit: no --moe-expert-capacity-factor", SWITCH, _no_dropping),
+    ForeignFlag("--moe-eval-capacity-factor", ACCEPTED,
+                "evaluation routes with the training capacity, as megatron-core does", ONE),
+    ForeignFlag("--create-moe-param-group", ACCEPTED,
+                "expert parameters always have optimizer groups of their own here"),
+    ForeignFlag("--moe-min-capacity", REFUSED,
+                "megatron-core's capacity has no minimum; which tokens are dropped would "
+                "differ from DeepSpeed-MoE's: drop the flag", ONE),
+    ForeignFlag("--use-tutel", REFUSED,
+                "Tutel's kernels are DeepSpeed-MoE's; megatron-core's MoE layer runs here: "
+                "drop the flag"),
 ]
 
 BY_FLAG: Dict[str, ForeignFlag] = {f.flag: f for f in FLAGS}

@@ -31,6 +31,38 @@ def arg(default: Any, help: str, **extra: Any) -> Any:
     return field(default=default, metadata=meta)
 
 
+def moe_layer_pattern(freq: str, num_layers: int) -> List[int]:
+    """Megatron-LM's ``--moe-layer-freq``: ``N`` (layer i is MoE when i % N == 0) or a list
+    expression of 0/1 per layer built from list literals, ``+`` and ``*`` (evaluated on the
+    syntax tree, never ``eval``). Raises ValueError naming the flag."""
+    import ast
+
+    text = str(freq).strip()
+
+    def value(node):
+        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+            return node.value
+        if isinstance(node, ast.List):
+            return [value(e) for e in node.elts]
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            left, right = value(node.left), value(node.right)
+            return left + right if isinstance(node.op, ast.Add) else left * right
+        raise ValueError
+    try:
+        parsed = value(ast.parse(text, mode="eval").body)
+    except (SyntaxError, ValueError, TypeError):
+        raise ValueError(f"--moe-layer-freq {text!r}: expected an integer or a list of 0 and 1 "
+                         "per layer such as '[1,0,1,0]' or '([0]+[1]*3)*2'") from None
+    if isinstance(parsed, int):
+        if parsed < 1:
+            raise ValueError(f"--moe-layer-freq {text!r}: must be >= 1")
+        return [1 if i % parsed == 0 else 0 for i in range(num_layers)]
+    if len(parsed) != num_layers or any(x not in (0, 1) for x in parsed):
+        raise ValueError(f"--moe-layer-freq {text!r}: needs one 0 or 1 per layer "
+                         f"(--num-layers {num_layers}), got {parsed}")
+    return parsed
+
+
 @dataclass
 class ModelConfig:
     """The GPT architecture (megatron.core.models.gpt.GPTModel)."""
@@ -104,7 +136,57 @@ class ModelConfig:
     ladder_layers: Optional[str] = arg(
         None, "Ladder residual on some layers only: 0-based 'A-B', 'N', 'first:K', 'last:K' "
         "or 'all', comma-separated (e.g. last:8 = the upper 8 layers).")
+    # ---- mixture of experts: megatron-core's MoE layers, Megatron-LM's flags ------------
+    num_experts: Optional[int] = arg(
+        None, "Routed experts per MoE layer: megatron-core's MoE layer replaces the dense MLP "
+        "in the layers --moe-layer-freq picks (default: a dense model).")
+    moe_layer_freq: str = arg(
+        "1", "Which layers are MoE: N (every N-th layer, from layer 0) or a Python list of "
+        "1 (MoE) and 0 (dense) per layer, e.g. '([0]+[1]*3)*2', as in Megatron-LM.")
+    moe_ffn_hidden_size: Optional[int] = arg(
+        None, "Each routed expert's MLP width (default --ffn-hidden-size).")
+    moe_shared_expert_intermediate_size: Optional[int] = arg(
+        None, "Width of the shared experts' MLP, which every token also goes through "
+        "(DeepSeek, Qwen-MoE); default none.")
+    moe_router_topk: int = arg(2, "Experts each token is routed to.")
+    moe_router_load_balancing_type: str = arg(
+        "aux_loss", "Load balancing: the Switch/GShard auxiliary loss over the micro-batch "
+        "(aux_loss), per sequence (seq_aux_loss, DeepSeek-V2), or none.",
+        choices=["aux_loss", "seq_aux_loss", "none"])
+    moe_aux_loss_coeff: float = arg(0.0, "Weight of the load-balancing loss.")
+    moe_z_loss_coeff: Optional[float] = arg(
+        None, "Weight of the router z-loss (ST-MoE; default off).")
+    moe_router_pre_softmax: bool = arg(
+        False, "Softmax over all experts before the top-k (Mixtral: after it).")
+    moe_router_dtype: Optional[str] = arg(
+        None, "Router logits and probabilities in this precision (default: the model's).",
+        choices=["fp32", "fp64"])
+    moe_token_dispatcher_type: str = arg(
+        "allgather", "How tokens reach their experts across the expert-parallel ranks.",
+        choices=["allgather", "alltoall"])
+    moe_expert_capacity_factor: Optional[float] = arg(
+        None, "Each expert takes at most factor x tokens / experts x topk tokens; the rest "
+        "are dropped (default: no limit, no dropping).")
+    moe_pad_expert_input_to_capacity: bool = arg(
+        False, "With --moe-expert-capacity-factor: pad every expert's input to its capacity.")
+    moe_token_drop_policy: str = arg(
+        "probs", "With --moe-expert-capacity-factor: drop the tokens of lowest routing "
+        "probability (probs) or the last ones (position).", choices=["probs", "position"])
+    moe_grouped_gemm: bool = arg(
+        False, "All local experts in one grouped GEMM (a GPU kernel; refused on CPU).")
 
+    @property
+    def moe(self) -> bool:
+        """A mixture-of-experts model (``--num-experts`` above 1; 1 is a dense model, as in
+        Megatron-DeepSpeed's scripts)."""
+        return (self.num_experts or 1) > 1
+
+    def moe_layers(self) -> List[bool]:
+        """Per layer, whether its MLP is an MoE layer (``--moe-layer-freq``)."""
+        if not self.moe:
+            return [False] * self.num_layers
+        pattern = moe_layer_pattern(self.moe_layer_freq, self.num_layers)
+        return [bool(x) for x in pattern]
 
     def ffn_size(self) -> int:
         """The MLP width Megatron-LM derives when --ffn-hidden-size is not given."""
@@ -133,6 +215,12 @@ class ParallelConfig:
     ds_sequence_parallel_size: int = arg(
         1, "DeepSpeed-Ulysses sequence-parallel size inside a worker: each rank holds "
         "seq/SP tokens; attention runs on heads/SP heads over the full sequence.")
+    expert_model_parallel_size: int = arg(
+        1, "Expert-parallel size inside a worker: each rank holds --num-experts / EP experts; "
+        "carved from the tensor x sequence x data-parallel ranks of a pipeline stage, as "
+        "megatron-core does.", aliases=["--moe-expert-parallel-size"])
+    expert_tensor_parallel_size: Optional[int] = arg(
+        None, "Tensor-parallel size of each expert (default --tensor-model-parallel-size).")
     zero_stage: int = arg(1, "DeepSpeed ZeRO stage over the worker's data-parallel group.",
                           choices=[0, 1, 2])
     distributed_backend: str = arg(

@@ -43,6 +43,11 @@ class RankLayout:
     # worker whose TP/PP/SP these are (the layout of the others is theirs).
     sizes: Tuple[int, ...] = ()
     worker: int = 0
+    # Expert parallelism (MoE): each pipeline stage's TP x SP x DP ranks cut again as expert
+    # TP (fastest; 0: the TP size) x EP x expert data parallel, as megatron-core cuts them.
+    ep: int = 1
+    etp: int = 0
+    moe: bool = False  # the model has experts: the expert groups are made
 
     def __post_init__(self):
         flags = (("--diloco-workers", self.workers), ("--tensor-model-parallel-size", self.tp),
@@ -64,6 +69,24 @@ class RankLayout:
         if world % denom:
             factors = " x ".join(f"{name} ({value})" for name, value in used)
             raise ValueError(f"world size {world} is not divisible by {factors} = {denom}")
+        if self.ep < 1 or self.etp < 0:
+            raise ValueError(f"--expert-model-parallel-size ({self.ep}) and "
+                             f"--expert-tensor-parallel-size ({self.etp}) must be >= 1")
+        stage = world // self.pp
+        if stage % (self.expert_tp * self.ep):
+            raise ValueError(
+                f"the {stage} ranks of a pipeline stage (tensor x sequence x data parallel) are "
+                f"not divisible by --expert-tensor-parallel-size ({self.expert_tp}) x "
+                f"--expert-model-parallel-size ({self.ep})")
+
+    @classmethod
+    def of(cls, cfg, world_size: int) -> "RankLayout":
+        """The layout a run's flags ask for (``config.Config``) on ``world_size`` ranks."""
+        p = cfg.parallel
+        return cls(world_size, cfg.streaming.diloco_workers, p.tensor_model_parallel_size,
+                   p.pipeline_model_parallel_size, p.ds_sequence_parallel_size,
+                   ep=p.expert_model_parallel_size, etp=p.expert_tensor_parallel_size or 0,
+                   moe=cfg.model.moe)
 
     @property
     def ranks_per_worker(self) -> int:
@@ -95,6 +118,24 @@ class RankLayout:
     @property
     def dp(self) -> int:
         return self.ranks_per_worker // (self.tp * self.sp * self.pp)
+
+    @property
+    def expert_tp(self) -> int:
+        return self.etp or self.tp
+
+    @property
+    def expert_dp(self) -> int:
+        """Ranks of a stage that hold the same expert shard (expert data parallel)."""
+        return self.tp * self.sp * self.dp // (self.expert_tp * self.ep)
+
+    def expert_coords(self, rank: int) -> Dict[str, int]:
+        """Expert TP, EP and expert-DP coordinates of a global rank: its index inside its
+        pipeline stage (TP fastest, then SP, then DP) read as ETP fastest, then EP, then
+        expert DP."""
+        c = self.coords(rank)
+        inside = c["tp"] + self.tp * (c["sp"] + self.sp * c["dp"])
+        etp, rest = inside % self.expert_tp, inside // self.expert_tp
+        return {"etp": etp, "ep": rest % self.ep, "edp": rest // self.ep}
 
     def axis_sizes(self) -> Dict[str, int]:
         return {"tp": self.tp, "sp": self.sp, "dp": self.dp, "pp": self.pp}
@@ -134,6 +175,19 @@ class RankLayout:
                 groups.append(sorted(ranks))
         return groups
 
+    def _expert_groups(self, axes) -> List[List[int]]:
+        """All groups of ranks of one pipeline stage that differ only along the expert axes
+        ``axes`` (of etp, ep, edp), worker by worker."""
+        groups: Dict[tuple, List[int]] = {}
+        for worker in range(self.workers) if self.uniform else (self.worker,):
+            first = self.offset(worker)
+            for rank in range(first, first + self.worker_sizes[worker]):
+                e = self.expert_coords(rank)
+                key = (worker, self.coords(rank)["pp"],
+                       *(e[a] for a in ("etp", "ep", "edp") if a not in axes))
+                groups.setdefault(key, []).append(rank)
+        return [sorted(g) for g in groups.values()]
+
     def embedding_groups(self) -> List[List[int]]:
         """First and last stage of each pipeline: they share the tied embedding weight."""
         return [sorted({g[0], g[-1]}) for g in self._groups_varying(("pp",))]
@@ -159,6 +213,28 @@ class RankLayout:
 
     def all_groups(self) -> Dict[str, List[List[int]]]:
         """Every group by name, in a fixed order (the creation order on every rank)."""
+        return {**self._dense_groups(), **(self._moe_groups() if self.moe else {}),
+                **self._cross_groups()}
+
+    def _moe_groups(self) -> Dict[str, List[List[int]]]:
+        """The groups a mixture-of-experts model adds (``Topology.create`` reuses an earlier
+        group of the same ranks: at EP=1 most are one)."""
+        return {
+            # A pipeline stage's ranks (megatron-core's tensor-data-context group: the MoE
+            # router's global load statistics) and its tensor x sequence ranks, which hold
+            # the tokens of one micro-batch between them (the router's per-batch ones).
+            "tp_sdp": self._groups_varying(("tp", "sp", "dp")),
+            "tp_sp": self._groups_varying(("tp", "sp")),
+            # Expert parallel, expert tensor parallel, expert data parallel (the ranks holding
+            # the same expert shard: ZeRO partitions and reduces expert gradients over it)
+            # and expert tensor x expert parallel.
+            "ep": self._expert_groups(("ep",)),
+            "expt_tp": self._expert_groups(("etp",)),
+            "expt_dp": self._expert_groups(("edp",)),
+            "tp_ep": self._expert_groups(("etp", "ep")),
+        }
+
+    def _dense_groups(self) -> Dict[str, List[List[int]]]:
         return {
             "tp": self._groups_varying(("tp",)),
             "sp": self._groups_varying(("sp",)),
@@ -174,6 +250,10 @@ class RankLayout:
             "embd": self.embedding_groups(),
             "pos_embd": self.position_embedding_groups(),
             "single": [[r] for r in range(self.world_size)],
+        }
+
+    def _cross_groups(self) -> Dict[str, List[List[int]]]:
+        return {
             # Two groups per coordinate: the transport's (used only by its background thread)
             # and one for control (barriers from the main thread). Sharing one group between
             # threads would let a barrier pair up with an in-flight exchange on another worker.
@@ -243,6 +323,8 @@ class Topology:
         if not (standalone or layout.uniform):
             raise ValueError("workers of different sizes need each worker in its own world "
                              "(one launch per worker) or gloo across workers")
+        made: Dict[tuple, object] = {}  # in-worker groups by their ranks
+        moe_names = layout._moe_groups() if layout.moe else {}
         for name, rank_lists in layout.all_groups().items():
             cross = name.startswith("cross_worker")
             if cross and standalone:
@@ -250,10 +332,17 @@ class Topology:
             for ranks in rank_lists:
                 if per_worker and layout.coords(ranks[0])["worker"] != topo.worker:
                     continue  # another worker's group, made in that worker's world
+                if name in moe_names and tuple(ranks) in made:
+                    if rank in ranks:  # the same ranks as an earlier group: that group
+                        topo.groups[name] = made[tuple(ranks)]
+                        topo.group_ranks[name] = ranks
+                    continue
                 group = dist.new_group(
                     [r + topo.world_offset for r in ranks],
                     timeout=cross_worker_timeout if cross else timeout,
                     backend=cross_worker_backend if cross else backend)
+                if not cross:
+                    made.setdefault(tuple(ranks), group)
                 if rank in ranks:
                     topo.groups[name] = group
                     topo.group_ranks[name] = ranks
@@ -322,6 +411,10 @@ class Topology:
         return self.coords["dp"]
 
     @property
+    def expert_coords(self) -> Dict[str, int]:
+        return self.layout.expert_coords(self.rank)
+
+    @property
     def is_first_stage(self) -> bool:
         return self.pp_rank == 0
 
@@ -370,6 +463,14 @@ class Topology:
                             ("cp", single), ("tp_cp", g["tp"]), ("dp", g["dp"]),
                             ("dp_cp", g["dp"]), ("hcp", [single])):
             setattr(pgs, name, group)
+        # Mixture of experts. Under Ulysses the ranks of a sequence hold its tokens between
+        # them as context parallelism would: the router's per-batch statistics sum over
+        # tensor x sequence ranks (``tp_cp``; attention never reads it here).
+        if self.layout.moe:
+            for name, group in (("ep", g["ep"]), ("expt_tp", g["expt_tp"]),
+                                ("expt_dp", g["expt_dp"]), ("tp_ep", g["tp_ep"]),
+                                ("tp_dp_cp", g["tp_sdp"]), ("tp_cp", g["tp_sp"])):
+                setattr(pgs, name, group)
         return pgs
 
     def mpu(self) -> "WorkerMPU":
@@ -481,5 +582,7 @@ def describe(layout: RankLayout, rank: Optional[int] = None) -> str:
     c = layout.coords(rank) if rank is not None else None
     text = (f"world={layout.world_size} workers={layout.workers} "
             + ("" if layout.uniform else f"of {list(layout.worker_sizes)} ranks ")
-            + f"tp={layout.tp} sp={layout.sp} pp={layout.pp} dp={layout.dp}")
+            + f"tp={layout.tp} sp={layout.sp} pp={layout.pp} dp={layout.dp}"
+            + (f" ep={layout.ep} etp={layout.expert_tp}" if layout.ep > 1 or
+               layout.expert_tp != layout.tp else ""))
     return text if c is None else f"{text} rank={rank} {c}"

@@ -16,6 +16,7 @@ def build_model(cfg: Config, topology, vocab_size: int, reports: bool):
     from ..parallel import distributed
     from ..worker import weights
     from ..worker.model import build_model as build, describe_attention, transformer_impl_note
+    from ..worker.moe import expert_offset
 
     if reports:  # which layers and attention run, and why, once per job; a path this
         # project's tests have not run is a warning
@@ -32,7 +33,8 @@ def build_model(cfg: Config, topology, vocab_size: int, reports: bool):
         layer_offset=topology.first_layer(cfg.model.num_layers),
         tp_rank=topology.tp_rank, tp_size=topology.layout.tp,
         tied_output_name="embedding.word_embeddings.weight" if tied else None,
-        gated_mlp=cfg.model.swiglu, zero_centered_norms=cfg.model.apply_layernorm_1p)
+        gated_mlp=cfg.model.swiglu, zero_centered_norms=cfg.model.apply_layernorm_1p,
+        expert_offset=expert_offset(cfg.model, topology))
     return model
 
 

@@ -109,16 +109,22 @@ class RunReport:
 
         from ..parallel.topology import device_of
         from ..worker.grads import tied_embedding_weight
+        from ..worker.moe import is_expert
 
         topo = self.topology
         replica = tied_embedding_weight(self.model, topo)
         skip = replica if (replica is not None and not topo.is_first_stage) else None
-        count = sum(p.numel() for p in self.model.parameters() if p is not skip and (
-            getattr(p, "tensor_model_parallel", False) or topo.tp_rank == 0))
+        counts = [0, 0]  # [dense, routed experts]: each EP rank holds experts of its own
+        for name, p in self.model.named_parameters():
+            if p is not skip and (getattr(p, "tensor_model_parallel", False) or
+                                  topo.tp_rank == 0):
+                counts[is_expert(name)] += p.numel()
         group = topo.groups["mp"]
-        total = torch.tensor([count], dtype=torch.float64, device=device_of(group))
+        total = torch.tensor(counts, dtype=torch.float64, device=device_of(group))
+        if topo.layout.ep > 1:
+            dist.all_reduce(total[1:], group=topo.groups["ep"])
         dist.all_reduce(total, group=group)
-        return int(total.item())
+        return int(total.sum().item())
 
     def cross_worker_bytes(self) -> int:
         """Collective over the worker; 0 without the sync."""

@@ -5,6 +5,7 @@ with the same message."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 import os
@@ -50,8 +51,7 @@ def start_processes(cfg: Config) -> Started:
                                               p.master_port)
     world = world_size_from_env()
     validate(cfg, world)
-    layout = RankLayout(world, s.diloco_workers, p.tensor_model_parallel_size,
-                        p.pipeline_model_parallel_size, p.ds_sequence_parallel_size)
+    layout = RankLayout.of(cfg, world)
     if cfg.checkpoint.save:
         from ..checkpoint import check_writable
 
@@ -89,8 +89,8 @@ def start_processes(cfg: Config) -> Started:
         check(job, cfg)
         sizes = tuple(w.ranks for w in job.workers)
         if len(set(sizes)) > 1:  # workers of their own sizes: number the job's ranks
-            layout = RankLayout(sum(sizes), layout.workers, layout.tp, layout.pp,
-                                layout.sp, sizes=sizes, worker=coords["worker"])
+            layout = dataclasses.replace(layout, world_size=sum(sizes), sizes=sizes,
+                                         worker=coords["worker"])
             distributed.renumber(os.environ, layout, coords["worker"], coords["local"])
         world_store, crossed = distributed.worker_world_store(
             store, layout, int(os.environ["RANK"]), rejoin.epoch if rejoin else 0,

@@ -8,6 +8,7 @@ from typing import Callable, Union
 from ..comm.codec import make_codec, warm_up
 from ..config import Config
 from ..parallel.topology import Topology
+from ..worker.moe import expert_offset
 from ..worker.weights import global_name, local_spec_name
 from .settings import enabled, fragment_plan, outer_optimizer, sync_schedule
 from .sync import NoSync, ShardGroup, StreamingSync
@@ -18,12 +19,13 @@ def model_name_function(cfg: Config, topology: Topology) -> Callable[[str], str]
     layout: global layer index, megatron-core's local-spec name (``weights.local_spec_name``)
     and, on a last stage holding the tied output layer, the embedding it copies."""
     offset = topology.first_layer(cfg.model.num_layers)
+    experts = expert_offset(cfg.model, topology)
     tied = not cfg.model.untie_embeddings_and_output_weights
 
     def model_name(name: str) -> str:
         if tied and name == "output_layer.weight":
             return "embedding.word_embeddings.weight"
-        return local_spec_name(global_name(name, offset))
+        return local_spec_name(global_name(name, offset, experts))
 
     return model_name
 

@@ -24,7 +24,7 @@ import torch
 
 from patches import deepspeed_zero
 
-from . import grads
+from . import grads, moe
 from .optimizer_state import InnerOptimizerState
 from ..config import Config
 from ..parallel.topology import Topology
@@ -206,17 +206,19 @@ class WorkerEngine:
         self.decoupled_bounds = decoupled_bounds(cfg.optimizer)
         self.num_microbatches = self.batches.final_micro_batches  # evaluation's
         grads.mark_pipeline_replicas(model, topology)
-        groups = param_groups(model, cfg.optimizer)
-        self.engine, self.optimizer, _, _ = deepspeed.initialize(
-            model=model,
-            optimizer=inner_optimizer(cfg, groups),
-            config=deepspeed_config(cfg),
-            mpu=topology.mpu(),
-            dist_init_required=False,
-            # The device init_distributed chose (LOCAL_RANK modulo the GPUs), not LOCAL_RANK.
-            args=SimpleNamespace(device_rank=torch.cuda.current_device())
-            if torch.cuda.is_available() else None,
-        )
+        groups, moe_context = moe.for_deepspeed(model, param_groups(model, cfg.optimizer),
+                                                topology)
+        with moe_context:
+            self.engine, self.optimizer, _, _ = deepspeed.initialize(
+                model=model,
+                optimizer=inner_optimizer(cfg, groups),
+                config=deepspeed_config(cfg),
+                mpu=topology.mpu(),
+                dist_init_required=False,
+                # The device init_distributed chose (LOCAL_RANK modulo the GPUs).
+                args=SimpleNamespace(device_rank=torch.cuda.current_device())
+                if torch.cuda.is_available() else None,
+            )
         # Without ZeRO, DeepSpeed refuses a backward it did not start; its step() then does
         # the plain data-parallel all-reduce of the accumulated gradients itself.
         self._forward = self.engine if cfg.parallel.zero_stage > 0 else model

@@ -169,7 +169,14 @@ def block_spec(config, model_cfg: ModelConfig, spec, pp_rank: int, sp: int = 1):
                                   model_cfg.num_layers)
         return ladder_block_spec(config, spec, ladder, pp_rank=pp_rank, final_norm=final_norm)
     layers = get_num_layers_to_build(config, vp_stage=None, pp_rank=pp_rank)
-    return TransformerBlockSubmodules(layer_specs=[spec] * layers, layer_norm=final_norm)
+    specs = [spec] * layers
+    if model_cfg.moe:
+        from . import moe
+
+        te = te_layers(model_cfg, sp)
+        specs = moe.layer_specs(spec, model_cfg, pp_rank * layers, layers, te,
+                                norm_impl(model_cfg, transformer_engine=True) if te else None)
+    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=final_norm)
 
 
 def recompute_settings(model_cfg: ModelConfig) -> dict:
@@ -217,6 +224,8 @@ def transformer_config(model_cfg: ModelConfig, parallel_cfg: ParallelConfig,
     on_gpu = torch.cuda.is_available()
     from patches.optional import have_apex_persistent_layer_norm, have_fused_softmax
 
+    from . import moe
+
     return TransformerConfig(
         num_layers=model_cfg.num_layers,
         hidden_size=model_cfg.hidden_size,
@@ -254,6 +263,7 @@ def transformer_config(model_cfg: ModelConfig, parallel_cfg: ParallelConfig,
         persist_layer_norm=on_gpu and have_apex_persistent_layer_norm(),
         apply_rope_fusion=False,
         **recompute_settings(model_cfg),
+        **moe.transformer_settings(model_cfg, parallel_cfg),
         **transformer_engine_settings(model_cfg,
                                       parallel_cfg.ds_sequence_parallel_size, te_cfg),
     )

@@ -19,9 +19,19 @@ import torch
 _LAYER = re.compile(r"(^|\.)layers\.(\d+)\.")
 
 
-def global_name(name: str, layer_offset: int) -> str:
-    """``decoder.layers.0.x`` on a stage starting at layer 4 -> ``decoder.layers.4.x``."""
-    return _LAYER.sub(lambda m: f"{m.group(1)}layers.{int(m.group(2)) + layer_offset}.", name)
+_LOCAL_EXPERT = re.compile(r"(^|\.)experts\.local_experts\.(\d+)\.")
+
+
+def global_name(name: str, layer_offset: int, expert_offset: int = 0) -> str:
+    """``decoder.layers.0.x`` on a stage starting at layer 4 -> ``decoder.layers.4.x``; and an
+    MoE layer's ``experts.local_experts.K`` on a rank whose first expert is ``expert_offset``
+    -> ``experts.local_experts.<expert_offset + K>`` (``moe.expert_offset``)."""
+    name = _LAYER.sub(lambda m: f"{m.group(1)}layers.{int(m.group(2)) + layer_offset}.", name)
+    if expert_offset:
+        name = _LOCAL_EXPERT.sub(
+            lambda m: f"{m.group(1)}experts.local_experts.{int(m.group(2)) + expert_offset}.",
+            name)
+    return name
 
 
 # Transformer Engine's spec fuses the pre-attention / pre-MLP norms into the next linear layer:
@@ -93,7 +103,8 @@ def tp_unshard(name: str, parts, partition_dim: int, gated: bool) -> torch.Tenso
 @torch.no_grad()
 def initialize_weights(model, *, seed: int, std: float, num_layers: int, layer_offset: int,
                        tp_rank: int, tp_size: int, tied_output_name: str = None,
-                       gated_mlp: bool = False, zero_centered_norms: bool = False) -> None:
+                       gated_mlp: bool = False, zero_centered_norms: bool = False,
+                       expert_offset: int = 0) -> None:
     """Overwrite every parameter of this rank's model chunk with its layout-free value.
 
     ``tied_output_name``: on a last stage that holds its own copy of the tied embedding,
@@ -101,7 +112,7 @@ def initialize_weights(model, *, seed: int, std: float, num_layers: int, layer_o
     ``gated_mlp``: the MLP's first linear holds gate and up projections (``tp_shard``).
     """
     for name, param in model.named_parameters():
-        gname = global_name(name, layer_offset)
+        gname = global_name(name, layer_offset, expert_offset)
         if tied_output_name and name == "output_layer.weight":
             gname = tied_output_name
         full = init_value(gname, _full_shape(param, tp_size), std, num_layers, seed,
