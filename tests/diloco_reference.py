@@ -50,7 +50,7 @@ def single_process_models(cfg, tokenizer, count):
     be deep-copied; the layout-free initialisation makes fresh builds identical)."""
     global _TOPOLOGY
     distributed.init_distributed("gloo", 5)
-    _TOPOLOGY = Topology.create(RankLayout(1), 0)
+    _TOPOLOGY = Topology.create(RankLayout(1, moe=cfg.model.moe), 0)
     _TOPOLOGY.install_into_megatron()
     return [_build(cfg, tokenizer) for _ in range(count)]
 
@@ -140,6 +140,10 @@ def inner_step(cfg, model, opt, iterators, iteration, micro_batches):
                             min_lr=group.get("min_lr"))
     opt.zero_grad(set_to_none=True)
     count = micro_batches * len(iterators)
+    if cfg.model.moe:  # the load-balancing loss's share of the mean, as megatron's schedule
+        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / count))
     for _ in range(micro_batches):
         for it in iterators:
             b = next(it)

@@ -19,13 +19,16 @@ from pretrain_with_faults import Faults  # noqa: E402  (no-op unless its variabl
 
 from megatron_streaming.cli.arguments import parse_args  # noqa: E402
 from megatron_streaming.run.train import Run  # noqa: E402
+from megatron_streaming.worker.moe import is_expert  # noqa: E402
 from megatron_streaming.worker.weights import global_name, tp_unshard  # noqa: E402
 
 
 def full_parameters(run) -> dict:
-    """This stage's parameters, TP shards gathered, by global name (collective over TP)."""
+    """This stage's parameters, TP shards gathered, by global name (collective over TP; and
+    over EP, whose ranks hold experts of their own)."""
     topo = run.topology
     offset = topo.first_layer(run.cfg.model.num_layers)
+    ep, m = topo.layout.ep, run.cfg.model
     out = {}
     for name, param in run.model.named_parameters():
         tensor = param.detach().float()
@@ -35,6 +38,12 @@ def full_parameters(run) -> dict:
             tensor = tp_unshard(name, parts, param.partition_dim, run.cfg.model.swiglu)
         if name == "output_layer.weight" and not run.cfg.model.untie_embeddings_and_output_weights:
             continue  # the last stage's copy of the tied embedding
+        if ep > 1 and is_expert(name):
+            parts = [torch.empty_like(tensor) for _ in range(ep)]
+            dist.all_gather(parts, tensor.contiguous(), group=topo.groups["ep"])
+            for r, part in enumerate(parts):
+                out[global_name(name, offset, r * m.num_experts // ep)] = part.cpu().clone()
+            continue
         out[global_name(name, offset)] = tensor.cpu().clone()  # compared on the CPU
     return out
 

@@ -16,6 +16,14 @@ class RunReport:
         self.cfg, self.topology, self.model = cfg, topology, model
         self.engine, self.sync = engine, sync
         self._dp_step_bytes = None
+        self.expert_load = None  # the MoE routers' counts and losses
+        if cfg.model.moe:
+            from ..worker.expert_load import ExpertLoad
+
+            m = cfg.model
+            self.expert_load = ExpertLoad(
+                model, m.num_layers, m.num_experts, m.moe_router_topk,
+                counts_tokens=cfg.parallel.sequence_parallel or topology.tp_rank == 0)
 
     def log_step(self, iteration: int, result, throughput, data, writer,
                  step_seconds: float) -> None:
@@ -34,6 +42,11 @@ class RunReport:
             step_bytes = self.data_parallel_step_bytes()
             if step_bytes:
                 scalars = {"traffic/data_parallel_bytes": iteration * step_bytes}
+        if self.expert_load is not None:
+            from ..parallel.topology import device_of
+
+            group = topo.groups["worker"]
+            scalars.update(self.expert_load.scalars(group, device_of(group)))
         if not topo.is_logging_rank():
             return
         rate = throughput.rate(iteration)
@@ -41,6 +54,9 @@ class RunReport:
         if self.sync.enabled:
             extra = (f" | sync bytes {scalars['streaming/worker_bytes_sent']:,.0f} | drift "
                      f"{scalars['streaming/drift']:.4f}")
+        for name in ("load_balancing_loss", "seq_load_balancing_loss", "z_loss"):
+            if f"moe/{name}" in scalars:  # Megatron-LM's names, mean over the MoE layers
+                extra += f" | {name.replace('_', ' ')} {scalars[f'moe/{name}']:.6f}"
         if result.decoupled_lr is not None:  # as Megatron-LM logged it
             extra += f" | decoupled lr {result.decoupled_lr:.3e}"
             scalars["train/decoupled_lr"] = result.decoupled_lr
