@@ -28,7 +28,7 @@ import torch.distributed as dist
 from patches import deepspeed_zero
 
 from . import keys
-from ..worker.moe import expert_offset
+from ..worker.moe import expert_offset, is_expert
 from ..worker.weights import global_name, local_spec_name
 
 EMBEDDING = "embedding.word_embeddings.weight"
@@ -216,6 +216,10 @@ class LayoutMap:
         sdp = topology.groups.get("sdp")
         self.sdp_rank = dist.get_rank(sdp) if sdp is not None else 0
         self.sdp_size = dist.get_world_size(sdp) if sdp is not None else 1
+        # An expert's shard is held by its expert-data-parallel ranks (MoE).
+        edp = topology.groups.get("expt_dp", sdp)
+        self.edp_rank = dist.get_rank(edp) if edp is not None else 0
+        self.edp_size = dist.get_world_size(edp) if edp is not None else 1
         self.groups = groups
         # Per shard group: (position in its space, length) of each of its views.
         self.pieces = [[(self.spaces[g.param_group].position(t), t.numel()) for t in g.tensors]
@@ -270,7 +274,9 @@ class LayoutMap:
             if slot.index not in tensors:
                 continue
             key, t = keys.tensor(prefix, slot.gname), tensors[slot.index]
-            write = replica_writer(slot.gname, self.sdp_rank, self.sdp_size)
+            write = replica_writer(slot.gname, self.edp_rank, self.edp_size) if \
+                is_expert(slot.name) else \
+                replica_writer(slot.gname, self.sdp_rank, self.sdp_size)
             if write:
                 written += t.numel() * t.element_size()
             out[key] = sharded(key, slot, t, self.tp_rank, self.tp, write)
