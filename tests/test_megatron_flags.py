@@ -29,7 +29,7 @@ def test_a_bad_value_is_one_line_without_the_usage():
 
 
 def test_refused_flags_say_what_to_use_instead():
-    lines = _errors([*MOCK, "--data-impl", "lazy", "--num-experts", "8",
+    lines = _errors([*MOCK, "--data-impl", "lazy", "--use-tutel",
                      "--num-layers-per-virtual-pipeline-stage", "2", "--tp-comm-overlap"])
     assert lines == [
         "--data-impl lazy: only mmap indexed datasets exist here; use --data-impl mmap (or "
@@ -38,14 +38,14 @@ def test_refused_flags_say_what_to_use_instead():
         "supported; use --pipeline-model-parallel-size alone",
         "--tp-comm-overlap: needs Transformer Engine's userbuffers; --ladder-residual overlaps "
         "the tensor-parallel all-reduce instead",
-        "--num-experts 8: mixture-of-experts is not supported; train a dense model (drop the "
-        "flag)"]
+        "--use-tutel: Tutel's kernels are DeepSpeed-MoE's; megatron-core's MoE layer runs "
+        "here: drop the flag"]
 
 
 def test_accepted_flags_change_nothing_and_are_noted():
     plain = parse_args(MOCK)
     cfg = parse_args([*MOCK, "--use-mcore-models", "--data-impl", "mmap",
-                      "--no-query-key-layer-scaling", "--deepspeed", "--num-experts", "1",
+                      "--no-query-key-layer-scaling", "--deepspeed", "--mlp-type", "standard",
                       "--no-masked-softmax-fusion", "--num-workers", "2"])
     assert [section for _, section in cfg.sections()] == \
         [section for _, section in plain.sections()]

@@ -19,6 +19,9 @@ from harness import TINY, train_losses
 
 ITERS = ["--train-iters", "4", "--eval-iters", "0"]
 DECOUPLED = ["--decoupled-lr", "3e-3", "--decoupled-min-lr", "3e-4"]
+MOE_BIASED = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01",
+              "--moe-z-loss-coeff", "0.001"]
+MOE = [*MOE_BIASED, "--disable-bias-linear"]
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +60,20 @@ LAYOUTS = {
     "ladder_upper_half_tp2_pp2": (4, ["--tensor-model-parallel-size", "2",
                                       "--pipeline-model-parallel-size", "2",
                                       "--ladder-layers", "last:2"]),
+    # Mixture of experts (its own reference): experts with biases spread over EP=2, reached
+    # by alltoall, capacity 1 dropping tokens as one process does (each router call sees one
+    # micro-batch of two samples either way; the one process's biased experts need
+    # patches.megatron_moe.unshared_expert_outputs); TP2 x EP2 with Megatron sequence parallelism and SwiGLU
+    # experts; PP2 x EP2 (ZeRO-1: ZeRO-2 does not go with PP).
+    "moe_ep2_alltoall_capacity": (2, [*MOE_BIASED, "--expert-model-parallel-size", "2",
+                                      "--moe-token-dispatcher-type", "alltoall",
+                                      "--moe-expert-capacity-factor", "1.0", "--zero-stage",
+                                      "2"]),
+    "moe_tp2_ep2_sequence_parallel": (4, [*MOE, "--expert-model-parallel-size", "2",
+                                          "--tensor-model-parallel-size", "2",
+                                          "--sequence-parallel"]),
+    "moe_pp2_ep2": (4, [*MOE, "--expert-model-parallel-size", "2",
+                        "--pipeline-model-parallel-size", "2", "--global-batch-size", "8"]),
     # --decoupled-lr: the middle stage holds no embedding yet has the third param group.
     "pp3_decoupled_lr": (3, ["--pipeline-model-parallel-size", "3", "--num-layers", "3",
                              *DECOUPLED]),
@@ -69,7 +86,11 @@ OWN_REFERENCE = {"pp2_untied_zero1": ["--untie-embeddings-and-output-weights"],
                  "ulysses_sp2_pp2_rope": ["--position-embedding-type", "rope"],
                  "ladder_tp2": ["--ladder-residual"], "ladder_pp2": ["--ladder-residual"],
                  "ladder_upper_half_tp2_pp2": ["--ladder-layers", "last:2"],
-                 "pp3_decoupled_lr": ["--num-layers", "3", *DECOUPLED]}
+                 "pp3_decoupled_lr": ["--num-layers", "3", *DECOUPLED],
+                 "moe_ep2_alltoall_capacity": [*MOE_BIASED, "--moe-expert-capacity-factor",
+                                               "1.0"],
+                 "moe_tp2_ep2_sequence_parallel": [*MOE, "--sequence-parallel"],
+                 "moe_pp2_ep2": [*MOE, "--global-batch-size", "8"]}
 
 
 @pytest.mark.timeout(300)

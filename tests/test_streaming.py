@@ -116,6 +116,13 @@ CASES = {
     "eager_zero2_dp2_p2": (4, [
         "--num-layers", "2", "--zero-stage", "2", "--diloco-inner-steps", "4",
         "--diloco-fragments", "2", "--diloco-eager"]),
+    # Mixture of experts, experts over EP=2 in each worker: each rank exchanges its own
+    # experts' shard with the same rank of the other worker.
+    "moe_ep2_p3_tau1": (4, [
+        "--num-layers", "3", "--num-experts", "4", "--moe-router-topk", "2",
+        "--moe-aux-loss-coeff", "0.01", "--expert-model-parallel-size", "2",
+        "--moe-token-dispatcher-type", "alltoall", "--diloco-inner-steps", "6",
+        "--diloco-fragments", "3", "--diloco-overlap-steps", "1"]),
     "zero0_p3_tau1_alpha05": (2, [
         "--num-layers", "3", "--zero-stage", "0", "--diloco-inner-steps", "6",
         "--diloco-fragments", "3", "--diloco-overlap-steps", "1", "--diloco-alpha", "0.5"]),

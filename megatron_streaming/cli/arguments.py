@@ -322,12 +322,11 @@ def _validate_moe(cfg: Config, layout) -> None:
     _require(etp is None or etp == p.tensor_model_parallel_size,
              f"--expert-tensor-parallel-size {etp}: only the tensor-parallel size "
              f"({p.tensor_model_parallel_size}, the default) is supported")
-    # megatron-core 0.16.1 refuses expert biases at expert TP > 1, and at expert TP 1 its
-    # expert MLP adds the bias in place to the output of the tensor-parallel reduction,
-    # which autograd refuses at the first forward (mlp.py, per_token_scale branch).
-    _require(m.disable_bias_linear,
-             "--num-experts needs --disable-bias-linear: megatron-core 0.16.1's experts do not "
-             "train with linear biases (Mixtral, Qwen-MoE and DeepSeek have none)")
+    # megatron-core 0.16.1 takes expert biases only at expert TP 1 (at EP 1 through
+    # patches.megatron_moe.unshared_expert_outputs).
+    _require(m.disable_bias_linear or p.tensor_model_parallel_size == 1,
+             "--num-experts with --tensor-model-parallel-size > 1: megatron-core's experts take "
+             "linear biases only at expert tensor-parallel size 1; add --disable-bias-linear")
     _require(not (ep > 1 and p.tensor_model_parallel_size > 1 and not p.sequence_parallel),
              "--expert-model-parallel-size > 1 with --tensor-model-parallel-size > 1 needs "
              "--sequence-parallel, as in Megatron-LM")
@@ -347,6 +346,19 @@ def _validate_moe(cfg: Config, layout) -> None:
     capacity = m.moe_expert_capacity_factor
     _require(capacity is None or capacity > 0,
              f"--moe-expert-capacity-factor must be > 0, got {capacity}")
+    if m.moe_min_capacity is not None and capacity is not None:
+        # the tokens one router call sees: a micro-batch, less what SP splits off
+        tokens = cfg.training.micro_batch_size * m.seq_length // (
+            p.ds_sequence_parallel_size *
+            (p.tensor_model_parallel_size if p.sequence_parallel else 1))
+        import math
+
+        least = math.ceil(tokens * m.moe_router_topk / e * capacity)
+        _require(least >= m.moe_min_capacity,
+                 f"--moe-min-capacity {m.moe_min_capacity}: megatron-core's capacity has no "
+                 f"minimum, and here it is {least} (--moe-expert-capacity-factor {capacity:g} "
+                 f"x {tokens} tokens x top-{m.moe_router_topk} / {e} experts), below it: "
+                 "drop the flag or raise the capacity factor")
     _require(not m.moe_pad_expert_input_to_capacity or capacity is not None,
              "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
     _require(not (m.ladder_residual or m.ladder_layers),

@@ -130,6 +130,24 @@ def _no_dropping(cfg, value, given):
     cfg.model.moe_expert_capacity_factor = None
 
 
+# Flags only a Megatron-DeepSpeed (DeepSpeed-MoE) script passes: its router's defaults then
+# hold where the script leaves them (top-1 gating over a softmax of every expert).
+DEEPSPEED_MOE = ("--moe-loss-coeff", "--moe-train-capacity-factor", "--create-moe-param-group",
+                 "--mlp-type", "--topk", "--moe-expert-parallel-size", "--moe-min-capacity",
+                 "--disable-moe-token-dropping", "--moe-eval-capacity-factor")
+
+
+def deepspeed_moe_defaults(cfg, given: set) -> List[str]:
+    """A DeepSpeed-MoE script without ``--topk``: DeepSpeed-MoE's top-1 gating, which is
+    megatron-core's top-1 router with the softmax before the choice."""
+    if not (given & set(DEEPSPEED_MOE)) or given & {"--topk", "--moe-router-topk"} or \
+            not cfg.model.moe:
+        return []
+    cfg.model.moe_router_topk, cfg.model.moe_router_pre_softmax = 1, True
+    return ["DeepSpeed-MoE flags without --topk: its default top-1 gating "
+            "(--moe-router-topk 1 --moe-router-pre-softmax)"]
+
+
 _FUSION = "a CUDA kernel-fusion switch: the math is the same fused or not"
 _LOG_ALWAYS = "TensorBoard always gets this here (see docs/running.md, Monitoring)"
 _NO_EFFECT_LOG = "a logging option of a report this project does not make; no effect"
@@ -267,9 +285,6 @@ FLAGS: List[ForeignFlag] = [
                 "evaluation routes with the training capacity, as megatron-core does", ONE),
     ForeignFlag("--create-moe-param-group", ACCEPTED,
                 "expert parameters always have optimizer groups of their own here"),
-    ForeignFlag("--moe-min-capacity", REFUSED,
-                "megatron-core's capacity has no minimum; which tokens are dropped would "
-                "differ from DeepSpeed-MoE's: drop the flag", ONE),
     ForeignFlag("--use-tutel", REFUSED,
                 "Tutel's kernels are DeepSpeed-MoE's; megatron-core's MoE layer runs here: "
                 "drop the flag"),
@@ -318,4 +333,4 @@ def apply(cfg, namespace, given: set) -> List[str]:
         notes.append(f"{f.flag}: {f.kind} ({f.note})")
     if refusals:
         raise Refusal("\n".join(refusals))
-    return notes
+    return notes + deepspeed_moe_defaults(cfg, given)

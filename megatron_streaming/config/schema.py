@@ -172,6 +172,9 @@ class ModelConfig:
     moe_token_drop_policy: str = arg(
         "probs", "With --moe-expert-capacity-factor: drop the tokens of lowest routing "
         "probability (probs) or the last ones (position).", choices=["probs", "position"])
+    moe_min_capacity: Optional[int] = arg(
+        None, "DeepSpeed-MoE's minimum expert capacity (Megatron-DeepSpeed's flag): accepted "
+        "where the capacity is at least this anyway; megatron-core has no minimum.")
     moe_grouped_gemm: bool = arg(
         False, "All local experts in one grouped GEMM (a GPU kernel; refused on CPU).")
 

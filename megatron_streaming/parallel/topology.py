@@ -72,7 +72,7 @@ class RankLayout:
         if self.ep < 1 or self.etp < 0:
             raise ValueError(f"--expert-model-parallel-size ({self.ep}) and "
                              f"--expert-tensor-parallel-size ({self.etp}) must be >= 1")
-        stage = world // self.pp
+        stage = self.ranks_per_worker // self.pp
         if stage % (self.expert_tp * self.ep):
             raise ValueError(
                 f"the {stage} ranks of a pipeline stage (tensor x sequence x data parallel) are "

@@ -294,6 +294,10 @@ def build_model(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, topology: 
         rope_scaling_factor=model_cfg.rope_scaling_factor,
         pg_collection=topology.pg_collection(),
     )
+    if model_cfg.moe and not model_cfg.disable_bias_linear:
+        from patches.megatron_moe import unshared_expert_outputs
+
+        unshared_expert_outputs(model)
     if topology.layout.sp > 1 and model_cfg.position_embedding_type == "rope":
         from .ulysses import offset_rotary_for_sequence_parallel
 
