@@ -41,7 +41,8 @@ def spawn_gloo(fn, world, tmp_dir, *args, group_timeout_s=None, hard_exit=False)
 
 @pytest.fixture(scope="module")
 def megatron_world():
-    """World-1 gloo group in this process, Megatron pointed at it (as diloco_reference.py)."""
+    """World-1 gloo group in this process, Megatron pointed at it (as diloco_reference.py);
+    its groups serve mixture-of-experts models too."""
     import patches
     from megatron_streaming.parallel import distributed
     from megatron_streaming.parallel.topology import RankLayout, Topology
@@ -50,7 +51,7 @@ def megatron_world():
     owned = not dist.is_initialized()
     patches.apply()
     distributed.init_distributed("gloo", 5)
-    topo = Topology.create(RankLayout(1), 0)
+    topo = Topology.create(RankLayout(1, moe=True), 0)
     topo.install_into_megatron()
     yield topo
     if owned:

@@ -14,6 +14,7 @@ Sources:
 """
 
 MEGATRON_LM = "NVIDIA/Megatron-LM@157006d6d9bf4f55c0d4d7dacbd2b65e7bd84dc9"
+MEGATRON_LM_MIXTRAL = "NVIDIA/Megatron-LM@0a40979ee868697bd66157ab800d213ffff030d8"
 MEGATRON_DS = "microsoft/Megatron-DeepSpeed@f4157bea69f3df8c6cb66f2ebcda66ba03d1288e"
 
 _LLAMA_DS_MODEL = [
@@ -213,5 +214,38 @@ SCRIPTS = [
         "ds_config": {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4,
                       "steps_per_print": 1, "zero_optimization": {"stage": 1},
                       "bf16": {"enabled": True}, "wall_clock_breakdown": False},
+    },
+    {
+        # Megatron-LM's mixture-of-experts example: its MOE_ARGS as written (grouped GEMM
+        # commented out there, so optional here).
+        "name": "mixtral_8x7b",
+        "source": MEGATRON_LM_MIXTRAL, "path": "examples/mixtral/train_mixtral_8x7b_distributed.sh",
+        "args": [
+            "--use-mcore-models", "--disable-bias-linear", "--seq-length", "256",
+            "--max-position-embeddings", "2048", "--num-layers", "2", "--hidden-size", "256",
+            "--ffn-hidden-size", "896", "--num-attention-heads", "2", "--init-method-std", "0.01",
+            "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--normalization", "RMSNorm",
+            "--position-embedding-type", "rope", "--swiglu",
+            "--untie-embeddings-and-output-weights", "--group-query-attention",
+            "--num-query-groups", "2", "--no-masked-softmax-fusion", "--no-position-embedding",
+            "--rotary-base", "1000000",
+            "--num-experts", "2", "--moe-router-topk", "2", "--moe-router-load-balancing-type",
+            "aux_loss", "--moe-aux-loss-coeff", "1e-2", "--moe-token-dispatcher-type", "alltoall",
+            "--overlap-param-gather", "--overlap-grad-reduce",
+            "--tokenizer-type", "Llama2Tokenizer", "--tokenizer-model", "TOKENIZER",
+            "--mock-data", "--split", "99990,8,2",
+            "--micro-batch-size", "1", "--global-batch-size", "4", "--lr", "1e-4",
+            "--train-iters", "7", "--min-lr", "1.0e-5", "--weight-decay", "0.1",
+            "--clip-grad", "1.0",
+            "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
+            "--expert-model-parallel-size", "2", "--use-distributed-optimizer",
+            "--sequence-parallel",
+            "--eval-iters", "10", "--no-load-optim", "--no-load-rng"],
+        "optional": ["--moe-grouped-gemm", "--data-path", "DATA", "--lr-decay-iters", "320000",
+                     "--lr-decay-style", "cosine", "--lr-warmup-iters", "500", "--bf16",
+                     "--log-interval", "1", "--save-interval", "10000", "--eval-interval",
+                     "1000", "--save", "CKPT", "--load", "CKPT", "--tensorboard-dir", "TB",
+                     "--wandb-project", "Mixtral", "--wandb-exp-name", "Mixtral_8x7B"],
+        "ds_config": None,
     },
 ]

@@ -85,6 +85,10 @@ EXPORTS = {
                                     "--position-embedding-type", "rope", "--apply-layernorm-1p",
                                     "--use-rope-scaling", "--rope-scaling-factor", "8",
                                     "--norm-epsilon", "1e-6"],
+    # Mixtral: every MLP four SwiGLU experts, top-2, grouped-query attention.
+    "mixtral": [*LLAMA, "--num-experts", "4", "--moe-router-topk", "2",
+                "--group-query-attention", "--num-query-groups", "2",
+                "--untie-embeddings-and-output-weights"],
     "gpt2_default": [],
     "gpt2_untied_no_bias_1p": ["--untie-embeddings-and-output-weights", "--disable-bias-linear",
                                "--apply-layernorm-1p", "--ffn-hidden-size", "96"],
@@ -95,7 +99,8 @@ EXPORTS = {
 def test_export_gives_the_same_logits(megatron_world, case):
     model_cfg, model = _our_model(megatron_world, EXPORTS[case])
     config, state = hf.to_hf(model_cfg, _params(model), VOCAB)
-    assert config.model_type == ("gpt2" if case.startswith("gpt2") else "llama")
+    assert config.model_type == ("gpt2" if case.startswith("gpt2") else
+                                 "mixtral" if case == "mixtral" else "llama")
     assert config.vocab_size == VOCAB
     ours = _our_logits(model, _tokens())
     diff = (_hf_logits(config, state) - ours).abs().max().item()
@@ -104,6 +109,21 @@ def test_export_gives_the_same_logits(megatron_world, case):
     if model_cfg.use_rope_scaling:  # the comparison does see the RoPE frequencies
         config.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
         assert (_hf_logits(config, state) - ours).abs().max().item() > 10 * ATOL
+
+
+def test_mixtral_files_round_trip(megatron_world, tmp_path):
+    """What transformers writes for Mixtral (``block_sparse_moe.experts.e.w1/w3/w2``) reads
+    back into the very tensors exported."""
+    model_cfg, model = _our_model(megatron_world, EXPORTS["mixtral"])
+    params = _params(model)
+    hf.save_hf(model_cfg, params, VOCAB, str(tmp_path))
+    flags, loaded = hf.load_hf(str(tmp_path))
+    back = parse_args([*TINY, *flags]).model
+    assert (hf.architecture(back), back.num_experts, back.moe_router_topk) == ("mixtral", 4, 2)
+    assert loaded.keys() == params.keys()
+    for name, tensor in loaded.items():
+        assert torch.equal(tensor, params[name][:VOCAB] if "word_emb" in name or
+                           "output_layer" in name else params[name]), name
 
 
 def test_save_and_load_round_trip(megatron_world, tmp_path):
@@ -140,6 +160,15 @@ def _llama_config(**extra):
                        max_position_embeddings=64, rms_norm_eps=1e-5, **extra)
 
 
+def _mixtral_config(**extra):
+    from transformers import MixtralConfig
+
+    return MixtralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=64, rms_norm_eps=1e-5, num_local_experts=4,
+                         num_experts_per_tok=2, **extra)
+
+
 def _gpt2_config(**extra):
     from transformers import GPT2Config
 
@@ -158,6 +187,7 @@ IMPORTS = {
                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                          "original_max_position_embeddings": 8192}),
     "gpt2_tied": lambda: _gpt2_config(),
+    "mixtral_top2": lambda: _mixtral_config(),
 }
 
 
@@ -253,6 +283,10 @@ def test_transformer_engine_norm_names():
     (["--kv-channels", "32"], "--kv-channels 32"),
     (["--group-query-attention", "--num-query-groups", "2"], "--num-query-groups 2"),
     (["--ladder-residual"], "--ladder-residual"),
+    ([*LLAMA, "--num-experts", "4", "--moe-layer-freq", "2"], "--moe-layer-freq 2"),
+    ([*LLAMA, "--num-experts", "4", "--moe-shared-expert-intermediate-size", "64"],
+     "Mixtral has no shared experts"),
+    ([*LLAMA, "--num-experts", "4", "--moe-router-pre-softmax"], "--moe-router-pre-softmax"),
 ])
 def test_unsupported_configs_name_the_flag(flags, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(".", r"\.")):

@@ -6,7 +6,8 @@ and the data paths change.
 * every script (its optional branches too) parses, and is refused exactly where we refuse:
   one line per refused flag, nothing else;
 * the scaled-down scripts pass validation;
-* three of them train for real, two as 2 DiLoCo workers (``--diloco-*`` added);
+* four of them train for real, three as 2 DiLoCo workers (``--diloco-*`` added), one of
+  them Megatron-LM's mixture-of-experts (Mixtral) example;
 * the flag table of docs/megatron.md is this file's ``render_table()`` (regenerate it with
   ``UPDATE_FLAG_TABLE=1 .venv/bin/python -m pytest tests/test_public_scripts.py -k table``).
 """
@@ -27,6 +28,8 @@ BY_NAME = {s["name"]: s for s in SCRIPTS}
 # What stays refused on this CPU machine, per script, one line per flag (prefixes).
 REFUSED = {
     "llama3_8b": ["--fp8-param-gather: FP8 parameters cannot go into DeepSpeed ZeRO"],
+    # with its commented-out --load only: a resume here restores both
+    "mixtral_8x7b": ["--no-load-optim: a resume restores", "--no-load-rng: a resume restores"],
 }
 # Refused at validation on a machine without a GPU / Transformer Engine.
 REFUSED_ON_CPU = {
@@ -47,7 +50,7 @@ SIZES = {
     "--train-tokens": "1536", "--lr-decay-tokens": "1536", "--lr-warmup-tokens": "256",
 }
 LAYOUT = {"--tensor-model-parallel-size": 2, "--pipeline-model-parallel-size": 2,
-          "--ds-sequence-parallel-size": 2}
+          "--ds-sequence-parallel-size": 2, "--expert-model-parallel-size": 2}
 
 
 def _value_of(args, flag):
@@ -174,8 +177,12 @@ def test_scaled_script_validates(name, paths, tmp_path):
     args = _drop(args, refused)
     cfg = parse_args(args)
     p = cfg.parallel
-    world = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * \
-        p.ds_sequence_parallel_size
+    import math
+
+    # a stage's ranks: enough data-parallel ones for the expert-parallel size
+    stage = math.lcm(p.tensor_model_parallel_size * p.ds_sequence_parallel_size,
+                     p.tensor_model_parallel_size * p.expert_model_parallel_size)
+    world = stage * p.pipeline_model_parallel_size
     if name in REFUSED_ON_CPU:
         with pytest.raises(ConfigError) as err:
             validate(cfg, world)
@@ -201,17 +208,20 @@ DILOCO = ["--diloco-workers", "2", "--diloco-inner-steps", "2", "--diloco-fragme
 
 
 @pytest.mark.timeout(900)
-def test_three_scripts_train(paths, tmp_path):
+def test_four_scripts_train(paths, tmp_path):
     """Megatron-DeepSpeed's Llama-2 script (bf16, --zero-stage 0, its DeepSpeed JSON,
     GPTSentencePieceTokenizer) and its GPT-3 1.3B "rebase" script (fp16 with its loss-scale
     JSON, GPT-2 BPE, --train-samples/--train-tokens, token-based lr, activation checkpointing),
     each as 2 DiLoCo workers of TP=2, learn; Megatron-LM's GPT-3 175B script (fp16 from a
     2**32 loss scale, batch ramp-up, --lr-warmup-fraction) at PP=2 skips its overflowing steps
-    as Megatron does."""
+    as Megatron does; its Mixtral script (two experts over EP=2, alltoall, RMSNorm, GQA) learns
+    as 2 DiLoCo workers."""
     runs = {
         "llama2_ds": (4, {"--pipeline-model-parallel-size": 1}, DILOCO),
         "gpt_1.3b_rebase": (4, {}, DILOCO),
         "gpt3_175b": (2, {"--tensor-model-parallel-size": 1}, []),
+        # Megatron-LM's Mixtral example: two experts over EP=2 in each of 2 workers.
+        "mixtral_8x7b": (4, {}, DILOCO),
     }
     for name, (nproc, layout, extra) in runs.items():
         script = BY_NAME[name]

@@ -30,13 +30,17 @@ def describe(directory: str, meta: dict) -> str:
              f"  iteration {run['iteration']}, tokens {run.get('tokens', 0):,}, consumed samples "
              f"{run.get('consumed_samples', 0):,}",
              f"  written by {lay['workers']} worker(s) x (TP {lay['tp']}, PP {lay['pp']}, SP "
-             f"{lay['sp']}, DP {lay['dp']}), ZeRO stage {lay['zero_stage']}, world size "
+             f"{lay['sp']}, DP {lay['dp']}" + (f", EP {lay['ep']}" if lay.get("ep") else "")
+             + f"), ZeRO stage {lay['zero_stage']}, world size "
              f"{lay['world_size']}, {meta['precision']}",
              f"  model: {cfg['num_layers']} layers, hidden {cfg['hidden_size']}, "
              f"{cfg['num_attention_heads']} heads ({model['architecture']['--num-query-groups']}"
              f" query groups), ffn {model['architecture']['--ffn-hidden-size']}, "
              f"{cfg['normalization']}, {cfg['position_embedding_type']} positions"
-             f"{', SwiGLU' if cfg['swiglu'] else ''}, vocabulary {model['vocab_size']}",
+             f"{', SwiGLU' if cfg['swiglu'] else ''}"
+             + (f", MoE: {cfg['num_experts']} experts, top-{cfg['moe_router_topk']}"
+                if (cfg.get("num_experts") or 1) > 1 else "")
+             + f", vocabulary {model['vocab_size']}",
              f"  parameters: {model['parameter_count']:,} (padded vocabulary included)"]
     if meta.get("model_flags"):
         lines.append("  model flags: " + " ".join(meta["model_flags"]))

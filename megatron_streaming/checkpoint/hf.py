@@ -1,10 +1,12 @@
 """Conversion between our GPT's parameters and Hugging Face transformers checkpoints.
 
-Two architectures convert both ways, exactly in fp32:
+Three architectures convert both ways, exactly in fp32:
 
 * Llama class (``--swiglu --normalization RMSNorm --position-embedding-type rope``, optional
   grouped-query attention, linear biases, RoPE base and Llama 3.1 scaling, tied or untied
   output) <-> ``LlamaForCausalLM``;
+* the same with every MLP a mixture of experts (``--num-experts``, top-k routing with the
+  softmax over the chosen experts, no shared experts, no biases) <-> ``MixtralForCausalLM``;
 * GPT-2 class (our defaults: learned positions, LayerNorm, exact GELU, biases) <->
   ``GPT2LMHeadModel``.
 
@@ -19,6 +21,13 @@ Layout facts the conversion rests on (megatron-core 0.16.1):
   query heads, then k_g, then v_g. Hugging Face keeps q, k and v apart (Llama) or as
   [all q; all k; all v] (GPT-2's ``c_attn``).
 * SwiGLU's ``linear_fc1`` holds [gate; up]; Megatron computes silu(gate) * up, as Llama.
+* Mixtral: the router's ``mlp.router.weight`` is ``mlp.gate.weight``; expert e's ``linear_fc1``
+  is row e of ``mlp.experts.gate_up_proj`` ([gate; up], as ours) and its ``linear_fc2`` row e
+  of ``mlp.experts.down_proj`` (transformers 5's modules); the files transformers writes name
+  them ``block_sparse_moe.gate`` and ``block_sparse_moe.experts.e.w1`` / ``w3`` / ``w2`` (gate,
+  up, down), which ``from_hf`` reads too. Mixtral's router takes the softmax over all experts,
+  the top k, and renormalises them: megatron-core's default top-k router, which takes the
+  softmax over the k chosen logits, computes the same weights.
 * RoPE: both rotate the two halves of each head (``rotate_half``, not interleaved pairs),
   with the same inverse frequencies; Megatron's ``--use-rope-scaling`` is Hugging Face's
   ``llama3`` rope type with low/high frequency factors 1 and 4 over 8192 original positions.
@@ -43,15 +52,17 @@ from ..worker.weights import FUSED_NORMS, local_spec_name
 
 Params = Dict[str, torch.Tensor]
 
-LLAMA, GPT2 = "llama", "gpt2"
+LLAMA, GPT2, MIXTRAL = "llama", "gpt2", "mixtral"
 # The Llama 3.1 constants megatron-core's RotaryEmbedding._apply_scaling hard-codes.
 LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 8192}
 # Hugging Face names of the input embedding, and the prefix a bare model's keys lack.
-_EMBED = {LLAMA: "model.embed_tokens.weight", GPT2: "transformer.wte.weight"}
-_PREFIX = {LLAMA: "model.", GPT2: "transformer."}
+_EMBED = {LLAMA: "model.embed_tokens.weight", GPT2: "transformer.wte.weight",
+          MIXTRAL: "model.embed_tokens.weight"}
+_PREFIX = {LLAMA: "model.", GPT2: "transformer.", MIXTRAL: "model."}
 # Buffers some checkpoints carry that are not weights: rotary frequencies, causal masks.
-_BUFFERS = {LLAMA: r"rotary_emb\.inv_freq$", GPT2: r"(^|\.)h\.\d+\.attn\.(bias|masked_bias)$"}
+_BUFFERS = {LLAMA: r"rotary_emb\.inv_freq$", GPT2: r"(^|\.)h\.\d+\.attn\.(bias|masked_bias)$",
+            MIXTRAL: r"rotary_emb\.inv_freq$"}
 # GPT-2's names of our layer's norms and linears.
 _GPT2_NORMS = (("input_layernorm", "ln_1"), ("pre_mlp_layernorm", "ln_2"))
 _GPT2_LINEARS = (("self_attention.linear_qkv", "attn.c_attn"),
@@ -82,7 +93,7 @@ def architecture(model_cfg) -> str:
         if m.rotary_percent != 1.0:
             raise HFConversionError(
                 f"--rotary-percent {m.rotary_percent}: Llama rotates whole heads (1.0)")
-        return LLAMA
+        return _mixtral(m) if m.moe else LLAMA
     if m.position_embedding_type == "learned_absolute":
         if m.swiglu or m.normalization != "LayerNorm":
             raise HFConversionError(
@@ -102,6 +113,26 @@ def architecture(model_cfg) -> str:
     raise HFConversionError(
         f"--position-embedding-type {m.position_embedding_type}: neither Llama (rope) nor "
         "GPT-2 (learned_absolute) runs without position embeddings")
+
+
+def _mixtral(m) -> str:
+    """What a Llama-class MoE model must be to be Mixtral."""
+    problems = [
+        (not all(m.moe_layers()), f"--moe-layer-freq {m.moe_layer_freq}: every Mixtral layer is "
+         "a mixture of experts"),
+        (m.moe_shared_expert_intermediate_size is not None,
+         "--moe-shared-expert-intermediate-size: Mixtral has no shared experts"),
+        (m.moe_router_pre_softmax, "--moe-router-pre-softmax: Mixtral renormalises the top-k "
+         "of its softmax (megatron-core's default router)"),
+        (not m.disable_bias_linear, "linear biases: Mixtral has none (add "
+         "--disable-bias-linear)"),
+        ((m.moe_ffn_hidden_size or m.ffn_size()) != m.ffn_size(),
+         f"--moe-ffn-hidden-size {m.moe_ffn_hidden_size} with --ffn-hidden-size "
+         f"{m.ffn_size()}: Mixtral has one intermediate size")]
+    for bad, why in problems:
+        if bad:
+            raise HFConversionError(why)
+    return MIXTRAL
 
 
 # ---- fused attention rows ---------------------------------------------------------------------
@@ -189,8 +220,9 @@ def to_hf(model_cfg, params: Params, vocab_size: int):
         head = _vocab_rows(output, vocab_size, "output_layer.weight")
     else:
         head = embed
-    config = (_llama_config if arch == LLAMA else _gpt2_config)(m, vocab_size, params)
-    state = (_llama_tensors if arch == LLAMA else _gpt2_tensors)(m, take, offset)
+    config = {LLAMA: _llama_config, MIXTRAL: _mixtral_config,
+              GPT2: _gpt2_config}[arch](m, vocab_size, params)
+    state = (_gpt2_tensors if arch == GPT2 else _llama_tensors)(m, take, offset)
     take.finish()
     state[_EMBED[arch]], state["lm_head.weight"] = embed, head
     return config, state
@@ -216,6 +248,20 @@ def _llama_config(m, vocab_size: int, params: Params):
         bos_token_id=None, eos_token_id=None)
 
 
+def _mixtral_config(m, vocab_size: int, params: Params):
+    from transformers import MixtralConfig
+
+    llama = _llama_config(m, vocab_size, params).to_dict()
+    keep = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+            "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act",
+            "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings",
+            "rope_parameters", "attention_dropout", "initializer_range", "bos_token_id",
+            "eos_token_id")
+    return MixtralConfig(**{k: llama[k] for k in keep}, num_local_experts=m.num_experts,
+                         num_experts_per_tok=m.moe_router_topk,
+                         router_aux_loss_coef=m.moe_aux_loss_coeff, router_jitter_noise=0.0)
+
+
 def _llama_tensors(m, take: _Taker, offset: float) -> Params:
     heads, groups = m.num_attention_heads, m.query_groups()
     head_dim = m.kv_channels or m.hidden_size // heads
@@ -230,12 +276,20 @@ def _llama_tensors(m, take: _Taker, offset: float) -> Params:
             q, k, v = _split_qkv(take(f"{ours}self_attention.linear_qkv.{leaf}"), groups, heads,
                                  head_dim)
             out = take(f"{ours}self_attention.linear_proj.{leaf}")
-            gate, up = take(f"{ours}mlp.linear_fc1.{leaf}").chunk(2, dim=0)
-            down = take(f"{ours}mlp.linear_fc2.{leaf}")
-            for name, tensor in (("self_attn.q_proj", q), ("self_attn.k_proj", k),
-                                 ("self_attn.v_proj", v), ("self_attn.o_proj", out),
-                                 ("mlp.gate_proj", gate), ("mlp.up_proj", up),
-                                 ("mlp.down_proj", down)):
+            named = [("self_attn.q_proj", q), ("self_attn.k_proj", k),
+                     ("self_attn.v_proj", v), ("self_attn.o_proj", out)]
+            if m.moe:  # Mixtral (``architecture``: every layer, no biases)
+                experts = [f"{ours}mlp.experts.local_experts.{e}." for e in range(m.num_experts)]
+                state[f"{hf}mlp.gate.weight"] = take(f"{ours}mlp.router.weight").clone()
+                state[f"{hf}mlp.experts.gate_up_proj"] = torch.stack(
+                    [take(e + "linear_fc1.weight") for e in experts])
+                state[f"{hf}mlp.experts.down_proj"] = torch.stack(
+                    [take(e + "linear_fc2.weight") for e in experts])
+            else:
+                gate, up = take(f"{ours}mlp.linear_fc1.{leaf}").chunk(2, dim=0)
+                named += [("mlp.gate_proj", gate), ("mlp.up_proj", up),
+                          ("mlp.down_proj", take(f"{ours}mlp.linear_fc2.{leaf}"))]
+            for name, tensor in named:
                 state[f"{hf}{name}.{leaf}"] = tensor.clone()
     state["model.norm.weight"] = take("decoder.final_layernorm.weight") + offset
     return state
@@ -297,12 +351,14 @@ def from_hf(hf_config, hf_state_dict: Params, *,
     added and 1 taken off every norm weight. Bare models' keys (``LlamaModel``, GPT-2 files
     without ``transformer.``) are accepted too."""
     model_type = getattr(hf_config, "model_type", None)
-    if model_type not in (LLAMA, GPT2):
-        raise HFConversionError(f"model_type {model_type!r}: only 'llama' (LlamaForCausalLM) "
-                                "and 'gpt2' (GPT2LMHeadModel) convert")
+    if model_type not in (LLAMA, GPT2, MIXTRAL):
+        raise HFConversionError(f"model_type {model_type!r}: only 'llama' (LlamaForCausalLM), "
+                                "'mixtral' (MixtralForCausalLM) and 'gpt2' (GPT2LMHeadModel) "
+                                "convert")
     tied = bool(getattr(hf_config, "tie_word_embeddings", model_type == GPT2))
-    llama = model_type == LLAMA
-    flags = (_llama_flags if llama else _gpt2_flags)(hf_config)
+    llama = model_type in (LLAMA, MIXTRAL)
+    flags = {LLAMA: _llama_flags, MIXTRAL: _mixtral_flags, GPT2: _gpt2_flags}[model_type](
+        hf_config)
     prefix = _PREFIX[model_type]
     take = _Taker({key if key.startswith((prefix, "lm_head.")) else prefix + key: tensor
                    for key, tensor in hf_state_dict.items()
@@ -367,6 +423,15 @@ def _llama_flags(c) -> List[str]:
     return flags + _rope_flags(c)
 
 
+def _mixtral_flags(c) -> List[str]:
+    for name in ("attention_bias", "mlp_bias"):  # Mixtral has no linear biases
+        if not hasattr(c, name):
+            setattr(c, name, False)
+    return _llama_flags(c) + [
+        "--num-experts", str(c.num_local_experts), "--moe-router-topk",
+        str(c.num_experts_per_tok), "--moe-aux-loss-coeff", _num(c.router_aux_loss_coef)]
+
+
 def _rope_flags(c) -> List[str]:
     """RoPE settings megatron-core can express: an integer base, whole heads, and at most
     Llama 3.1's scaling with its fixed constants."""
@@ -410,11 +475,36 @@ def _llama_params(c, take: _Taker, offset: float) -> Params:
                 _fuse_qkv(q, k, v, groups, head_dim)
             params[f"{ours}self_attention.linear_proj.{leaf}"] = \
                 take(f"{hf}self_attn.o_proj.{leaf}")
+            if getattr(c, "num_local_experts", None):
+                params.update(_mixtral_experts(c, take, hf, ours))
+                continue
             params[f"{ours}mlp.linear_fc1.{leaf}"] = torch.cat(
                 [take(f"{hf}mlp.gate_proj.{leaf}"), take(f"{hf}mlp.up_proj.{leaf}")])
             params[f"{ours}mlp.linear_fc2.{leaf}"] = take(f"{hf}mlp.down_proj.{leaf}")
     params["decoder.final_layernorm.weight"] = take("model.norm.weight") - offset
     return params
+
+
+def _mixtral_experts(c, take: _Taker, hf: str, ours: str) -> Params:
+    """A Mixtral layer's router and experts: transformers 5's fused modules, or the files'
+    per-expert ``block_sparse_moe`` names."""
+    out, experts = {}, range(c.num_local_experts)
+    fused = take.get(f"{hf}mlp.experts.gate_up_proj")
+    if fused is not None:
+        down = take(f"{hf}mlp.experts.down_proj")
+        out[f"{ours}mlp.router.weight"] = take(f"{hf}mlp.gate.weight")
+        for e in experts:
+            out[f"{ours}mlp.experts.local_experts.{e}.linear_fc1.weight"] = fused[e]
+            out[f"{ours}mlp.experts.local_experts.{e}.linear_fc2.weight"] = down[e]
+        return out
+    moe = f"{hf}block_sparse_moe."
+    out[f"{ours}mlp.router.weight"] = take(moe + "gate.weight")
+    for e in experts:
+        w = {k: take(f"{moe}experts.{e}.{k}.weight") for k in ("w1", "w2", "w3")}
+        out[f"{ours}mlp.experts.local_experts.{e}.linear_fc1.weight"] = \
+            torch.cat([w["w1"], w["w3"]])
+        out[f"{ours}mlp.experts.local_experts.{e}.linear_fc2.weight"] = w["w2"]
+    return out
 
 
 def _gpt2_flags(c) -> List[str]:
@@ -459,9 +549,10 @@ def _gpt2_params(c, take: _Taker, offset: float) -> Params:
 # ---- Hugging Face directories ----------------------------------------------------------------
 
 def _model_class(model_type: str):
-    from transformers import GPT2LMHeadModel, LlamaForCausalLM
+    from transformers import GPT2LMHeadModel, LlamaForCausalLM, MixtralForCausalLM
 
-    return {LLAMA: LlamaForCausalLM, GPT2: GPT2LMHeadModel}[model_type]
+    return {LLAMA: LlamaForCausalLM, GPT2: GPT2LMHeadModel,
+            MIXTRAL: MixtralForCausalLM}[model_type]
 
 
 def save_hf(model_cfg, params: Params, vocab_size: int, out_dir: str,
@@ -489,9 +580,9 @@ def load_hf(hf_dir: str, *, apply_layernorm_1p: bool = False) -> Tuple[List[str]
                                 "holds config.json and model.safetensors)")
     with open(config_path, encoding="utf-8") as f:
         model_type = json.load(f).get("model_type")
-    if model_type not in (LLAMA, GPT2):
+    if model_type not in (LLAMA, GPT2, MIXTRAL):
         raise HFConversionError(f"{config_path}: model_type {model_type!r} does not convert "
-                                "(only 'llama' and 'gpt2')")
+                                "(only 'llama', 'mixtral' and 'gpt2')")
     config = _model_class(model_type).config_class.from_pretrained(hf_dir,
                                                                    local_files_only=True)
     return from_hf(config, _read_safetensors(hf_dir), apply_layernorm_1p=apply_layernorm_1p)

@@ -48,6 +48,13 @@ ARCHITECTURE = (
     ("--untie-embeddings-and-output-weights", lambda m: m.untie_embeddings_and_output_weights),
     ("--disable-bias-linear", lambda m: m.disable_bias_linear),
     ("--apply-layernorm-1p", lambda m: m.apply_layernorm_1p),
+    # Mixture of experts (absent from checkpoints written before it: not compared there).
+    ("--num-experts", lambda m: m.num_experts if m.moe else None),
+    ("--moe-layer-freq", lambda m: [int(x) for x in m.moe_layers()] if m.moe else None),
+    ("--moe-ffn-hidden-size", lambda m: (m.moe_ffn_hidden_size or m.ffn_size())
+     if m.moe else None),
+    ("--moe-shared-expert-intermediate-size",
+     lambda m: m.moe_shared_expert_intermediate_size if m.moe else None),
 )
 
 SCHEDULE = (
@@ -77,8 +84,11 @@ def streaming_description(cfg) -> dict:
 
 
 def layout_description(layout, zero_stage: int) -> dict:
-    return {"world_size": layout.world_size, "workers": layout.workers, "tp": layout.tp,
-            "pp": layout.pp, "dp": layout.dp, "sp": layout.sp, "zero_stage": zero_stage}
+    out = {"world_size": layout.world_size, "workers": layout.workers, "tp": layout.tp,
+           "pp": layout.pp, "dp": layout.dp, "sp": layout.sp, "zero_stage": zero_stage}
+    if layout.ep > 1:  # expert parallel (absent at 1, as in checkpoints written before it)
+        out["ep"] = layout.ep
+    return out
 
 
 def check_compatible(root: str, meta: dict, cfg, vocab_size: Optional[int]) -> None:
@@ -219,10 +229,11 @@ def plan(meta: dict, cfg, layout, rank: int, new_worker_optimizer: str) -> Resum
         meta["workers"].get(str(weights_worker if weights_worker is not None else 0),
                             {}).get("loss_scaler", {})
     if not same_layout:
+        new_layout = layout_description(layout, cfg.parallel.zero_stage)
         notes.append("layout changed on resume: " + ", ".join(
-            f"{k} {old_layout.get(k)} -> {v}" for k, v in
-            layout_description(layout, cfg.parallel.zero_stage).items()
-            if old_layout.get(k) != v) + "; RNG states start from --seed")
+            f"{k} {old_layout.get(k, 1)} -> {new_layout.get(k, 1)}"
+            for k in [*new_layout, *(k for k in old_layout if k not in new_layout)]
+            if old_layout.get(k) != new_layout.get(k)) + "; RNG states start from --seed")
     old_pending_finite = all(p["all_finite"] for p in old_pending)
     restore_rng = same_layout and bool((mine or {}).get("rng"))
     return ResumePlan(weights_worker, optimizer_worker, optimizer_keys, optimizer_steps,

@@ -126,6 +126,14 @@ def _capacity_factor(cfg, value, given):
         cfg.model.moe_expert_capacity_factor = float(value)
 
 
+def _without_load(flag: str, what: str) -> Callable:
+    def act(cfg, value, given):
+        if "--load" in given:
+            raise Refusal(f"{flag}: a resume restores the {what} with the weights; drop the "
+                          "flag (or --load)")
+    return act
+
+
 def _no_dropping(cfg, value, given):
     cfg.model.moe_expert_capacity_factor = None
 
@@ -267,6 +275,11 @@ FLAGS: List[ForeignFlag] = [
                 "data parallelism inside a worker is DeepSpeed ZeRO; use --zero-stage"),
     ForeignFlag("--cpu-optimizer", REFUSED,
                 "optimizer offload (ZeRO-Offload) is not supported; drop the flag"),
+    *[ForeignFlag(flag, ACCEPTED, f"without --load there is nothing to load; with it, "
+                  f"refused: a resume restores the {what} (docs/checkpoints.md)", SWITCH,
+                  _without_load(flag, what))
+      for flag, what in (("--no-load-optim", "optimizer and outer state"),
+                         ("--no-load-rng", "random-number generators' state"))],
     # --- Megatron-DeepSpeed's DeepSpeed-MoE flags ---------------------------------------------
     ForeignFlag("--mlp-type", ACCEPTED,
                 "standard: the MoE layer replaces the MLP; residual (PR-MoE) is refused", ONE,
