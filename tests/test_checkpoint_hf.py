@@ -76,24 +76,30 @@ def _hf_logits(directory):
 
 @pytest.mark.timeout(600)
 def test_export_of_a_streaming_run_gives_our_logits(tmp_path, megatron_world):
-    """Two workers (TP2 each for the Llama-class model): the export of theta_g (and of worker
-    1's local weights) gives in transformers the logits our model gives."""
-    for arch, flags, tp in (("llama", LLAMA, 2), ("gpt2", [], 1)):
+    """Two workers (TP2 each for the Llama-class model, EP2 for the Mixtral-class one): the
+    export of theta_g (and of worker 1's local weights) gives in transformers the logits our
+    model gives."""
+    mixtral = [*LLAMA, "--num-experts", "4", "--moe-router-topk", "2"]
+    for arch, flags, layout, written in (
+            ("llama", LLAMA, ["--tensor-model-parallel-size", "2"], "TP 2, PP 1, SP 1, DP 1"),
+            ("gpt2", [], [], "TP 1, PP 1, SP 1, DP 1"),
+            ("mixtral", mixtral, ["--expert-model-parallel-size", "2"],
+             "TP 1, PP 1, SP 1, DP 2, EP 2")):
         ckpt = tmp_path / arch
-        run(2 * tp, [*TINY, "--num-layers", "2", *flags, "--train-iters", "5",
-                     "--eval-iters", "0", "--diloco-workers", "2", "--diloco-inner-steps", "4",
-                     "--diloco-fragments", "2", "--diloco-overlap-steps", "1",
-                     "--tensor-model-parallel-size", str(tp), "--save", str(ckpt)])
+        run(4 if layout else 2, [
+            *TINY, "--num-layers", "2", *flags, "--train-iters", "5", "--eval-iters", "0",
+            "--diloco-workers", "2", "--diloco-inner-steps", "4", "--diloco-fragments", "2",
+            "--diloco-overlap-steps", "1", *layout, "--save", str(ckpt)])
         text = cli("inspect", ckpt).stdout
-        assert f"written by 2 worker(s) x (TP {tp}, PP 1, SP 1, DP 1)" in text
+        assert f"written by 2 worker(s) x ({written})" in text
         assert "in flight: none" in text  # the last step merges what is in flight
         info = json.loads(tool("inspect", ckpt, "--json"))
         assert info["iteration"] == 5 and info["run"]["tokens"] == 5 * 4 * SEQ * 2
         out = tmp_path / f"{arch}_hf"
         tool("export-hf", ckpt, out)
         cfg = json.loads((out / "config.json").read_text())
-        assert cfg["architectures"] == [{"llama": "LlamaForCausalLM",
-                                         "gpt2": "GPT2LMHeadModel"}[arch]]
+        assert cfg["architectures"] == [{"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel",
+                                         "mixtral": "MixtralForCausalLM"}[arch]]
         assert (out / "model.safetensors").is_file()
         _, _, theta = offline.parameters(str(ckpt), "global")
         assert torch.allclose(_hf_logits(out), _our_logits(megatron_world, flags, theta),
