@@ -186,3 +186,23 @@ def test_a_checkpoint_written_at_ep2_resumes_at_ep1_and_at_ep2_tp2(tmp_path):
         got = {r["iteration"]: r["train/loss"] for r in read_jsonl(log) if "train/loss" in r}
         assert sorted(got) == [4]
         assert got[4] == pytest.approx(losses[4], rel=1e-6, abs=0), name
+
+
+@pytest.mark.parametrize("flags", [
+    [*MOE, "--num-layers", "3", "--moe-layer-freq", "[1,0,1]", "--swiglu"],
+    ["--num-experts", "4", "--moe-router-topk", "2", "--num-layers", "2",
+     "--moe-ffn-hidden-size", "96", "--moe-shared-expert-intermediate-size", "64",
+     "--disable-bias-linear"],
+    ["--num-layers", "2", "--swiglu"],  # dense: the width --swiglu derives
+])
+def test_the_parameter_count_of_the_flags_is_the_models(megatron_world, flags):
+    """``config.shape``'s count (the door, the planner, the checkpoint's JSON) against the
+    model megatron-core builds from the same flags."""
+    from megatron_streaming.config.shape import parameter_count
+    from megatron_streaming.worker.model import build_model
+
+    cfg = _parse("--hidden-size", "64", "--num-attention-heads", "4", *flags)
+    model = build_model(cfg.model, cfg.parallel, megatron_world, 100)
+    built = sum(p.numel() for n, p in model.named_parameters() if n != "output_layer.weight"
+                or cfg.model.untie_embeddings_and_output_weights)
+    assert parameter_count(cfg.model, 100) == built

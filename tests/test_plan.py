@@ -447,3 +447,41 @@ def test_the_window_an_exchange_starts_with_follows_linux_restart_after_idle():
     # blocking (P=1, tau=0): the gap is H steps, long enough to start from the initial window
     assert steady_exchange_seconds(0.1, 40, 0, False, **{**link, "fragments": 1}) == \
         exchange_seconds(**{**link, "fragments": 1})
+
+
+MOE = ["--num-experts", "16", "--moe-router-topk", "2", "--disable-bias-linear", "--swiglu",
+       "--normalization", "RMSNorm", "--position-embedding-type", "rope"]
+
+
+def test_mixture_of_experts_prices_experts_by_ep_and_the_plan_searches_it(capsys):
+    """An MoE model: its parameters are the door's and add up over stages; EP divides the
+    routed experts' weights and gradients (the optimizer partition stays the data x sequence
+    ranks'), adds the dispatcher's all-to-alls to the step, and the plan for the example
+    clusters chooses an EP its launch accepts, the exchange counting every expert."""
+    cfg = parse_args([*MODEL, *MOE])
+    shape = ModelShape.from_config(cfg.model, 32000)
+    assert shape.parameters() == parameter_count(cfg.model, 32000)
+    assert sum(shape.stage_parameters(1, 2, s) for s in range(2)) == pytest.approx(
+        shape.parameters() + shape.vocab * shape.hidden * shape.tied)
+    training = Training(precision="bf16", global_batch=64)
+    one, eight = (estimate(shape, Layout(dp=8, ep=ep, zero_stage=1), training) for ep in (1, 8))
+    routed = shape.stage_routed(1, 1)
+    assert one.parts["weights"] - eight.parts["weights"] == pytest.approx(routed * 7 / 8 * 2)
+    assert one.parts["optimizer"] == eight.parts["optimizer"]
+    from megatron_streaming.plan.step_time import Fabric, step_time
+
+    fabric = Fabric(4e14, 4e11, 5e10, 8)
+    assert "expert parallel" not in step_time(shape, Layout(dp=8), training, fabric)
+    assert step_time(shape, Layout(dp=8, ep=8), training, fabric)["expert parallel"] > 0
+    assert main([*CLUSTERS, "--rendezvous", "login01.example:29500", *MODEL, *MOE]) == 0
+    out = capsys.readouterr().out
+    lines = [shlex.split(line) for line in out.splitlines() if line.startswith("sbatch ")]
+    eps = []
+    for line in lines:
+        nodes = int(next(a for a in line if a.startswith("--nodes=")).split("=")[1])
+        gpus = int(next(a for a in line if a.startswith("--gpus-per-node=")).split("=")[1])
+        launched = parse_args(line[line.index("launch/slurm.sh") + 1:])
+        validate(launched, nodes * gpus * len(lines))
+        eps.append(launched.parallel.expert_model_parallel_size)
+    # 13.3B parameters: the H100 worker spreads its experts over eight ranks
+    assert "13,303.6M parameters" in out and eps[0] == 8, eps

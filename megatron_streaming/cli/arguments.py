@@ -343,6 +343,9 @@ def _validate_moe(cfg: Config, layout) -> None:
     shared = m.moe_shared_expert_intermediate_size
     _require(shared is None or shared > 0,
              f"--moe-shared-expert-intermediate-size must be > 0, got {shared}")
+    _require(shared is None or m.disable_bias_linear,
+             "--moe-shared-expert-intermediate-size needs --disable-bias-linear: megatron-core's "
+             "shared experts take no biases")
     capacity = m.moe_expert_capacity_factor
     _require(capacity is None or capacity > 0,
              f"--moe-expert-capacity-factor must be > 0, got {capacity}")

@@ -87,6 +87,7 @@ class Layout:
     # --recompute-granularity: none, selective (the core attention: scores, softmax,
     # dropout and context, recomputed from Q, K and V) or full (a layer from its input)
     recompute: str = "none"
+    ep: int = 1  # expert parallel (MoE), carved from the data and sequence ranks
 
     def __post_init__(self):
         if self.recompute not in RECOMPUTE:
@@ -102,6 +103,10 @@ class Layout:
                "--zero-stage", str(self.zero_stage), "--micro-batch-size", str(self.micro_batch)]
         if self.sp > 1:
             out += ["--ds-sequence-parallel-size", str(self.sp)]
+        if self.ep > 1:
+            out += ["--expert-model-parallel-size", str(self.ep)]
+            if self.tp > 1:  # Megatron's rule for EP with TP
+                out.append("--sequence-parallel")
         if self.recompute == "full":
             out += ["--recompute-granularity", "full", "--recompute-method", "uniform"]
         elif self.recompute == "selective":
@@ -109,7 +114,8 @@ class Layout:
         return out
 
     def describe(self) -> str:
-        return (f"TP={self.tp} PP={self.pp} SP={self.sp} DP={self.dp} ZeRO-{self.zero_stage} "
+        return (f"TP={self.tp} PP={self.pp} SP={self.sp} DP={self.dp} "
+                + (f"EP={self.ep} " if self.ep > 1 else "") + f"ZeRO-{self.zero_stage} "
                 f"micro-batch {self.micro_batch}" + (
                     "" if self.recompute == "none" else f" {self.recompute} recompute"))
 
@@ -155,6 +161,22 @@ class ModelShape(shape.ModelShape):
         if selective:  # the core attention keeps its input (Q, K, V) only
             scores = 0.0
         return s * b * (per_token + scores)
+
+    def moe_activation_change(self, micro_batch: int, tp: int, sp: int,
+                              element_bytes: int) -> float:
+        """What an MoE layer keeps for its backward beyond a dense one: per token, top-k
+        copies of its input dispatched to the experts and of each expert's activation input
+        and output, the router's fp32 logits and probabilities, the shared experts', less
+        the dense MLP's."""
+        if not self.experts:
+            return 0.0
+        e, h = element_bytes, self.hidden
+        up_e = self.expert_ffn * (2 if self.swiglu else 1)
+        up_s = self.shared_ffn * (2 if self.swiglu else 1)
+        dense = (self.ffn * (2 if self.swiglu else 1) + self.ffn) / tp * e
+        routed = self.topk * (h + (up_e + self.expert_ffn) / tp) * e + 2 * 4 * self.experts
+        shared = (up_s + self.shared_ffn) / tp * e
+        return self.seq / sp * micro_batch * (routed + shared - dense)
 
     def attention_backward_bytes(self, micro_batch: int, tp: int, sp: int,
                                  element_bytes: int) -> float:
@@ -236,6 +258,15 @@ def zero_partition(params: float, layout: Layout) -> float:
     return params / (layout.dp * layout.sp) if layout.zero_stage >= 1 else params
 
 
+def rank_parameters(shape: ModelShape, layout: Layout, stage: int):
+    """(parameters on a rank of ``stage``, its optimizer partition). An EP rank holds 1/EP
+    of the routed experts, partitioned over the expert-data-parallel ranks (data x
+    sequence / EP): its partition is the stage's experts over data x sequence, as dense."""
+    every = shape.stage_parameters(layout.tp, layout.pp, stage)
+    params = every - shape.stage_routed(layout.tp, layout.pp) * (1 - 1 / layout.ep)
+    return params, zero_partition(every, layout) if layout.zero_stage >= 1 else params
+
+
 def estimate(shape: ModelShape, layout: Layout, training: Training,
              runtime_bytes: float = 0.0) -> Memory:
     """Peak bytes on the busiest rank (the first pipeline stage, or the last when its
@@ -247,9 +278,8 @@ def estimate(shape: ModelShape, layout: Layout, training: Training,
 def estimate_stage(shape: ModelShape, layout: Layout, training: Training,
                    runtime_bytes: float, stage: int) -> Memory:
     t, p = layout.tp, layout.pp
-    params = shape.stage_parameters(t, p, stage)
+    params, partition = rank_parameters(shape, layout, stage)
     zero = layout.dp * layout.sp  # the ZeRO partition: data and sequence ranks together
-    partition = zero_partition(params, layout)
     w = training.weight_bytes
     parts = {"runtime": runtime_bytes, "weights": params * w}
     cuda = training.device == "cuda"
@@ -290,6 +320,10 @@ def estimate_stage(shape: ModelShape, layout: Layout, training: Training,
     kept = shape.layer_activation_bytes(layout.micro_batch, t, layout.sp, e,
                                         training.mask_bytes, unfused,
                                         selective=layout.recompute == "selective")
+    # MoE layers (spread evenly over the stages): their experts' activations
+    moe = shape.moe_activation_change(layout.micro_batch, t, layout.sp, e) \
+        * shape.moe_layers / max(1, shape.layers)
+    one, kept = one + moe, kept + moe
     logits = shape.logits_bytes(layout.micro_batch, t, layout.sp) if stage == p - 1 else 0.0
     gradients_of_scores = shape.attention_backward_bytes(layout.micro_batch, t, layout.sp, e) \
         if unfused else 0.0
@@ -320,4 +354,4 @@ def estimate_stage(shape: ModelShape, layout: Layout, training: Training,
 
 __all__ = ["EXCHANGE_BYTES", "GIB", "RECOMPUTE", "REDUCE_BUCKET", "STEP_COPIES",
            "STEP_COPIES_FUSED", "Layout", "ModelShape", "Memory", "Training", "estimate",
-           "estimate_stage", "steps_in_place", "zero_partition"]
+           "estimate_stage", "rank_parameters", "steps_in_place", "zero_partition"]

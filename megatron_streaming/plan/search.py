@@ -6,7 +6,8 @@ exchange's bytes over the link's rate and its round trips against the steps that
 The search is exhaustive (a cluster's candidates number in the thousands at most, each
 a few formulas): TP among the divisors of a node's devices that divide the heads and the
 query groups, PP among the divisors of the layers, Ulysses SP among the divisors of what the
-heads have left, data parallel the rest of the cluster, ZeRO 0-2, micro-batch 1-8, no
+heads have left, data parallel the rest of the cluster, for an MoE model EP among the
+divisors of the experts that divide the data x sequence ranks, ZeRO 0-2, micro-batch 1-8, no
 recompute, a selective one (the core attention) or a full one. A candidate must fit the
 device memory (``--memory-headroom`` kept free); the fastest (tokens per second of the
 worker) wins; speeds within 0.5 % of the fastest tie, and less memory, then fewer ranks per
@@ -104,14 +105,21 @@ def candidates(shape: ModelShape, cluster: Cluster, devices: int,
                 if shape.seq % sp or devices % (tp * pp * sp):
                     continue
                 dp = devices // (tp * pp * sp)
+                # EP: a divisor of the experts and of the data x sequence ranks
+                eps = [e for e in _divisors(dp * sp) if shape.experts % e == 0] \
+                    if shape.experts else [1]
                 for micro in (1, 2, 4, 8):
                     if global_batch % (micro * dp):
                         continue
                     for zero in (0, 1, 2):
                         if zero and dp * sp == 1:
                             continue  # nothing to partition over
-                        for recompute in RECOMPUTE:
-                            out.append(Layout(tp, pp, sp, dp, zero, micro, recompute))
+                        for ep in eps:
+                            if ep > 1 and zero == 0:
+                                continue  # refused: stage-0 clipping with experts spread
+                            for recompute in RECOMPUTE:
+                                out.append(Layout(tp, pp, sp, dp, zero, micro, recompute,
+                                                  ep))
     return out
 
 

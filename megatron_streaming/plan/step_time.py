@@ -65,7 +65,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict
 
-from .memory import Layout, ModelShape, Training, steps_in_place, zero_partition
+from .memory import Layout, ModelShape, Training, rank_parameters, steps_in_place
 
 
 # The unfused attention's memory traffic per score element: about 30 ps each on one H200
@@ -108,8 +108,7 @@ HOST_SECONDS_PER_TENSOR = 3.75e-4
 def optimizer_bytes(shape: ModelShape, layout: Layout, training: Training,
                     fused: bool = True) -> float:
     """Bytes the busiest rank's optimizer step moves (the first stage's parameters)."""
-    params = shape.stage_parameters(layout.tp, layout.pp, 0)
-    partition = zero_partition(params, layout)
+    params, partition = rank_parameters(shape, layout, 0)
     adamw = FUSED_ADAMW_BYTES if fused else UNFUSED_ADAMW_BYTES
     if steps_in_place(layout, training):
         reduced = layout.dp * layout.sp > 1
@@ -126,7 +125,7 @@ def optimizer_seconds(shape: ModelShape, layout: Layout, training: Training,
     device = optimizer_bytes(shape, layout, training, fused) / memory_bytes_per_s
     if not fused:  # the CPU runs every operation where it is launched: bytes alone
         return device
-    return max(device, shape.stage_tensors(layout.pp, 0) * HOST_SECONDS_PER_TENSOR)
+    return max(device, shape.stage_tensors(layout.pp, 0, layout.ep) * HOST_SECONDS_PER_TENSOR)
 
 
 def forward_flops_per_token(shape: ModelShape) -> float:
@@ -137,8 +136,16 @@ def forward_flops_per_token(shape: ModelShape) -> float:
     up = shape.ffn * (2 if shape.swiglu else 1)
     dense = shape.hidden * (q + kv) + q * shape.hidden + shape.hidden * up \
         + shape.ffn * shape.hidden
-    return shape.layers * 2 * dense + attention_flops_per_token(shape) \
-        + 2 * shape.hidden * shape.vocab
+    # an MoE layer: its token through top-k experts, the router and the shared experts
+    # instead of the dense MLP
+    moe = 0.0
+    if shape.experts:
+        def mlp(width):
+            return shape.hidden * width * (2 if shape.swiglu else 1) + width * shape.hidden
+        moe = shape.topk * mlp(shape.expert_ffn) + shape.hidden * shape.experts \
+            + (mlp(shape.shared_ffn) if shape.shared_ffn else 0) - mlp(shape.ffn)
+    return shape.layers * 2 * dense + shape.moe_layers * 2 * moe \
+        + attention_flops_per_token(shape) + 2 * shape.hidden * shape.vocab
 
 
 def attention_flops_per_token(shape: ModelShape) -> float:
@@ -199,6 +206,14 @@ def step_time(shape: ModelShape, layout: Layout, training: Training,
         rounds = 3 if again else 2
         out["sequence parallel"] = rounds * per_layer * (
             share * volume / bandwidth(layout.tp * layout.sp) + 4 * latency)
+    if layout.ep > 1 and shape.experts:
+        # the dispatcher's all-to-alls: each token's top-k copies of the hidden state out to
+        # the experts and back, in the forward and the backward (and the recompute's forward)
+        moe_layers = shape.moe_layers / layout.pp * micro_batches
+        volume = shape.topk * activation / (layout.tp if layout.tp > 1 else 1)
+        share = (layout.ep - 1) / layout.ep
+        out["expert parallel"] = (6 if full else 4) * moe_layers * (
+            share * volume / bandwidth(layout.tp * layout.ep) + latency)
     if layout.pp > 1:
         boundaries = min(2, layout.pp - 1)  # a middle stage sends and receives both ways
         out["pipeline"] = 2 * boundaries * micro_batches * (
