@@ -6,6 +6,7 @@ and weighs the outer mean by each worker's tokens.
   exchange goes by the layout-free lanes (``streaming.canonical``);
 * ZeRO-1 over DP=2 (global batch 4, micro-batch 1) beside TP=2 (global batch 8,
   micro-batch 4), with eager outer updates (each worker's global copy its own);
+* a mixture-of-experts model at EP=2 (global batch 4) beside TP=2 (global batch 8);
 * the first pair again with FP4 and error feedback, whose residual lives on the lanes: the
   reference has no codec, so this one is held to the resume below (a residual left out of
   the restore puts it 1.1e-1 / 4.0e-3 off), to a non-zero residual in its checkpoint, and to
@@ -62,6 +63,14 @@ CASES = {
         [*EAGER, "--tensor-model-parallel-size", "2", "--micro-batch-size", "4",
          "--global-batch-size", "8"]),
 }
+# Mixture of experts: experts over EP=2 on one worker, TP=2 (with sequence parallelism) on
+# the other; the lanes carry every expert once.
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01"]
+CASES["moe_ep2_vs_tp2_batches_4_8"] = (
+    [*MOE, "--expert-model-parallel-size", "2", "--micro-batch-size", "1",
+     "--global-batch-size", "4"],
+    [*MOE, "--tensor-model-parallel-size", "2", "--sequence-parallel", "--micro-batch-size",
+     "2", "--global-batch-size", "8"])
 FP4_EF = ["--diloco-quantize", "fp4", "--diloco-error-feedback"]
 CASES["fp4_error_feedback_tp2_vs_pp2"] = tuple(
     [*f, *FP4_EF] for f in CASES["tp2_vs_pp2_batches_8_4"])

@@ -327,9 +327,9 @@ def _validate_moe(cfg: Config, layout) -> None:
     _require(m.disable_bias_linear or p.tensor_model_parallel_size == 1,
              "--num-experts with --tensor-model-parallel-size > 1: megatron-core's experts take "
              "linear biases only at expert tensor-parallel size 1; add --disable-bias-linear")
-    _require(not (ep > 1 and p.tensor_model_parallel_size > 1 and not p.sequence_parallel),
-             "--expert-model-parallel-size > 1 with --tensor-model-parallel-size > 1 needs "
-             "--sequence-parallel, as in Megatron-LM")
+    _require(not (p.tensor_model_parallel_size > 1 and not p.sequence_parallel),
+             "--num-experts with --tensor-model-parallel-size > 1 needs --sequence-parallel, as "
+             "megatron-core requires")
     # DeepSpeed's stage-0 clipping averages each rank's own norm over the data-parallel
     # ranks, which hold different experts: the norm would not be the model's.
     _require(not (ep > 1 and p.zero_stage == 0 and cfg.optimizer.clip_grad > 0),

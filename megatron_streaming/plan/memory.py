@@ -88,6 +88,7 @@ class Layout:
     # dropout and context, recomputed from Q, K and V) or full (a layer from its input)
     recompute: str = "none"
     ep: int = 1  # expert parallel (MoE), carved from the data and sequence ranks
+    moe: bool = False  # the model has experts (TP > 1 then needs --sequence-parallel)
 
     def __post_init__(self):
         if self.recompute not in RECOMPUTE:
@@ -105,8 +106,8 @@ class Layout:
             out += ["--ds-sequence-parallel-size", str(self.sp)]
         if self.ep > 1:
             out += ["--expert-model-parallel-size", str(self.ep)]
-            if self.tp > 1:  # Megatron's rule for EP with TP
-                out.append("--sequence-parallel")
+        if self.moe and self.tp > 1:  # megatron-core's rule for MoE with TP
+            out.append("--sequence-parallel")
         if self.recompute == "full":
             out += ["--recompute-granularity", "full", "--recompute-method", "uniform"]
         elif self.recompute == "selective":

@@ -119,7 +119,7 @@ def candidates(shape: ModelShape, cluster: Cluster, devices: int,
                                 continue  # refused: stage-0 clipping with experts spread
                             for recompute in RECOMPUTE:
                                 out.append(Layout(tp, pp, sp, dp, zero, micro, recompute,
-                                                  ep))
+                                                  ep, bool(shape.experts)))
     return out
 
 
