@@ -110,6 +110,9 @@ def test_megatron_deepspeed_moe_flags_are_mapped_or_refused_by_name():
     ([*MOE, "--expert-model-parallel-size", "4"], 2,
      "the 2 ranks of a pipeline stage (tensor x sequence x data parallel) are not divisible"),
     ([*MOE, "--ladder-residual"], 1, "--num-experts does not go with --ladder-residual"),
+    ([*MOE, "--num-layers", "4", "--moe-layer-freq", "[1,1,0,0]", "--expert-model-parallel-size",
+      "2", "--pipeline-model-parallel-size", "2"], 4,
+     "--moe-layer-freq [1,1,0,0] leaves pipeline stage 1 without an MoE layer"),
 ])
 def test_what_cannot_run_is_refused_by_flag(flags, world, message):
     assert message in _refused(*flags, world=world)

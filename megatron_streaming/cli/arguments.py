@@ -316,9 +316,18 @@ def _validate_moe(cfg: Config, layout) -> None:
              "--moe-router-topk 1 needs --moe-router-pre-softmax (a softmax over the one "
              "chosen expert has no gradient), as in Megatron-LM")
     try:
-        moe_layer_pattern(m.moe_layer_freq, m.num_layers)
+        pattern = moe_layer_pattern(m.moe_layer_freq, m.num_layers)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    pp = p.pipeline_model_parallel_size
+    per_stage = m.num_layers // pp
+    empty = [s for s in range(pp) if not any(pattern[s * per_stage:(s + 1) * per_stage])]
+    # At EP > 1 the experts are optimizer groups of their own, which every stage must have
+    # (DeepSpeed reduces each group's gradient norm over the pipeline stages together).
+    _require(ep == 1 or not empty,
+             f"--moe-layer-freq {m.moe_layer_freq} leaves pipeline stage {empty[0] if empty else 0} "
+             f"without an MoE layer, which --expert-model-parallel-size {ep} needs on every "
+             "stage; change the frequency or the pipeline size")
     _require(etp is None or etp == p.tensor_model_parallel_size,
              f"--expert-tensor-parallel-size {etp}: only the tensor-parallel size "
              f"({p.tensor_model_parallel_size}, the default) is supported")
