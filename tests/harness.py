@@ -144,13 +144,13 @@ def train_losses(nproc: int, args, tmp_path, name: str = "run", **run_kwargs) ->
 
 def train_losses_together(runs, tmp_path, timeout: float = 300) -> dict:
     """``train_losses`` of several independent runs at once, ``{name: (nproc, args)}`` or
-    ``(nproc, args, extra_env)``: a one-rank run beside a two-rank one fills the cores that
-    start-up leaves idle."""
+    ``(nproc, args, extra_env[, script])``: a one-rank run beside a two-rank one fills the
+    cores that start-up leaves idle."""
     procs = {}
     try:
-        for name, (nproc, args, *extra_env) in runs.items():
+        for name, (nproc, args, *rest) in runs.items():
             procs[name] = start(nproc, [*args, "--log-jsonl", str(tmp_path / f"{name}.jsonl")],
-                                tmp_path / f"{name}.log", *extra_env)
+                                tmp_path / f"{name}.log", *rest)
         for name, proc in procs.items():
             assert proc.wait(timeout=timeout) == 0, \
                 (tmp_path / f"{name}.log").read_text()[-4000:]

@@ -15,7 +15,7 @@ import json
 
 import pytest
 
-from harness import TINY, train_losses
+from harness import TINY, train_losses, train_losses_together
 
 ITERS = ["--train-iters", "4", "--eval-iters", "0"]
 DECOUPLED = ["--decoupled-lr", "3e-3", "--decoupled-min-lr", "3e-4"]
@@ -98,15 +98,15 @@ OWN_REFERENCE = {"pp2_untied_zero1": ["--untie-embeddings-and-output-weights"],
 def test_layout_matches_single_process(name, reference, tmp_path):
     nproc, extra = LAYOUTS[name]
     args = [*TINY, *ITERS, *extra]
-    if name in OWN_REFERENCE:
-        ref = train_losses(1, [*TINY, *ITERS, *OWN_REFERENCE[name]], tmp_path, "own_ref")
-    else:
-        ref = reference
-    if "--sequence-parallel" not in extra:
-        losses = train_losses(nproc, args, tmp_path)
-    else:
-        losses = train_losses(nproc, args, tmp_path, script="tests/tp_reductions_driver.py",
-                              extra_env={"TP_REDUCTIONS_DIR": str(tmp_path)})
+    driven = "--sequence-parallel" in extra
+    layout = (nproc, args, {"TP_REDUCTIONS_DIR": str(tmp_path)},
+              "tests/tp_reductions_driver.py") if driven else (nproc, args)
+    runs = {"run": layout}
+    if name in OWN_REFERENCE:  # beside the run: start-ups leave cores idle
+        runs["own_ref"] = (1, [*TINY, *ITERS, *OWN_REFERENCE[name]])
+    together = train_losses_together(runs, tmp_path)
+    losses, ref = together["run"], together.get("own_ref", reference)
+    if driven:
         ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(nproc)]
         # One coalesced all-reduce per step, not one per parameter (6 a layer, 2 in the
         # final norm) per micro-batch (2 here).
