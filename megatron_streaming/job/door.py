@@ -58,7 +58,9 @@ PREFIX = "megatron_streaming/door/"
 SECRET_ENV = "MEGATRON_STREAMING_AUTH_TOKEN"
 _MODEL_SKIP = {"recompute_granularity", "recompute_method", "recompute_num_layers",
                "recompute_modules", "hidden_dropout", "attention_dropout",
-               "attention_backend"}
+               "attention_backend",
+               # how a worker reaches its experts, not what they compute
+               "moe_token_dispatcher_type", "moe_grouped_gemm"}
 _STREAMING_SKIP = {"diloco_worker_index", "diloco_timeout", "eval_params"}
 # The layout and the batch are each worker's own (``workers.WorkerShape``), not compared.
 _TRAINING = ("train_iters", "train_samples", "train_tokens", "rampup_batch_size",
