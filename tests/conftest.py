@@ -73,7 +73,7 @@ QUICK_FILES = (
     "test_megatron_flags.py", "test_tokenizers.py", "test_data.py", "test_plan.py",
     "test_simulate.py", "test_topology.py", "test_quiet.py", "test_errors.py", "test_hf.py",
     "test_model.py", "test_attention.py", "test_ladder.py", "test_slurm.py", "test_launch.py",
-    "test_checkpoint.py", "test_gpu_environment.py", "test_training.py",
+    "test_checkpoint.py", "test_gpu_environment.py", "test_training.py", "test_moe.py",
 )
 QUICK_LEFT_OUT = {
     "test_checkpoint.py": ("test_resume_continues_the_uninterrupted_run_exactly",
@@ -85,7 +85,9 @@ QUICK_LEFT_OUT = {
         "test_a_job_trains_the_same_with_apex_and_transformer_engine_importable",),
     "test_ladder.py": ("test_pp2_ladder_equals_pp1", "test_tp2_ladder_equals_tp1"),
     "test_membership.py": ("test_survivors_make_the_next_epochs_groups_without_the_lost_worker",),
-    "test_plan.py": ("test_plan_prints_sbatch_lines_that_pretrain_gpt_accepts",),
+    "test_plan.py": ("test_plan_prints_sbatch_lines_that_pretrain_gpt_accepts",
+                     "test_mixture_of_experts_prices_experts_by_ep_and_the_plan_searches_it"),
+    "test_moe.py": ("test_a_checkpoint_written_at_ep2_resumes_at_ep1_and_at_ep2_tp2",),
     "test_quiet.py": ("test_two_ranks_print_each_expected_warning_once",),
     "test_rule.py": ("test_a_run_warns_once_per_job",),
     "test_slurm.py": ("test_a_bare_srun_runs_each_task_as_a_rank_of_the_job",
