@@ -160,23 +160,25 @@ def test_experts_are_named_by_their_global_index():
 
 @pytest.mark.timeout(600)
 def test_a_checkpoint_written_at_ep2_resumes_at_ep1_and_at_ep2_tp2(tmp_path):
-    """Saved at EP=2 (ZeRO-1, a SwiGLU MoE with load-balancing and z-losses), loaded at
+    """Saved at EP=2 over DP=4 (each expert's ZeRO-2 partition cut over its two
+    expert-data-parallel ranks; a SwiGLU MoE with load-balancing and z-losses), loaded at
     EP=1 and at EP=2 x TP=2 with sequence parallelism: the step after loading has the
     uninterrupted run's loss. The logged expert load adds up: every routed token is at an
     expert (no capacity factor: none dropped)."""
     args = [*TINY, *MOE, "--num-layers", "2", "--train-iters", "4", "--eval-iters", "0",
-            "--swiglu", "--moe-aux-loss-coeff", "0.01", "--moe-z-loss-coeff", "0.001"]
+            "--swiglu", "--moe-aux-loss-coeff", "0.01", "--moe-z-loss-coeff", "0.001",
+            "--global-batch-size", "8"]
     ckpt = tmp_path / "ckpt"
-    run(2, [*args, "--expert-model-parallel-size", "2", "--save", str(ckpt),
-            "--save-interval", "3", "--log-jsonl", str(tmp_path / "full.jsonl")])
+    run(4, [*args, "--expert-model-parallel-size", "2", "--zero-stage", "2", "--save",
+            str(ckpt), "--save-interval", "3", "--log-jsonl", str(tmp_path / "full.jsonl")])
     (ckpt / "latest_checkpointed_iteration.txt").write_text("3\n")
     full = read_jsonl(tmp_path / "full.jsonl")
     losses = {r["iteration"]: r["train/loss"] for r in full if "train/loss" in r}
     last = full[-1]
     for layer in ("moe/layer00", "moe/layer01"):
         tokens = sum(last[f"{layer}/tokens_per_expert/{e:02d}"] for e in range(4))
-        # 4 samples x 32 tokens, top-2, in the logged step
-        assert tokens == 4 * 32 * 2 and last[f"{layer}/dropped_tokens"] == 0
+        # 8 samples x 32 tokens, top-2, in the logged step
+        assert tokens == 8 * 32 * 2 and last[f"{layer}/dropped_tokens"] == 0
         assert 0.5 < last[f"{layer}/load_balancing_loss"] < 2.0
         assert last[f"{layer}/z_loss"] > 0
     for name, (nproc, flags) in {
