@@ -51,7 +51,7 @@ SIZES = {
     # 6 x 12 x 288^2 + 2048 x 288 + 128 x 288 = 6.6M parameters.
     "large": ["--num-layers", "6", "--hidden-size", "288", "--num-attention-heads", "6"],
     # "small" with every MLP a mixture of 4 experts of the dense MLP's width, top-1: the
-    # same active parameters a token (one MLP's and a 4 x 128 router), 4.6M in all.
+    # same active parameters a token (one MLP's and a 4 x 128 router), 3.8M in all.
     "moe_small": ["--num-layers", "6", "--hidden-size", "128", "--num-attention-heads", "4",
                   "--num-experts", "4", "--moe-router-topk", "1", "--moe-router-pre-softmax",
                   "--moe-aux-loss-coeff", "0.01"],
