@@ -210,3 +210,17 @@ def test_the_parameter_count_of_the_flags_is_the_models(megatron_world, flags):
     built = sum(p.numel() for n, p in model.named_parameters() if n != "output_layer.weight"
                 or cfg.model.untie_embeddings_and_output_weights)
     assert parameter_count(cfg.model, 100) == built
+
+
+def test_grouped_gemm_on_a_gpu_is_said_once_to_be_untested(monkeypatch):
+    """Where it can run, --moe-grouped-gemm is the user's choice, warned at start as a path
+    the tests have not run; the validation's other warnings stay (the NCCL one did not)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cfg = _parse(*MOE, "--moe-grouped-gemm", "--diloco-workers", "2", "--diloco-backend",
+                 "nccl", "--diloco-timeout", "60", world=2)
+    assert any(w.startswith("--moe-grouped-gemm: megatron-core's grouped GEMM experts have "
+                            "not run") for w in cfg.warnings), cfg.warnings
+    assert any(w.startswith("--diloco-backend nccl: NCCL across workers has not run")
+               for w in cfg.warnings), cfg.warnings

@@ -72,6 +72,10 @@ LAYOUTS = {
     "moe_tp2_ep2_sequence_parallel": (4, [*MOE, "--expert-model-parallel-size", "2",
                                           "--tensor-model-parallel-size", "2",
                                           "--sequence-parallel"]),
+    # Ulysses: the experts over the two sequence ranks, the router's statistics summed over
+    # them (the reference routes whole sequences).
+    "moe_ulysses_sp2_ep2": (2, [*MOE, "--expert-model-parallel-size", "2",
+                                "--ds-sequence-parallel-size", "2"]),
     "moe_pp2_ep2": (4, [*MOE, "--expert-model-parallel-size", "2",
                         "--pipeline-model-parallel-size", "2", "--global-batch-size", "8"]),
     # --decoupled-lr: the middle stage holds no embedding yet has the third param group.
@@ -90,6 +94,7 @@ OWN_REFERENCE = {"pp2_untied_zero1": ["--untie-embeddings-and-output-weights"],
                  "moe_ep2_alltoall_capacity": [*MOE_BIASED, "--moe-expert-capacity-factor",
                                                "1.0"],
                  "moe_tp2_ep2_sequence_parallel": [*MOE, "--sequence-parallel"],
+                 "moe_ulysses_sp2_ep2": MOE,
                  "moe_pp2_ep2": [*MOE, "--global-batch-size", "8"]}
 
 

@@ -159,6 +159,7 @@ def validate(cfg: Config, world_size: int) -> None:
     from ..parallel.topology import RankLayout
 
     m, p, o, d = cfg.model, cfg.parallel, cfg.optimizer, cfg.data
+    cfg.warnings = []  # the checks below add theirs
     try:
         layout = RankLayout.of(cfg, world_size)
     except ValueError as e:
@@ -202,7 +203,7 @@ def validate(cfg: Config, world_size: int) -> None:
     _validate_schedules(cfg, dp)
     from ..streaming import rule
 
-    cfg.warnings = rule.warnings(cfg.streaming, cfg.optimizer.lr)
+    cfg.warnings += rule.warnings(cfg.streaming, cfg.optimizer.lr)
     _validate_batches(cfg, dp)
     _require(o.lr >= 0 and o.min_lr >= 0, f"--lr ({o.lr}) and --min-lr ({o.min_lr}) must be "
              ">= 0")
@@ -381,6 +382,9 @@ def _validate_moe(cfg: Config, layout) -> None:
     _require(not m.moe_grouped_gemm or torch.cuda.is_available(),
              "--moe-grouped-gemm: the grouped GEMM is a GPU kernel and this machine has no "
              "GPU; drop it (the experts then run one after another: the same math)")
+    if m.moe_grouped_gemm:
+        cfg.warnings.append("--moe-grouped-gemm: megatron-core's grouped GEMM experts have not "
+                            "run in this project's tests (docs/limits.md, Mixture of experts)")
 
 
 def _validate_gpu_features(cfg: Config) -> None:
