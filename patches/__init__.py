@@ -20,7 +20,8 @@ DeepSpeed's CPU accelerator.
 Adapters (not patches: they change nothing upstream, and ``apply()`` does not list them) reach
 private upstream state through one module per package, version-pinned the same way:
 ``deepspeed_zero`` (the ZeRO and FP16_UnfusedOptimizer fields the engine, the sync and the
-checkpoint use) and ``megatron_parallel_state`` (``parallel_state``'s module globals, pointed at
+checkpoint use), ``deepspeed_moe`` (DeepSpeed's expert groups, for megatron-core's MoE layers)
+and ``megatron_parallel_state`` (``parallel_state``'s module globals, pointed at
 a worker's own groups; it also creates megatron's global memory buffer, which
 ``DotProductAttention`` and the sequence-parallel layers need and which only
 ``initialize_model_parallel`` would otherwise create), ``megatron_row_parallel`` (a
