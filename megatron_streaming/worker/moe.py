@@ -21,7 +21,6 @@ import re
 from typing import List
 
 _EXPERT = re.compile(r"(^|\.)mlp\.experts\.")
-_GLOBAL_EXPERT = re.compile(r"(?:^|\.)experts\.local_experts\.(\d+)\.")
 
 
 def is_expert(name: str) -> bool:
@@ -36,12 +35,6 @@ def expert_offset(model_cfg, topology) -> int:
     if not model_cfg.moe:
         return 0
     return topology.expert_coords["ep"] * (model_cfg.num_experts // topology.layout.ep)
-
-
-def expert_of(global_name: str):
-    """The global expert index in an expert parameter's global name, else None."""
-    match = _GLOBAL_EXPERT.search(global_name)
-    return int(match.group(1)) if match else None
 
 
 def expert_group_name(ep: int) -> str:
@@ -87,9 +80,9 @@ def mlp_spec(model_cfg, transformer_engine: bool):
 
 
 def with_moe_mlp(spec, model_cfg, transformer_engine: bool):
-    """A copy of a dense layer spec whose MLP is the MoE layer. The pre-MLP norm stays the
-    dense spec's, except where Transformer Engine fuses it into the dense MLP's first linear:
-    the MoE layer has no such linear, so it takes a norm of its own (``norm``)."""
+    """A copy of a dense layer spec whose MLP is the MoE layer (its pre-MLP norm the dense
+    spec's: ``layer_specs`` gives Transformer Engine's layers, which fuse that norm into the
+    dense MLP's first linear, a norm of their own)."""
     moe = copy.copy(spec)
     moe.submodules = copy.copy(spec.submodules)
     moe.submodules.mlp = mlp_spec(model_cfg, transformer_engine)
