@@ -49,12 +49,16 @@ def mark_experts(params: Iterable, name: str) -> None:
 
 
 @contextlib.contextmanager
-def as_moe_layers(layer_class):
-    """While ``deepspeed.initialize`` runs, its engine counts ``layer_class`` modules as MoE
-    layers (reading their ``num_experts``: set it on each)."""
+def as_moe_layers(model, layer_class):
+    """While ``deepspeed.initialize`` runs, its engine counts ``model``'s ``layer_class``
+    modules (megatron-core's ``MoELayer``) as MoE layers; it reads their ``num_experts``,
+    which they get from their config."""
     _check()
     import deepspeed.runtime.engine as engine
 
+    for module in model.modules():
+        if isinstance(module, layer_class):
+            module.num_experts = module.config.num_moe_experts
     original = engine.MoE
     engine.MoE = (original, layer_class)
     try:

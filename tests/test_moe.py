@@ -139,8 +139,11 @@ def test_expert_groups_are_megatron_cores(tp, sp, dp, pp, ep):
     same(groups["expt_tp"], expert.get_ranks("tp"))
     same(groups["expt_dp"], expert.get_ranks("dp"))
     same(groups["tp_ep"], expert.get_ranks("tp-ep"))
-    # A dense model makes none of them.
-    assert "ep" not in RankLayout(world, 1, tp, pp, sp).all_groups()
+    # A dense model makes none of them; Topology.create knows their names.
+    from megatron_streaming.parallel.topology import MOE_GROUPS
+
+    assert not set(MOE_GROUPS) & set(RankLayout(world, 1, tp, pp, sp).all_groups())
+    assert set(layout._moe_groups()) == set(MOE_GROUPS)
 
 
 def test_experts_are_named_by_their_global_index():

@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 IN_WORKER_AXES = ("tp", "sp", "dp", "pp")  # fastest first; sp = Ulysses sequence parallel
+# The groups a mixture-of-experts model adds (``RankLayout._moe_groups``).
+MOE_GROUPS = ("tp_sdp", "tp_sp", "ep", "expt_tp", "expt_dp", "tp_ep")
 
 
 @dataclass(frozen=True)
@@ -324,7 +326,6 @@ class Topology:
             raise ValueError("workers of different sizes need each worker in its own world "
                              "(one launch per worker) or gloo across workers")
         made: Dict[tuple, object] = {}  # in-worker groups by their ranks
-        moe_names = layout._moe_groups() if layout.moe else {}
         for name, rank_lists in layout.all_groups().items():
             cross = name.startswith("cross_worker")
             if cross and standalone:
@@ -332,7 +333,7 @@ class Topology:
             for ranks in rank_lists:
                 if per_worker and layout.coords(ranks[0])["worker"] != topo.worker:
                     continue  # another worker's group, made in that worker's world
-                if name in moe_names and tuple(ranks) in made:
+                if name in MOE_GROUPS and tuple(ranks) in made:
                     if rank in ranks:  # the same ranks as an earlier group: that group
                         topo.groups[name] = made[tuple(ranks)]
                         topo.group_ranks[name] = ranks

@@ -16,9 +16,8 @@ from typing import Dict
 import torch
 import torch.distributed as dist
 
-# megatron-core's tracker names -> ours (the losses as it records them: before the coefficient)
-LOSSES = {"load_balancing_loss": "load_balancing_loss",
-          "seq_load_balancing_loss": "seq_load_balancing_loss", "z_loss": "z_loss"}
+# megatron-core's tracker names (the losses as it records them: before the coefficient)
+LOSSES = ("load_balancing_loss", "seq_load_balancing_loss", "z_loss")
 
 
 class ExpertLoad:
@@ -30,7 +29,8 @@ class ExpertLoad:
         # False on the tensor-parallel ranks past the first without sequence parallelism:
         # they route the very tokens the first one does.
         self.counts_tokens = counts_tokens
-        self.counts = torch.zeros(num_layers, num_experts + 2, dtype=torch.float64)
+        # on the routing maps' device (set at the first forward): no host copy per forward
+        self.counts = None
         self._handles = [module.register_forward_hook(self._count)
                          for module in model.modules() if isinstance(module, TopKRouter)]
 
@@ -38,10 +38,13 @@ class ExpertLoad:
         if not router.training:
             return
         routing_map = output[1]
+        if self.counts is None:
+            self.counts = torch.zeros(self.num_layers, self.num_experts + 2,
+                                      dtype=torch.float64, device=routing_map.device)
         row = self.counts[router.layer_number - 1]
         row[self.num_experts + 1] += 1  # forwards of this layer (the losses' mean)
         if self.counts_tokens:
-            row[:self.num_experts] += routing_map.sum(dim=0).double().cpu()
+            row[:self.num_experts] += routing_map.sum(dim=0)
             row[self.num_experts] += routing_map.shape[0] * self.topk  # routed
 
     def scalars(self, group, device) -> Dict[str, float]:
@@ -53,18 +56,21 @@ class ExpertLoad:
         )
 
         tracker = get_moe_layer_wise_logging_tracker()
+        counts = torch.zeros(self.num_layers, self.num_experts + 2, dtype=torch.float64) \
+            if self.counts is None else self.counts.cpu()
         losses = torch.zeros(len(LOSSES), self.num_layers, dtype=torch.float64)
         for i, name in enumerate(LOSSES):
             if name in tracker:
                 losses[i] = tracker[name]["values"].detach().double().cpu()
-        both = torch.cat([self.counts.view(-1), losses.view(-1)]).to(device)
+        both = torch.cat([counts.view(-1), losses.view(-1)]).to(device)
         dist.all_reduce(both, group=group)
-        counts = both[:self.counts.numel()].view_as(self.counts).cpu()
-        losses = both[self.counts.numel():].view_as(losses).cpu()
-        self.counts.zero_()
+        counts = both[:counts.numel()].view_as(counts).cpu()
+        losses = both[counts.numel():].view_as(losses).cpu()
+        if self.counts is not None:
+            self.counts.zero_()
         clear_aux_losses_tracker()
         out: Dict[str, float] = {}
-        layer_losses = {name: [] for name in LOSSES.values()}
+        layer_losses = {name: [] for name in LOSSES}
         for layer in range(self.num_layers):
             forwards = float(counts[layer, self.num_experts + 1])
             if not forwards:
@@ -77,7 +83,7 @@ class ExpertLoad:
             out[f"{prefix}/dropped_tokens"] = routed - float(tokens.sum())
             mean = float(tokens.mean())
             out[f"{prefix}/max_over_mean_load"] = float(tokens.max()) / mean if mean else 0.0
-            for i, name in enumerate(LOSSES.values()):
+            for i, name in enumerate(LOSSES):
                 value = float(losses[i, layer])
                 if value:
                     # each forward of the layer (every rank, every micro-batch) recorded one

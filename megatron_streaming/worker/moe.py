@@ -79,21 +79,15 @@ def mlp_spec(model_cfg, transformer_engine: bool):
                                moe_grouped_gemm=model_cfg.moe_grouped_gemm)
 
 
-def with_moe_mlp(spec, model_cfg, transformer_engine: bool):
-    """A copy of a dense layer spec whose MLP is the MoE layer (its pre-MLP norm the dense
-    spec's: ``layer_specs`` gives Transformer Engine's layers, which fuse that norm into the
-    dense MLP's first linear, a norm of their own)."""
+def layer_specs(spec, model_cfg, first: int, count: int, transformer_engine: bool,
+                te_pre_mlp_norm=None) -> List:
+    """The specs of layers ``first`` .. ``first + count - 1``: where ``--moe-layer-freq``
+    says, a copy of the dense ``spec`` whose MLP is the MoE layer, else ``spec``. The MoE
+    layer keeps the dense spec's pre-MLP norm, except on Transformer Engine's layers, which
+    fuse that norm into the dense MLP's first linear: there it takes ``te_pre_mlp_norm``."""
     moe = copy.copy(spec)
     moe.submodules = copy.copy(spec.submodules)
     moe.submodules.mlp = mlp_spec(model_cfg, transformer_engine)
-    return moe
-
-
-def layer_specs(spec, model_cfg, first: int, count: int, transformer_engine: bool,
-                te_pre_mlp_norm=None) -> List:
-    """The specs of layers ``first`` .. ``first + count - 1``: the MoE layer where
-    ``--moe-layer-freq`` says, else ``spec``."""
-    moe = with_moe_mlp(spec, model_cfg, transformer_engine)
     if te_pre_mlp_norm is not None:
         moe.submodules.pre_mlp_layernorm = te_pre_mlp_norm
     pattern = model_cfg.moe_layers()
@@ -118,10 +112,8 @@ def for_deepspeed(model, groups: List[dict], topology):
     name = expert_group_name(topology.layout.ep)
     deepspeed_moe.register_groups(name, topology.groups["ep"], topology.groups["expt_dp"])
     deepspeed_moe.mark_experts([p for n, p in model.named_parameters() if is_expert(n)], name)
-    for module in model.modules():
-        if isinstance(module, MoELayer):
-            module.num_experts = module.config.num_moe_experts
-    return expert_param_groups(groups, model, name), deepspeed_moe.as_moe_layers(MoELayer)
+    return expert_param_groups(groups, model, name), deepspeed_moe.as_moe_layers(model,
+                                                                                 MoELayer)
 
 
 def expert_param_groups(groups: List[dict], model, name: str) -> List[dict]:
