@@ -11,6 +11,9 @@ variables, through the library's step-hook extensions (nothing in the library re
   finished the cross-worker collectives they started (exit status 0, so that a launcher
   shared with other workers lets those go on): a loss at a known point, for the exactness
   test of elastic workers.
+* ``MEGATRON_STREAMING_SLOW_WRITE=ITERATION:SECONDS``: the background write of every
+  checkpoint of iteration ITERATION or later (``--async-save``) sleeps SECONDS before writing,
+  so a test can act while it is in flight.
 
 Launch it as ``pretrain_gpt.py`` is launched (torchrun, the deepspeed launcher, python).
 """
@@ -26,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 SLOW = "MEGATRON_STREAMING_SLOW_WORKER"
 STALL = "MEGATRON_STREAMING_STALL_WORKER"
 LEAVE = "MEGATRON_STREAMING_LEAVE_WORKER"
+SLOW_WRITE = "MEGATRON_STREAMING_SLOW_WRITE"
 
 
 def _parse(name):
@@ -71,7 +75,25 @@ class Faults:
             time.sleep(self.slow[1])
 
 
+def _slow_writes() -> None:
+    import re
+
+    from megatron_streaming.checkpoint.background import FileWrite
+
+    iteration, seconds = _parse(SLOW_WRITE)
+    real_run = FileWrite.run
+
+    def run(self):
+        if int(re.search(r"iter_(\d+)", self.directory).group(1)) >= iteration:
+            time.sleep(seconds)
+        return real_run(self)
+
+    FileWrite.run = run
+
+
 if __name__ == "__main__":
     import pretrain_gpt
 
+    if os.environ.get(SLOW_WRITE):
+        _slow_writes()
     pretrain_gpt.entry([Faults])

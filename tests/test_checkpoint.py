@@ -15,11 +15,13 @@ RESUME = [*TINY, "--train-iters", "6", "--eval-iters", "1", "--zero-stage", "2",
 
 @pytest.mark.timeout(400)
 def test_resume_continues_the_uninterrupted_run_exactly(tmp_path):
-    """ZeRO-2, bf16, DP=2: fp32 master partitions, AdamW moments, RNG and data position."""
+    """ZeRO-2, bf16, DP=2: fp32 master partitions, AdamW moments, RNG and data position,
+    saved by --async-save."""
     run(2, [*RESUME, "--log-jsonl", str(tmp_path / "full.jsonl")])
     ckpt = tmp_path / "ckpt"
-    run(2, [*RESUME, "--save", str(ckpt), "--exit-interval", "3",
-            "--log-jsonl", str(tmp_path / "first.jsonl")])
+    # Saved in the background (--async-save), committed on the way out.
+    run(2, [*RESUME, "--save", str(ckpt), "--exit-interval", "3", "--async-save",
+            "--save-interval", "3", "--log-jsonl", str(tmp_path / "first.jsonl")])
     run(2, [*RESUME, "--load", str(ckpt), "--log-jsonl", str(tmp_path / "second.jsonl")])
     full = read_jsonl(tmp_path / "full.jsonl")
     first = read_jsonl(tmp_path / "first.jsonl")
@@ -114,8 +116,70 @@ def test_crash_before_commit_keeps_previous_checkpoint(tmp_path, monkeypatch, me
     assert not os.path.exists(os.path.join(root, "iter_0000002.partial"))
 
 
-def test_crash_mid_file_write_leaves_nothing(tmp_path, monkeypatch, megatron_world):
-    """A tensor file that cannot be completed (disk full) fails the save cleanly."""
+def test_async_save_commits_once_written_and_holds_the_state_of_its_step(
+        tmp_path, monkeypatch, megatron_world):
+    """--async-save: the write goes on beside training; until it is committed the previous
+    checkpoint stays the latest (a crash meanwhile resumes from it), and what is committed is
+    the state when the save started, not the weights the steps since then changed."""
+    import threading
+
+    ckpt, state = _checkpointer(), LinearState(0)
+    root = str(tmp_path / "ckpt")
+    ckpt.save(root, 1, state, {"iteration": 1})
+    with torch.no_grad():
+        state.model.weight.add_(1.0)
+    at_save = state.model.weight.detach().clone()
+    release, real_request = threading.Event(), checkpoint._dist_save_request
+
+    def held_write(*args):  # the write blocks until the test lets it go
+        request = real_request(*args)
+
+        def write(*a, **k):
+            release.wait(60)
+            request.async_fn(*a, **k)
+
+        return request._replace(async_fn=write)
+
+    monkeypatch.setattr(checkpoint, "_dist_save_request", held_write)
+    pending = ckpt.start_save(root, 2, state, {"iteration": 2}, background=True)
+    with torch.no_grad():
+        state.model.weight.mul_(-3.0)  # the next steps, while the files are written
+    assert not pending.written()
+    assert checkpoint.find_checkpoint(root)[1]["iteration"] == 1
+    assert os.path.isdir(os.path.join(root, "iter_0000002.partial"))
+    release.set()
+    assert ckpt.finish_save(pending, keep_last=1) == os.path.join(root, "iter_0000002")
+    assert checkpoint.find_checkpoint(root)[1]["iteration"] == 2
+    assert sorted(os.listdir(root)) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
+    loaded = LinearState(1)
+    assert ckpt.load(root, loaded, WORKER_0) == {"iteration": 2}
+    assert torch.equal(loaded.model.weight, at_save)
+
+
+def test_keep_last_deletes_only_older_committed_checkpoints(tmp_path):
+    from megatron_streaming.checkpoint import store
+
+    root = tmp_path / "ckpt"
+    for i in range(1, 6):
+        (root / f"iter_{i:07d}").mkdir(parents=True)
+        (root / f"iter_{i:07d}" / "checkpoint.json").write_text("{}")
+    (root / "iter_0000006.partial").mkdir()  # being written: not committed
+    (root / "iter_0000007").mkdir()  # no checkpoint.json: not a committed checkpoint
+    (root / "latest_checkpointed_iteration.txt").write_text("3\n")  # resumed from 3
+    assert store.prune(str(root), 2) == [str(root / "iter_0000001"), str(root / "iter_0000002")]
+    assert sorted(os.listdir(root)) == ["iter_0000003", "iter_0000004", "iter_0000005",
+                                        "iter_0000006.partial", "iter_0000007",
+                                        "latest_checkpointed_iteration.txt"]
+    assert store.prune(str(root), 0) == []
+    (root / "latest_checkpointed_iteration.txt").unlink()
+    assert store.prune(str(root), 1) == []  # nothing a resume would find: nothing deleted
+
+
+@pytest.mark.parametrize("background", [False, True], ids=["sync", "async"])
+def test_crash_mid_file_write_leaves_nothing(tmp_path, monkeypatch, megatron_world,
+                                            background):
+    """A tensor file that cannot be completed (disk full) fails the save cleanly; written in
+    the background, at the commit."""
     import builtins
 
     ckpt = _checkpointer()
@@ -146,7 +210,8 @@ def test_crash_mid_file_write_leaves_nothing(tmp_path, monkeypatch, megatron_wor
     monkeypatch.setattr(builtins, "open", full_disk_open)
     with pytest.raises(checkpoint.CheckpointWriteError,
                        match="failed on rank.*No space left on device.*no earlier checkpoint"):
-        ckpt.save(root, 1, LinearState(0), {"iteration": 1})
+        ckpt.finish_save(ckpt.start_save(root, 1, LinearState(0), {"iteration": 1},
+                                         background=background))
     monkeypatch.setattr(builtins, "open", real_open)
     with pytest.raises(checkpoint.CheckpointError, match="--load .*no checkpoint"):
         checkpoint.find_checkpoint(root)
@@ -216,8 +281,37 @@ def test_resume_with_a_fragment_in_flight_continues_exactly(tmp_path, eager):
     checkpoint after step 7 holds an exchange in flight (and the FP4 error-feedback residual,
     the outer momentum and the global copy). Eager (outer momentum on, so each worker's global
     copy and momentum are its own): fragment 1 sent after step 3 and fragment 0 after step 6
-    are both in flight, applied at their next sends, 9 and 12."""
-    resumes_in_flight_exactly(tmp_path, EAGER if eager else STREAMING)
+    are both in flight, applied at their next sends, 9 and 12. tau2 saves with --async-save
+    while training goes on."""
+    if eager:
+        resumes_in_flight_exactly(tmp_path, EAGER)
+    else:
+        resumes_async_save_in_flight_exactly(tmp_path, STREAMING)
+
+
+def resumes_async_save_in_flight_exactly(tmp_path, args, extra_env=None):
+    """The run that saves goes on to the end while its checkpoint of step 7 is written in the
+    background; resumed from that checkpoint, a run trains as that run did after step 7."""
+    import re
+    import shutil
+
+    ckpt, older = tmp_path / "ckpt", tmp_path / "older"
+    full_summary, resumed_summary = tmp_path / "full.json", tmp_path / "resumed.json"
+    out = run(2, [*args, "--save", str(ckpt), "--save-interval", "7", "--async-save",
+                  "--keep-last", "2", "--log-jsonl", str(tmp_path / "full.jsonl"),
+                  "--summary-json", str(full_summary)], extra_env=extra_env).stderr
+    committed = re.search(r"saved checkpoint \S+/iter_0000007 at iteration (\d+)", out)
+    assert committed and int(committed.group(1)) > 7, out[-3000:]  # after steps went on
+    assert sorted(p.name for p in ckpt.iterdir()) == [
+        "iter_0000007", "iter_0000012", "latest_checkpointed_iteration.txt"]
+    meta = json.loads((ckpt / "iter_0000007" / "checkpoint.json").read_text())
+    assert meta["pending"] == [{"fragment": 0, "step": 6, "all_finite": True}]
+    # Back to step 7, as a user rolls back: the tracker pointed at it.
+    shutil.copytree(ckpt / "iter_0000007", older / "iter_0000007")
+    (older / "latest_checkpointed_iteration.txt").write_text("7\n")
+    run(2, [*args, "--load", str(older), "--log-jsonl", str(tmp_path / "second.jsonl"),
+            "--summary-json", str(resumed_summary)], extra_env=extra_env)
+    _same_after_step_7(tmp_path, full_summary, resumed_summary)
 
 
 def resumes_in_flight_exactly(tmp_path, args, extra_env=None):
@@ -238,11 +332,21 @@ def resumes_in_flight_exactly(tmp_path, args, extra_env=None):
     run(2, [*args, "--load", str(ckpt), "--log-jsonl", str(tmp_path / "second.jsonl"),
             "--summary-json", str(resumed_summary)], extra_env=extra_env)
 
+    assert _records(tmp_path / "first.jsonl", "train/loss") == \
+        _records(tmp_path / "full.jsonl", "train/loss")[:7]
+    _same_after_step_7(tmp_path, full_summary, resumed_summary)
+
+
+def _records(path, key):
+    return [(r["iteration"], r[key]) for r in read_jsonl(path) if key in r]
+
+
+def _same_after_step_7(tmp_path, full_summary, resumed_summary):
+    """second.jsonl (resumed at step 7) against full.jsonl, bit for bit."""
     def records(name, key):
-        return [(r["iteration"], r[key]) for r in read_jsonl(tmp_path / name) if key in r]
+        return _records(tmp_path / name, key)
 
     full_train = records("full.jsonl", "train/loss")
-    assert records("first.jsonl", "train/loss") == full_train[:7]
     assert records("second.jsonl", "train/loss") == full_train[7:]
     assert records("second.jsonl", "valid/loss") == records("full.jsonl", "valid/loss")
     assert records("second.jsonl", "streaming/drift") == records("full.jsonl",

@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from harness import TINY, run
-from test_checkpoint import STREAMING, resumes_in_flight_exactly
+from test_checkpoint import (STREAMING, resumes_async_save_in_flight_exactly,
+                             resumes_in_flight_exactly)
 from test_streaming import BASE, matches_reference
 
 pytestmark = [pytest.mark.cuda,
@@ -69,6 +70,12 @@ def test_cuda_fp4_error_feedback_keeps_the_workers_identical(tmp_path):
 @pytest.mark.timeout(600)
 def test_cuda_resume_with_a_fragment_in_flight_continues_exactly(tmp_path):
     resumes_in_flight_exactly(tmp_path, [*STREAMING, *GPU], extra_env=DETERMINISTIC)
+
+
+@pytest.mark.timeout(600)
+def test_cuda_async_save_resumes_exactly(tmp_path):
+    """--async-save on a GPU: the tensors copied to host memory before the background write."""
+    resumes_async_save_in_flight_exactly(tmp_path, [*STREAMING, *GPU], extra_env=DETERMINISTIC)
 
 
 @pytest.mark.parametrize("codec", ["fp4", "int8", "bf16"])

@@ -13,14 +13,15 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from typing import Callable, List, Optional
 
 from ..errors import JobFailure, first_line
+from .background import FileWrite, PendingSave, own_files, snapshot
 from .meta import document
 from .resume import FORMAT_VERSION, CheckpointError
-from .store import (TRACKER, check_files, check_safe, check_writable, checkpoint_files, commit,
-                    file_table, find_checkpoint, has_checkpoint, iteration_dir, share,
-                    worker_part)
+from .store import (TRACKER, check_files, check_safe, check_writable, commit, file_table,
+                    find_checkpoint, has_checkpoint, iteration_dir, prune, share, worker_part)
 
 __all__ = ["CheckpointError", "CheckpointWriteError", "Checkpointer", "FORMAT_VERSION",
            "TRACKER", "check_loadable", "check_writable", "find_checkpoint", "has_checkpoint",
@@ -43,14 +44,15 @@ class CheckpointWriteError(JobFailure):
     checkpoint that is still the latest."""
 
 
-def _dist_save(sharded_state_dict: dict, directory: str) -> None:
+def _dist_save_request(sharded_state_dict: dict, directory: str):
+    """megatron-core's torch_dist save, planned (collective; ``common.pt`` written): the
+    returned request writes this rank's files (``background.FileWrite``) and finalises."""
     from megatron.core.dist_checkpointing import save
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
-    # One writer thread per rank, synchronous: the save returns with the files written.
-    save(sharded_state_dict, directory,
-         sharded_strategy=TorchDistSaveShardedStrategy("torch_dist", 1),
-         validate_access_integrity=True)
+    return save(sharded_state_dict, directory,
+                sharded_strategy=TorchDistSaveShardedStrategy("torch_dist", 1),
+                validate_access_integrity=True, async_sharded_save=True)
 
 
 class Checkpointer:
@@ -78,10 +80,19 @@ class Checkpointer:
         # lowest live worker once workers were lost (``elastic``).
         self.leads = leads or (lambda: rank == 0)
 
-    def save(self, root: str, iteration: int, state, run_state: dict) -> str:
-        """Write the checkpoint, then commit on rank 0. A write that fails on any rank (disk
-        full, read-only, no permission) fails the save on every rank with
+    def save(self, root: str, iteration: int, state, run_state: dict,
+             keep_last: int = 0) -> str:
+        """Write the checkpoint, then commit on the leading rank. A write that fails on any
+        rank (disk full, read-only, no permission) fails the save on every rank with
         ``CheckpointWriteError``; the previous checkpoint stays the latest."""
+        return self.finish_save(self.start_save(root, iteration, state, run_state),
+                                keep_last)
+
+    def start_save(self, root: str, iteration: int, state, run_state: dict,
+                   background: bool = False) -> PendingSave:
+        """Everything of a save that needs the step loop: this rank's tensors collected (and
+        copied out when ``background``), the write planned; then its files written at once,
+        or on a thread (``background``: ``PendingSave.written`` tells when)."""
         final = iteration_dir(root, iteration)
         partial = final + ".partial"
         part = f"worker{self.worker}"
@@ -92,12 +103,11 @@ class Checkpointer:
             shutil.rmtree(partial, ignore_errors=True)  # left by a crash mid-save
             os.makedirs(partial)
 
-        import time
-
         t0 = time.perf_counter()
-        leads = self.leads()
-        self._agree(root, iteration, partial, prepare if leads else None)
+        self._agree(root, iteration, partial, prepare if self.leads() else None)
         sharded = state.sharded_state_dict()
+        if background:
+            sharded = snapshot(sharded)
         t1 = time.perf_counter()
         infos = self.gather({**state.rank_info(), "keys": sorted(sharded)})
 
@@ -109,25 +119,73 @@ class Checkpointer:
         # collectives a failure on one rank only would leave the others waiting.
         self._agree(root, iteration, partial, make_part if self.local == 0 else None)
         t2 = time.perf_counter()
-        self._agree(root, iteration, partial, lambda: _dist_save(sharded, mine))
+        request = []
+        self._agree(root, iteration, partial,
+                    lambda: request.append(_dist_save_request(sharded, mine)))
+        write = FileWrite(request[0], mine, self.local)  # device tensors copied out here
         t3 = time.perf_counter()
-        # Every rank hashes its share of its worker's files, in parallel.
-        tables = self.gather(file_table(mine, share(checkpoint_files(mine), self.local,
-                                                    len(infos))))
-        files = {f"{part}/{k}": v for t in tables for k, v in sorted(t.items())}
-        parts = [p for p in self.gather_workers((infos, files) if self.local == 0 else None)
-                 if p is not None]
-        t4 = time.perf_counter()
-        self.timings = {"collect": t1 - t0, "describe": t2 - t1, "write": t3 - t2,
-                        "hash": t4 - t3}
+        pending = PendingSave(root, iteration, partial, final, part, infos, write,
+                              {"collect": t1 - t0, "describe": t2 - t1, "plan": t3 - t2},
+                              run_state, state.describe)
+        if background:
+            write.start()
+        else:
+            write.run()
+        return pending
+
+    def finish_save(self, pending: PendingSave, keep_last: int = 0) -> str:
+        """Wait for this rank's files of ``pending``, learn that every rank's are written,
+        finalise, and commit on the leading rank (every rank of every worker takes part);
+        with ``keep_last`` the leading rank then deletes the older checkpoints beyond it."""
+        p, write = pending, pending.write
+        t0 = time.perf_counter()
+        table = write.wait()
+        error = None
+        if write.error is not None:
+            error = _os_error(write.error)
+            if error is None:
+                raise write.error
+        self._fail_together(p.root, p.iteration, p.partial, error)
+        t1 = time.perf_counter()
+        self._agree(p.root, p.iteration, p.partial, write.finalize)
+        mine = os.path.join(p.partial, p.part)
+        if self.local == 0:  # the worker's shared files, written by the finalisation
+            table.update(file_table(mine, [f for f in own_files(mine, 0)
+                                           if f not in table]))
+        tables = self.gather(table)
+        files = {f"{p.part}/{k}": v for t in tables for k, v in sorted(t.items())}
+        parts = [x for x in self.gather_workers((p.infos, files) if self.local == 0 else None)
+                 if x is not None]
+        t2 = time.perf_counter()
+        leads = self.leads()
         meta = None
         if leads:
-            every_rank = [i for p in parts for i in p[0]]
-            meta = document(iteration, run_state, state.describe(every_rank),
-                            {k: v for p in parts for k, v in sorted(p[1].items())})
-        self._agree(root, iteration, partial, (lambda: commit(
-            root, partial, final, meta)) if leads else None)
-        return final
+            every_rank = [i for x in parts for i in x[0]]
+            meta = document(p.iteration, p.run_state, p.describe(every_rank),
+                            {k: v for x in parts for k, v in sorted(x[1].items())})
+
+        def commit_and_prune():
+            commit(p.root, p.partial, p.final, meta)
+            if keep_last:
+                prune(p.root, keep_last)
+
+        self._agree(p.root, p.iteration, p.partial, commit_and_prune if leads else None)
+        # In the step loop's time: collect, describe, plan, waited (for the files: all of
+        # a synchronous write), finalize (the index, the hashes' gather, the commit).
+        self.timings = {**p.timings, "write": write.seconds["write"],
+                        "hash": write.seconds["hash"], "waited": t1 - t0,
+                        "gather": t2 - t1, "commit": time.perf_counter() - t2}
+        return p.final
+
+    def _fail_together(self, root: str, iteration: int, partial: str, error) -> None:
+        """Every rank learns whether ``error`` (an OSError or None) happened on any rank;
+        then every rank raises ``CheckpointWriteError`` or none does (collective)."""
+        failed = self.failed_ranks(error is not None)
+        if not failed:
+            return
+        if self.leads():
+            shutil.rmtree(partial, ignore_errors=True)  # give back the space it took
+        raise CheckpointWriteError(_write_error_message(root, iteration, failed, error))
 
     def _agree(self, root: str, iteration: int, partial: str, action) -> None:
         """Run ``action`` (None: nothing) and learn whether it failed on any rank; the
@@ -140,12 +198,7 @@ class Checkpointer:
                 error = _os_error(e)
                 if error is None:
                     raise
-        failed = self.failed_ranks(error is not None)
-        if not failed:
-            return
-        if self.leads():
-            shutil.rmtree(partial, ignore_errors=True)  # give back the space it took
-        raise CheckpointWriteError(_write_error_message(root, iteration, failed, error))
+        self._fail_together(root, iteration, partial, error)
 
     def verify(self, root: str, part: str) -> None:
         """Every file of the checkpoint's part ``part`` (``store.worker_part``), its SHA-256
@@ -171,8 +224,6 @@ class Checkpointer:
 
     def load(self, root: str, state, plan) -> dict:
         """Restore everything; returns the run state saved with it (iteration, ...)."""
-        import time
-
         directory, meta = find_checkpoint(root)
         part = worker_part(meta, plan.part_worker)
         started = time.perf_counter()

@@ -259,3 +259,30 @@ def commit(root: str, partial: str, final: str, meta: dict) -> None:
     os.replace(partial, final)
     fsync_dir(root)
     atomic_write(os.path.join(root, TRACKER), f"{meta['iteration']}\n")
+
+
+def prune(root: str, keep: int) -> list:
+    """``--keep-last``: delete the committed checkpoints under ``root`` beyond the newest
+    ``keep`` (by iteration), never the one the tracker points at; returns the deleted
+    directories. Called after a commit, so a crash in between leaves one more, never fewer.
+    Directories being written (``.partial``) and anything not named ``iter_NNNNNNN`` stay."""
+    import re
+    import shutil
+
+    if keep <= 0:
+        return []
+    try:
+        latest = int(open(os.path.join(root, TRACKER)).read().strip())
+    except (OSError, ValueError):
+        return []  # nothing committed that a resume would find: delete nothing
+    committed = sorted(int(m.group(1)) for m in (re.fullmatch(r"iter_(\d{7,})", name)
+                                                 for name in os.listdir(root))
+                       if m and os.path.isfile(os.path.join(root, m.group(0), META)))
+    kept = set(committed[-keep:]) | {latest}
+    deleted = []
+    for iteration in committed:
+        if iteration not in kept:
+            directory = iteration_dir(root, iteration)
+            shutil.rmtree(directory, ignore_errors=True)
+            deleted.append(directory)
+    return deleted

@@ -598,10 +598,19 @@ def _is_number(text: str) -> bool:
 
 
 def _validate_checkpoint(cfg: Config) -> None:
+    import torch
+
     c, t = cfg.checkpoint, cfg.training
     _require(c.save_interval >= 0, f"--save-interval must be >= 0, got {c.save_interval}")
     _require(not c.save_interval or c.save,
              f"--save-interval {c.save_interval} needs --save DIR")
+    _require(c.keep_last >= 0, f"--keep-last must be >= 0, got {c.keep_last}")
+    _require(not c.keep_last or c.save, f"--keep-last {c.keep_last} needs --save DIR")
+    _require(not c.async_save or c.save, "--async-save needs --save DIR")
+    if c.async_save and torch.cuda.is_available():
+        cfg.warnings.append("--async-save: the copy of device tensors to host memory before "
+                            "the background write has not run in this project's tests "
+                            "(docs/limits.md, Checkpoints)")
     if c.load is not None and c.load != c.save:
         _require(os.path.isdir(c.load), f"--load {c.load}: no such directory")
     _require(not t.skip_train or c.load is not None or t.eval_iters > 0,

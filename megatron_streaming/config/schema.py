@@ -521,6 +521,13 @@ class CheckpointConfig:
     save: Optional[str] = arg(None, "Directory to save checkpoints to.")
     save_interval: int = arg(0, "Save every this many iterations (0 = only at the end).")
     load: Optional[str] = arg(None, "Directory to resume from (its latest checkpoint).")
+    async_save: bool = arg(
+        False, "Save in the background: the step loop waits only while the tensors are copied "
+        "out (to host memory on a GPU); writing, hashing and the commit follow while training "
+        "goes on, and the checkpoint becomes the latest once every rank's files are written.")
+    keep_last: int = arg(
+        0, "Keep only the newest N committed checkpoints under --save (0 = keep all); older "
+        "ones are deleted after a newer one is committed, never the latest.")
 
 
 @dataclass

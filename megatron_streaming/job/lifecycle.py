@@ -30,7 +30,7 @@ import os
 import signal
 import threading
 import time
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -92,6 +92,13 @@ class StopAgreement:
         self._in_worker: Optional[_HostRead] = None  # the worker's MAX posted a step ago
         self.carries_join = False  # elastic runs: the flag also says "a worker asks to join"
         self.join_agreed = False  # the flag just read asks every live worker to admit one
+        # --async-save: the flag also carries, negated (so MAX is the minimum), the iteration
+        # of the latest checkpoint whose files this rank has written (``written``, 0 while
+        # one is being written); ``written_everywhere`` is that minimum over every rank of
+        # every worker, as of the flag just read: a checkpoint of iteration >= its value is
+        # written everywhere, and every rank learns it after the same step.
+        self.written: Optional[Callable[[], int]] = None
+        self.written_everywhere = 0
 
     def release(self) -> None:
         """Drop the reductions posted on the control group of the epoch that ends."""
@@ -111,6 +118,8 @@ class StopAgreement:
         values = [self.request.received or 0]
         if self.carries_join:
             values.append(int(self.request.join_pending))
+        if self.written is not None:
+            values.append(-self.written())
         flag = torch.tensor(values, dtype=torch.int32, device=self.device)
         posted = _HostRead(dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.worker_group,
                                            async_op=True), flag)
@@ -120,6 +129,7 @@ class StopAgreement:
         # one with nothing asked: nothing was posted a step before it.
         flag = previous.read() if previous is not None else torch.zeros_like(flag, device="cpu")
         if self.workers == 1:
+            self._read_written(flag)
             return _signal_name(int(flag[0]))
         try:
             work, posted = self.cross.all_reduce_control(flag, dist.ReduceOp.MAX,
@@ -140,7 +150,12 @@ class StopAgreement:
             self.cross.failed(e)
             return None
         self.join_agreed = self.carries_join and bool(posted[1].item())
+        self._read_written(posted)
         return _signal_name(int(posted[0].item()))
+
+    def _read_written(self, flag: torch.Tensor) -> None:
+        if self.written is not None:
+            self.written_everywhere = -int(flag[-1].item())
 
     def close(self) -> None:
         """Completes the reductions still in flight (every rank issued the same ones)."""

@@ -59,6 +59,9 @@ class Run:
                                  saves=bool(cfg.checkpoint.save))
         self.stop = StopAgreement(self.topology, self.stop_request,
                                   cfg.streaming.diloco_control_lag)
+        self.saving = None  # --async-save: the checkpoint being written (``PendingSave``)
+        if cfg.checkpoint.async_save:
+            self.stop.written = self._written
         self.reports = self.topology.is_logging_rank()  # progress lines, the writers
         setup_logging(self.reports)
         say_at_start(cfg, started)
@@ -203,6 +206,9 @@ class Run:
                 break
             self._check_duration()
             self.stopped_by = self.stop.should_stop()
+            if self.saving is not None and \
+                    self.stop.written_everywhere >= self.saving.iteration:
+                self.finish_saving()  # every rank's files are written: commit it
             if self.stopped_by:
                 log.info("stopping after iteration %d: %s", self.iteration, self.stopped_by)
                 break
@@ -228,23 +234,73 @@ class Run:
                         "with these batch flags it is %d, and the data continues from there",
                         saved, self.iteration, self.data.samples_through(self.iteration))
 
-    def save(self) -> None:
+    def save(self, wait: bool = False) -> None:
+        """Checkpoint this iteration; with --async-save (unless ``wait``) the files are
+        written in the background and committed by ``finish_saving``. A save in flight is
+        committed first: one save at a time."""
+        self.finish_saving("the next checkpoint is due")
+        c = self.cfg.checkpoint
+        background = c.async_save and not wait
+        run_state = {"iteration": self.iteration,
+                     "consumed_samples": self.data.samples_through(self.iteration),
+                     "tokens": self.data.tokens_through(self.iteration)}
         try:
-            path = self.checkpointer.save(
-                self.cfg.checkpoint.save, self.iteration, self.job_state,
-                {"iteration": self.iteration,
-                 "consumed_samples": self.data.samples_through(self.iteration),
-                 "tokens": self.data.tokens_through(self.iteration)})
-        except Exception as e:  # a worker lost during the save: not committed; elastic runs
-            self.topology.cross.failed(e)  # go on
-            log.warning("the checkpoint of iteration %d was not written: a cross-worker "
-                        "collective failed during it (a lost worker); training goes on",
-                        self.iteration)
+            pending = self.checkpointer.start_save(c.save, self.iteration, self.job_state,
+                                                   run_state, background=background)
+        except Exception as e:
+            self._save_failed(e, self.iteration)
             return
-        self.last_saved = self.iteration
+        t = pending.timings
+        if background:
+            self.saving = pending
+            log.info("checkpoint of iteration %d: writing in the background (the step loop "
+                     "waited %.2f s: collect %.2f s, plan %.2f s)", self.iteration,
+                     sum(t.values()), t["collect"] + t["describe"], t["plan"])
+            return
+        self._commit(pending)
+
+    def _written(self) -> int:
+        """The iteration of the checkpoint being written when this rank's files of it are all
+        written, else 0 (``StopAgreement.written``)."""
+        pending = self.saving
+        return pending.iteration if pending is not None and pending.written() else 0
+
+    def finish_saving(self, why: Optional[str] = None) -> None:
+        """Commit the checkpoint being written, if any (waiting for its files; ``why``: the
+        reason to wait, logged). Collective: every rank calls it after the same step."""
+        pending, self.saving = self.saving, None
+        if pending is None:
+            return
+        if why and not pending.written():
+            log.info("waiting for the checkpoint of iteration %d to be written (%s)",
+                     pending.iteration, why)
+        self._commit(pending)
+
+    def _commit(self, pending) -> None:
+        try:
+            path = self.checkpointer.finish_save(pending, self.cfg.checkpoint.keep_last)
+        except Exception as e:
+            self._save_failed(e, pending.iteration)
+            return
+        self.last_saved = pending.iteration
         t = self.checkpointer.timings
-        log.info("saved checkpoint %s in %.2f s (gather %.2f s, write %.2f s, hash %.2f s)",
-                 path, sum(t.values()), t["collect"] + t["describe"], t["write"], t["hash"])
+        if pending.write.is_background():
+            log.info("saved checkpoint %s at iteration %d (written in the background in "
+                     "%.2f s, hashed in %.2f s; the step loop waited %.2f s at the start and "
+                     "%.2f s at the commit)", path, self.iteration, t["write"], t["hash"],
+                     t["collect"] + t["describe"] + t["plan"],
+                     t["waited"] + t["gather"] + t["commit"])
+        else:
+            log.info("saved checkpoint %s in %.2f s (gather %.2f s, write %.2f s, hash %.2f s)",
+                     path, sum(t.values()),
+                     t["collect"] + t["describe"], t["plan"] + t["write"], t["hash"])
+
+    def _save_failed(self, error: Exception, iteration: int) -> None:
+        # A worker lost during the save: not committed; elastic runs go on (anything else,
+        # or a run that tolerates no loss, raises here).
+        self.topology.cross.failed(error)
+        log.warning("the checkpoint of iteration %d was not written: a cross-worker "
+                    "collective failed during it (a lost worker); training goes on", iteration)
 
     def failure(self, error: Exception) -> Exception:
         """What to raise for ``error``: a communication failure becomes a ``JobFailure``
@@ -300,8 +356,10 @@ def _train_and_report(run: Run) -> Optional[dict]:
     train_loss = None
     if not cfg.training.skip_train:
         train_loss = run.train()
-        if cfg.checkpoint.save and run.last_saved != run.iteration:
-            run.save()
+        if cfg.checkpoint.save:
+            run.finish_saving("training ends" if run.stopped_by is None else run.stopped_by)
+            if run.last_saved != run.iteration:
+                run.save(wait=True)
         if run.elastic.stopping:
             from ..errors import JobFailure
             from ..job.lifecycle import checkpoint_advice
