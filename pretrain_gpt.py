@@ -17,8 +17,8 @@ EXIT_GRACE_SECONDS = 30.0
 
 def _leave(code: int) -> None:
     """Exit with ``code`` after a failure, the normal way (the run has closed itself). Helper
-    processes (megatron-core's checkpoint writer keeps a spawned queue server) are stopped so
-    they do not hold the launcher's pipes open. Interpreter shutdown should not block (the
+    processes still running (a checkpoint writer's) are stopped so they do not hold the
+    launcher's pipes open. Interpreter shutdown should not block (the
     cross-worker thread is a daemon); should something upstream still wait on a dead peer
     there, a watchdog ends the process after ``EXIT_GRACE_SECONDS``."""
     import multiprocessing

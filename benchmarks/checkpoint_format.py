@@ -7,7 +7,9 @@ of about 100M parameters (12 layers, hidden 768, vocabulary 32000, 2 workers of 
 ZeRO-1), each revision trains one step with ``--save``, then resumes it with ``--load``. The
 time of ``Checkpointer.save`` and ``Checkpointer.load`` is measured inside each rank
 (``--time-checkpoints``: this script wraps them and re-runs pretrain_gpt.py), the slowest rank
-counts. Size: the bytes of the iteration directory. The baseline revision is checked out as a
+counts. Size: the bytes of the iteration directory. With ``--async-save`` (this revision
+only): the time the step loop was blocked by a save (its start and its commit, less any wait
+for the files) against the synchronous save's time. The baseline revision is checked out as a
 git worktree under ``--out``. Reported as ratios ours / baseline, measured in one run.
 """
 
@@ -60,6 +62,22 @@ def timed_main():
 
     wrap("save")
     wrap("load")
+    if hasattr(ckpt.Checkpointer, "start_save"):  # --async-save: the step loop's share
+        wrap("start_save")
+        original_finish = ckpt.Checkpointer.finish_save
+
+        def finish(self, *args, **kwargs):
+            started = time.perf_counter()
+            result = original_finish(self, *args, **kwargs)
+            t = self.timings
+            with open(out, "a") as f:
+                f.write(json.dumps({
+                    "op": "finish_save", "rank": int(os.environ.get("RANK", 0)),
+                    "seconds": time.perf_counter() - started, "waited": t["waited"],
+                    "write": t["write"], "hash": t["hash"]}) + "\n")
+            return result
+
+        ckpt.Checkpointer.finish_save = finish
     sys.argv = ["pretrain_gpt.py", *sys.argv[2:]]
     import runpy
 
@@ -80,7 +98,7 @@ def dir_size(path):
                for n in files)
 
 
-def measure(repo, name, out):
+def measure(repo, name, out, async_save=False):
     nproc, model = MODELS[name]
     ckpt = os.path.join(out, f"{name}_{os.path.basename(repo)}")
     timing = ckpt + ".jsonl"
@@ -91,10 +109,40 @@ def measure(repo, name, out):
     launch(repo, nproc, [*model, *COMMON, "--save", ckpt], timing)
     launch(repo, nproc, [*model, *COMMON, "--train-iters", "2", "--load", ckpt], timing)
     records = [json.loads(line) for line in open(timing)]
-    saves = [r["seconds"] for r in records if r["op"] == "save"]
+    # Before start_save / finish_save a save was one call; now the loop makes the two.
+    saves = [r["seconds"] for r in records if r["op"] == "save"] or \
+        [sum(r["seconds"] for r in records if r["rank"] == rank and
+             r["op"] in ("start_save", "finish_save")) for rank in {r["rank"] for r in records}]
     loads = [r["seconds"] for r in records if r["op"] == "load"]
-    return {"save_seconds": max(saves), "load_seconds": max(loads),
-            "bytes": dir_size(os.path.join(ckpt, "iter_0000001"))}
+    result = {"save_seconds": max(saves), "load_seconds": max(loads),
+              "bytes": dir_size(os.path.join(ckpt, "iter_0000001"))}
+    if async_save:
+        result.update(measure_async(repo, nproc, model, ckpt, timing))
+    return result
+
+
+def measure_async(repo, nproc, model, ckpt, timing):
+    """--async-save: three steps, a save after each. The step loop's share of the first
+    save: its start (collect, copy out, plan) and its commit, less the time the commit
+    waited for the files (none once the writes take less than a save interval, which a run
+    that saves every few hundred steps has: here the second save comes one step later)."""
+    os.remove(timing)
+    subprocess.run(["rm", "-rf", ckpt])
+    launch(repo, nproc, [*model, *COMMON, "--train-iters", "3", "--save", ckpt,
+                         "--save-interval", "1", "--async-save"], timing)
+    records = [json.loads(line) for line in open(timing)]
+    starts = [r for r in records if r["op"] == "start_save"]
+    finishes = [r for r in records if r["op"] == "finish_save"]
+    per_rank = {}
+    for r in starts + finishes:
+        if (r["rank"], r["op"]) not in per_rank:  # the first save of each rank
+            per_rank[(r["rank"], r["op"])] = r
+    ranks = {r for r, _ in per_rank}
+    blocked = [per_rank[(r, "start_save")]["seconds"] + per_rank[(r, "finish_save")]["seconds"]
+               - per_rank[(r, "finish_save")]["waited"] for r in ranks]
+    return {"async_blocked_seconds": max(blocked),
+            "async_write_seconds": max(per_rank[(r, "finish_save")]["write"] +
+                                       per_rank[(r, "finish_save")]["hash"] for r in ranks)}
 
 
 def main():
@@ -113,9 +161,12 @@ def main():
         os.symlink(os.path.join(REPO, ".venv"), os.path.join(base, ".venv"))
     results = {}
     for name in MODELS:
-        ours, theirs = measure(REPO, name, out), measure(base, name, out)
+        ours, theirs = measure(REPO, name, out, async_save=True), measure(base, name, out)
         results[name] = {"ours": ours, "baseline": theirs,
-                         "ratio": {k: ours[k] / theirs[k] for k in ours}}
+                         "ratio": {k: ours[k] / theirs[k] for k in theirs}}
+        if "async_blocked_seconds" in ours:  # against our own synchronous save
+            results[name]["ratio"]["async_blocked_over_sync_save"] = \
+                ours["async_blocked_seconds"] / ours["save_seconds"]
         print(name, json.dumps(results[name]), flush=True)
     with open(os.path.join(out, "checkpoint_format.json"), "w") as f:
         json.dump({"baseline": args.baseline, "results": results}, f, indent=1)

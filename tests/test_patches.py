@@ -216,8 +216,8 @@ def test_adapters_refuse_another_version_before_touching_anything(monkeypatch):
     """The adapters to private upstream state refuse another release, naming the adapter."""
     from types import SimpleNamespace
 
-    from patches import (_pinning, deepspeed_zero, megatron_parallel_state,
-                         megatron_row_parallel, torch_process_group)
+    from patches import (_pinning, deepspeed_zero, megatron_checkpoint_writer,
+                         megatron_parallel_state, megatron_row_parallel, torch_process_group)
 
     monkeypatch.setattr(_pinning, "installed_version",
                         {"megatron-core": "0.17.0", "deepspeed": "0.20.0",
@@ -233,6 +233,9 @@ def test_adapters_refuse_another_version_before_touching_anything(monkeypatch):
     with pytest.raises(_pinning.UpstreamVersionError,
                        match=r"'megatron_row_parallel' .*megatron-core==0\.16\.1"):
         megatron_row_parallel.partial_sum(SimpleNamespace(), None)
+    with pytest.raises(_pinning.UpstreamVersionError,
+                       match=r"'megatron_checkpoint_writer' .*megatron-core==0\.16\.1"):
+        megatron_checkpoint_writer.in_process_results()
     with pytest.raises(_pinning.UpstreamVersionError,
                        match=r"'torch_process_group' .*torch==2\.13\.0 or 2\.11\.0 .*2\.12\.0"):
         torch_process_group.standalone_group("gloo", None, 0, 1, None)

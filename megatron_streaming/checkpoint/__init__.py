@@ -49,7 +49,9 @@ def _dist_save_request(sharded_state_dict: dict, directory: str):
     returned request writes this rank's files (``background.FileWrite``) and finalises."""
     from megatron.core.dist_checkpointing import save
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+    from patches.megatron_checkpoint_writer import in_process_results
 
+    in_process_results()  # the write runs in this process (background.FileWrite)
     return save(sharded_state_dict, directory,
                 sharded_strategy=TorchDistSaveShardedStrategy("torch_dist", 1),
                 validate_access_integrity=True, async_sharded_save=True)
