@@ -6,7 +6,8 @@ and a load under another TP / PP / SP / DP / ZeRO layout reads the boxes it need
 What is stored (``job``, under the names of ``keys``), the JSON that describes it (``meta``),
 how a resume under other flags is decided (``resume``), the directory and its checks
 (``store``). ``python -m megatron_streaming.checkpoint`` inspects,
-exports to and imports from Hugging Face.
+exports to and imports from Hugging Face and Megatron-LM. A checkpoint written by Megatron-LM
+itself gives its weights to start from (``megatron_lm``).
 """
 
 from __future__ import annotations
@@ -23,9 +24,11 @@ from .resume import FORMAT_VERSION, CheckpointError
 from .store import (TRACKER, check_files, check_safe, check_writable, commit, file_table,
                     find_checkpoint, has_checkpoint, iteration_dir, prune, share, worker_part)
 
+from . import megatron_lm
+
 __all__ = ["CheckpointError", "CheckpointWriteError", "Checkpointer", "FORMAT_VERSION",
            "TRACKER", "check_loadable", "check_writable", "find_checkpoint", "has_checkpoint",
-           "iteration_dir"]
+           "iteration_dir", "megatron_lm"]
 
 
 def _checkpoint_exception():

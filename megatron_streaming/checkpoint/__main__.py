@@ -1,9 +1,13 @@
-"""``python -m megatron_streaming.checkpoint``: look into, export and import checkpoints.
+"""``python -m megatron_streaming.checkpoint``: look into, export and import checkpoints
+(Hugging Face models in and out, Megatron-LM checkpoints out; ``--load`` reads Megatron-LM's
+directly).
 
     inspect CKPT [--json]                     what a checkpoint holds (reads JSON only)
     export-hf CKPT OUT [--params global|local] [--worker W] [--dtype fp32|bf16|fp16]
                                               a Hugging Face model (safetensors + config.json)
     import-hf HF_DIR CKPT                     a checkpoint to --load, from a Hugging Face model
+    export-megatron CKPT OUT [--params global|local] [--worker W] [--dtype fp32|bf16|fp16]
+                                              a Megatron-LM torch_dist checkpoint (weights)
 
 CKPT is a --save directory (its latest checkpoint) or one of its ``iter_N`` directories.
 Errors are one line naming the file or flag; the exit status is 2.
@@ -108,6 +112,21 @@ def _import(args) -> None:
           f"flags: {' '.join(flags)}")
 
 
+def _export_megatron(args) -> None:
+    import torch
+
+    from .megatron_export import export
+
+    if args.worker is not None and args.params != "local":
+        raise CheckpointError("--worker applies to --params local only")
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    directory = export(args.checkpoint, args.out, args.params, args.worker, dtype)
+    print(f"wrote a Megatron-LM torch_dist checkpoint ({args.params} parameters"
+          f"{'' if args.params == 'global' else f' of worker {args.worker or 0}'}) to "
+          f"{directory}; Megatron-LM loads it with --load {args.out} --no-load-optim "
+          "--no-load-rng (or --finetune)")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m megatron_streaming.checkpoint",
                                      description=__doc__.split("\n\n")[0])
@@ -128,6 +147,14 @@ def main(argv=None) -> int:
     p.add_argument("hf_dir")
     p.add_argument("checkpoint", help="the --save/--load directory to write")
     p.set_defaults(func=_import)
+    p = sub.add_parser("export-megatron", help="write a Megatron-LM torch_dist checkpoint")
+    p.add_argument("checkpoint")
+    p.add_argument("out", help="the directory Megatron-LM's --load takes")
+    p.add_argument("--params", choices=["global", "local"], default="global",
+                   help="the global parameters (default) or one worker's local ones")
+    p.add_argument("--worker", type=int, default=None, help="with --params local (default 0)")
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
+    p.set_defaults(func=_export_megatron)
     args = parser.parse_args(argv)
     try:
         args.func(args)

@@ -38,6 +38,7 @@ from .resume import FORMAT_VERSION, READABLE_VERSIONS, CheckpointError
 
 TRACKER = "latest_checkpointed_iteration.txt"
 META = "checkpoint.json"
+RELEASE = "release"  # Megatron-LM's tracker names this directory instead of an iteration
 
 
 def iteration_dir(root: str, iteration: int) -> str:
@@ -131,11 +132,49 @@ def find_checkpoint(root: str):
         raise CheckpointError(f"--load {root}: {TRACKER} holds {text!r}, not an "
                               "iteration") from None
     directory = iteration_dir(root, iteration)
+    if not os.path.isfile(os.path.join(directory, META)):
+        if is_megatron_lm(root):
+            raise CheckpointError(f"--load {root}: a checkpoint written by Megatron-LM "
+                                  f"({directory}): pretrain_gpt.py --load starts from its "
+                                  "weights; this tool reads checkpoints of this package")
     meta = read_meta(root, directory)
     if meta.get("iteration") != iteration:
         raise CheckpointError(f"--load {root}: {os.path.join(directory, META)} does not "
                               f"describe iteration {iteration}")
     return directory, meta
+
+
+def iteration_directory(root: str) -> Optional[str]:
+    """The directory Megatron-LM's tracker names under ``root`` (None: no tracker, or it
+    names nothing); reads only the tracker."""
+    try:
+        text = open(os.path.join(root, TRACKER)).read().strip()
+    except OSError:
+        return None
+    if text == RELEASE:
+        return os.path.join(root, RELEASE)
+    try:
+        return os.path.join(root, f"iter_{int(text):07d}")
+    except ValueError:
+        return None
+
+
+def is_megatron_lm(root: Optional[str]) -> bool:
+    """Whether ``root`` holds a checkpoint written by Megatron-LM rather than by this package:
+    its latest directory has megatron-core's files (or Megatron-LM's legacy ones) and none of
+    our ``checkpoint.json``. Cheap (reads no file's contents but the tracker's): the flag
+    parser asks it too. Reading one: ``megatron_lm``."""
+    directory = iteration_directory(root) if root else None
+    return bool(directory) and not os.path.isfile(os.path.join(directory, META)) and (
+        os.path.isfile(os.path.join(directory, "metadata.json"))
+        or os.path.isfile(os.path.join(directory, "common.pt"))
+        or legacy_megatron_lm(directory))
+
+
+def legacy_megatron_lm(directory: str) -> bool:
+    """Megatron-LM's earlier one-file-per-rank format (``mp_rank_00/model_optim_rng.pt``)."""
+    return os.path.isdir(directory) and any(
+        name.startswith("mp_rank_") for name in os.listdir(directory))
 
 
 def check_files(root: str, directory: str, meta: dict, hashes, part=None) -> None:

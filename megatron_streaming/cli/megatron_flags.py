@@ -128,7 +128,10 @@ def _capacity_factor(cfg, value, given):
 
 def _without_load(flag: str, what: str) -> Callable:
     def act(cfg, value, given):
-        if "--load" in given:
+        from ..checkpoint.megatron_lm import is_megatron_lm
+
+        # A Megatron-LM checkpoint gives its weights only: what the flag asks for.
+        if "--load" in given and not is_megatron_lm(cfg.checkpoint.load):
             raise Refusal(f"{flag}: a resume restores the {what} with the weights; drop the "
                           "flag (or --load)")
     return act
@@ -275,8 +278,10 @@ FLAGS: List[ForeignFlag] = [
                 "data parallelism inside a worker is DeepSpeed ZeRO; use --zero-stage"),
     ForeignFlag("--cpu-optimizer", REFUSED,
                 "optimizer offload (ZeRO-Offload) is not supported; drop the flag"),
-    *[ForeignFlag(flag, ACCEPTED, f"without --load there is nothing to load; with it, "
-                  f"refused: a resume restores the {what} (docs/checkpoints.md)", SWITCH,
+    *[ForeignFlag(flag, ACCEPTED, f"without --load there is nothing to load; with --load of "
+                  "a Megatron-LM checkpoint, what happens anyway (its weights only are read); "
+                  f"with one of ours, refused: a resume restores the {what} "
+                  "(docs/checkpoints.md)", SWITCH,
                   _without_load(flag, what))
       for flag, what in (("--no-load-optim", "optimizer and outer state"),
                          ("--no-load-rng", "random-number generators' state"))],

@@ -520,7 +520,10 @@ class CheckpointConfig:
 
     save: Optional[str] = arg(None, "Directory to save checkpoints to.")
     save_interval: int = arg(0, "Save every this many iterations (0 = only at the end).")
-    load: Optional[str] = arg(None, "Directory to resume from (its latest checkpoint).")
+    load: Optional[str] = arg(None, "Directory to resume from (its latest checkpoint), or a "
+                              "Megatron-LM torch_dist checkpoint to start from its weights.")
+    finetune: bool = arg(False, "With --load of a Megatron-LM checkpoint: start from its "
+                         "weights at iteration 0 (Megatron-LM's flag).")
     async_save: bool = arg(
         False, "Save in the background: the step loop waits only while the tensors are copied "
         "out (to host memory on a GPU); writing, hashing and the commit follow while training "

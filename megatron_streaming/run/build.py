@@ -11,8 +11,10 @@ from ..config import Config
 log = logging.getLogger("megatron_streaming")
 
 
-def build_model(cfg: Config, topology, vocab_size: int, reports: bool):
-    """This rank's slice of the GPT, initialised the same on every layout."""
+def build_model(cfg: Config, topology, vocab_size: int, reports: bool, weights_from=None):
+    """This rank's slice of the GPT, initialised the same on every layout; then holding the
+    weights of ``weights_from`` (a Megatron-LM checkpoint, ``checkpoint.megatron_lm``) if
+    given, before the engine and the sync copy them."""
     from ..parallel import distributed
     from ..worker import weights
     from ..worker.model import build_model as build, describe_attention, transformer_impl_note
@@ -35,6 +37,12 @@ def build_model(cfg: Config, topology, vocab_size: int, reports: bool):
         tied_output_name="embedding.word_embeddings.weight" if tied else None,
         gated_mlp=cfg.model.swiglu, zero_centered_norms=cfg.model.apply_layernorm_1p,
         expert_offset=expert_offset(cfg.model, topology))
+    if weights_from is not None:
+        from ..checkpoint import megatron_lm
+
+        for note in megatron_lm.load_weights(model, weights_from):
+            if reports:
+                log.warning("--load %s: %s", weights_from.root, note)
     return model
 
 

@@ -32,6 +32,9 @@ class Started:
     patches: list  # the upstream patches applied
     launched_by: Optional[str]  # a bare srun read as a launcher, said at start
     rendezvous: object  # parallel.distributed.StoreAddress: the job's rendezvous store
+    # checkpoint.megatron_lm.MegatronCheckpoint: a Megatron-LM checkpoint to take the model's
+    # weights from (``--load`` of one; ``resume`` is None then)
+    weights_from: object = None
 
 
 def start_processes(cfg: Config) -> Started:
@@ -57,7 +60,7 @@ def start_processes(cfg: Config) -> Started:
 
         check_writable(cfg.checkpoint.save, int(os.environ.get("RANK", "0")))
     tokenizer = load_run_tokenizer(cfg)
-    resume, resume_plan = resume_source(cfg, layout, tokenizer.vocab_size)
+    resume, resume_plan, weights_from = resume_source(cfg, layout, tokenizer.vocab_size)
     applied = upstream_patches.apply()
     door = store = world_store = rejoin = None
     crossed = 0  # bytes through the job's store to find this worker's own
@@ -114,27 +117,37 @@ def start_processes(cfg: Config) -> Started:
     if door is not None and topology.worker != 0:  # worker 0 hosts the store
         topology.cross.count_control(door.bytes + crossed)
     return Started(topology, tokenizer, job, resume, resume_plan, rejoin, own_processes,
-                   applied, launched_by, rendezvous)
+                   applied, launched_by, rendezvous, weights_from)
 
 
 def resume_source(cfg: Config, layout, vocab_size: int):
-    """The directory to resume from and its plan, checked before any process group exists.
+    """The directory to resume from, its plan, and a Megatron-LM checkpoint to take the
+    weights from instead (``checkpoint.megatron_lm``); checked before any process group
+    exists.
 
     ``--load`` equal to ``--save`` with nothing saved yet is the first launch of a job
     that requeues itself: it starts from scratch. Any other missing checkpoint is an error.
     """
-    from ..checkpoint import check_loadable, has_checkpoint
+    from ..checkpoint import CheckpointError, check_loadable, has_checkpoint, megatron_lm
     from ..checkpoint.resume import plan
 
     c = cfg.checkpoint
     if not c.load:
-        return None, None
+        return None, None, None
     if c.save and os.path.abspath(c.load) == os.path.abspath(c.save) and \
             not has_checkpoint(c.load):
-        return None, None
+        return None, None, None
+    if megatron_lm.is_megatron_lm(c.load):
+        source = megatron_lm.open_checkpoint(c.load)
+        source.notes = megatron_lm.check_compatible(source, cfg, vocab_size)
+        return None, None, source
+    if c.finetune:
+        raise CheckpointError(f"--finetune: --load {c.load} is a checkpoint of this package, "
+                              "which resumes in full (optimizer, outer state, iteration); "
+                              "--finetune applies to a Megatron-LM checkpoint: drop it")
     _, meta = check_loadable(c.load, cfg, layout, vocab_size)
     return c.load, plan(meta, cfg, layout, int(os.environ.get("RANK", "0")),
-                        cfg.streaming.diloco_new_worker_optimizer)
+                        cfg.streaming.diloco_new_worker_optimizer), None
 
 
 def say_at_start(cfg: Config, started: Started) -> None:

@@ -65,8 +65,10 @@ class Run:
         self.reports = self.topology.is_logging_rank()  # progress lines, the writers
         setup_logging(self.reports)
         say_at_start(cfg, started)
+        # A worker rejoining a running job takes its state from a live worker instead.
+        self.weights_from = None if self.rejoin else started.weights_from
         self.model = build.build_model(cfg, self.topology, self.tokenizer.vocab_size,
-                                       self.reports)
+                                       self.reports, self.weights_from)
         self.engine, self.sync = build.build_engine_and_sync(cfg, self.topology, self.model,
                                                              self.job)
         self.checkpointer, self.job_state = build.build_checkpointing(
@@ -98,6 +100,8 @@ class Run:
         if self.rejoin is not None:  # the state from a live worker, not from --load
             self.resume = None
             self.iteration = self.elastic.join(self.rejoin.epoch)
+        if self.weights_from is not None:
+            return self._from_megatron_lm(self.weights_from)
         if not self.resume:
             return None
         started = time.perf_counter()
@@ -111,6 +115,21 @@ class Run:
         for note in self.resume_plan.notes:
             log.warning("%s", note)
         return run_state
+
+    def _from_megatron_lm(self, source) -> dict:
+        """A Megatron-LM checkpoint's weights are in the model already (``build``): the run
+        goes on from its iteration (0 with --finetune), everything else fresh."""
+        finetune = self.cfg.checkpoint.finetune
+        self.iteration = 0 if finetune else source.iteration
+        if self.reports:
+            for note in source.notes:
+                log.warning("%s", note)
+        log.info("started from the weights of the Megatron-LM checkpoint %s at iteration %d%s; "
+                 "its optimizer, RNG and data-iterator states are not read: the inner "
+                 "optimizer and the sync start fresh from these weights", source.directory,
+                 self.iteration, " (--finetune)" if finetune else "")
+        return {"iteration": self.iteration,
+                "consumed_samples": None if finetune else source.consumed_samples}
 
     def report_from_here(self, reports: bool) -> None:
         """This rank starts or stops reporting for the job (the lowest live worker's ranks
