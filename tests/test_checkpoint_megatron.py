@@ -376,7 +376,8 @@ def test_a_vocabulary_padded_for_another_tp_size_keeps_the_stored_rows(tmp_path,
 
 def test_flags_megatron_lm_loads_with(tmp_path, megatron_world):
     """--no-load-optim / --no-load-rng: what --load of a Megatron-LM checkpoint does anyway;
-    still refused with one of ours. --finetune with one of ours: refused."""
+    still refused with one of ours. --finetune with one of ours: refused; --save into the
+    Megatron-LM directory: refused."""
     from megatron_streaming.cli.arguments import ConfigError
     from megatron_streaming.parallel.topology import RankLayout
     from megatron_streaming.run.start import resume_source
@@ -396,3 +397,9 @@ def test_flags_megatron_lm_loads_with(tmp_path, megatron_world):
     with pytest.raises(CheckpointError, match=r"^--finetune: --load .* is a checkpoint of this "
                                               "package, which resumes in full"):
         resume_source(_cfg(GPT, "--load", str(ours), "--finetune"), RankLayout(1), VOCAB)
+    # Saving into the Megatron-LM directory would replace its iter_N directories.
+    mlm = str(tmp_path / "mlm")
+    with pytest.raises(CheckpointError, match=r"^--save .*: the same directory as --load, "
+                                              "which holds a Megatron-LM checkpoint"):
+        resume_source(_cfg(GPT, "--load", mlm, "--save", mlm, "--finetune"), RankLayout(1),
+                      VOCAB)

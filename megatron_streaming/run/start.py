@@ -138,6 +138,10 @@ def resume_source(cfg: Config, layout, vocab_size: int):
             not has_checkpoint(c.load):
         return None, None, None
     if megatron_lm.is_megatron_lm(c.load):
+        if c.save and os.path.abspath(c.load) == os.path.abspath(c.save):
+            raise CheckpointError(f"--save {c.save}: the same directory as --load, which holds "
+                                  "a Megatron-LM checkpoint; a save would replace its iter_N "
+                                  "directories and tracker: --save to another directory")
         source = megatron_lm.open_checkpoint(c.load)
         source.notes = megatron_lm.check_compatible(source, cfg, vocab_size)
         return None, None, source
