@@ -75,9 +75,18 @@ def free_port() -> int:
     raise RuntimeError("no free TCP port in 20000-32000 on the loopback")
 
 
+# Launches of several ranks start them from tests/preloaded_launcher.py, which does torchrun's
+# job but imports torch, DeepSpeed and megatron-core once and forks the ranks (a third of the
+# suite's time went to every rank importing them). Tests of torchrun's own behaviour (its
+# ranks' sessions, a killed agent) set this to False.
+PRELOADED = True
+
+
 def command(nproc: int, args, script: str = "pretrain_gpt.py") -> list:
     if nproc == 1:
         return [sys.executable, script, *args]
+    if PRELOADED:
+        return [sys.executable, "tests/preloaded_launcher.py", str(nproc), script, *args]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone",
             f"--nproc-per-node={nproc}", script, *args]
 

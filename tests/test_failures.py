@@ -17,8 +17,15 @@ import psutil
 import pytest
 import torch
 
+import harness
 import netns
 from harness import FAULTS, TINY, free_port, read_jsonl, run, start, wait_for_line
+
+
+@pytest.fixture(autouse=True)
+def _torchrun(monkeypatch):
+    """These tests are about what torchrun's ranks do (their sessions, a killed agent)."""
+    monkeypatch.setattr(harness, "PRELOADED", False)
 
 STREAMING = [*TINY, "--num-layers", "2", "--eval-iters", "0", "--diloco-workers", "2",
              "--diloco-inner-steps", "4", "--diloco-fragments", "2",
