@@ -155,17 +155,70 @@ def train_losses_together(runs, tmp_path, timeout: float = 300) -> dict:
     """``train_losses`` of several independent runs at once, ``{name: (nproc, args)}`` or
     ``(nproc, args, extra_env[, script])``: a one-rank run beside a two-rank one fills the
     cores that start-up leaves idle."""
-    procs = {}
-    try:
-        for name, (nproc, args, *rest) in runs.items():
-            procs[name] = start(nproc, [*args, "--log-jsonl", str(tmp_path / f"{name}.jsonl")],
-                                tmp_path / f"{name}.log", *rest)
-        for name, proc in procs.items():
-            assert proc.wait(timeout=timeout) == 0, \
-                (tmp_path / f"{name}.log").read_text()[-4000:]
-    finally:
-        for proc in procs.values():
+    return Together(runs, tmp_path).losses(timeout)
+
+
+class Together:
+    """``train_losses_together`` in two halves: the runs start now, ``losses`` waits for
+    them (each run's log and losses under ``tmp_path``, named by its key)."""
+
+    def __init__(self, runs, tmp_path):
+        self.names, self.tmp_path, self.procs = list(runs), tmp_path, {}
+        try:
+            for name, (nproc, args, *rest) in runs.items():
+                self.procs[name] = start(
+                    nproc, [*args, "--log-jsonl", str(tmp_path / f"{name}.jsonl")],
+                    tmp_path / f"{name}.log", *rest)
+        except BaseException:
+            self.kill()
+            raise
+
+    def losses(self, timeout: float = 300) -> dict:
+        try:
+            for name, proc in self.procs.items():
+                assert proc.wait(timeout=timeout) == 0, \
+                    (self.tmp_path / f"{name}.log").read_text()[-4000:]
+        finally:
+            self.kill()
+        return {name: [r["train/loss"] for r in read_jsonl(self.tmp_path / f"{name}.jsonl")
+                       if "train/loss" in r] for name in self.names}
+
+    def kill(self) -> None:
+        for proc in self.procs.values():
             if proc.poll() is None:
                 proc.kill()
-    return {name: [r["train/loss"] for r in read_jsonl(tmp_path / f"{name}.jsonl")
-                   if "train/loss" in r] for name in runs}
+
+
+class LaunchAhead:
+    """The cases of a parametrized test that are independent launches, one case started
+    ahead: ``take(case)`` starts that case's runs if they are not running yet, and the next
+    case's, so that two launches overlap (one's start-up, single-threaded while it imports,
+    fills the core the other leaves idle). ``runs_of(case)`` gives a case's runs (as for
+    ``train_losses_together``); ``cases``: the selected ones, in the order they run."""
+
+    def __init__(self, cases, runs_of, tmp_path_factory):
+        self.cases, self.runs_of, self.factory = list(cases), runs_of, tmp_path_factory
+        self.started: dict = {}
+
+    @classmethod
+    def for_test(cls, request, test_name: str, param: str, runs_of, tmp_path_factory):
+        cases = [item.callspec.params[param] for item in request.session.items
+                 if getattr(item, "originalname", None) == test_name and
+                 hasattr(item, "callspec")]
+        return cls(cases, runs_of, tmp_path_factory)
+
+    def _start(self, case) -> None:
+        tmp_path = self.factory.mktemp(str(case))
+        self.started[case] = Together(self.runs_of(case, tmp_path), tmp_path)
+
+    def take(self, case) -> Together:
+        if case not in self.started:
+            self._start(case)
+        following = self.cases[self.cases.index(case) + 1:] if case in self.cases else []
+        if following and following[0] not in self.started:
+            self._start(following[0])
+        return self.started.pop(case)
+
+    def close(self) -> None:
+        for together in self.started.values():
+            together.kill()

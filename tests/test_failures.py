@@ -22,9 +22,10 @@ import netns
 from harness import FAULTS, TINY, free_port, read_jsonl, run, start, wait_for_line
 
 
-@pytest.fixture(autouse=True)
-def _torchrun(monkeypatch):
-    """These tests are about what torchrun's ranks do (their sessions, a killed agent)."""
+@pytest.fixture
+def torchrun(monkeypatch):
+    """Launches by torchrun itself: a test of what its ranks do (their sessions, a killed
+    agent); the others start their ranks from tests/preloaded_launcher.py."""
     monkeypatch.setattr(harness, "PRELOADED", False)
 
 STREAMING = [*TINY, "--num-layers", "2", "--eval-iters", "0", "--diloco-workers", "2",
@@ -34,12 +35,14 @@ SLOW = {"MEGATRON_STREAMING_SLOW_WORKER": "0:0.2"}  # paces the run so a test ca
 
 
 def _rank_of(launcher: subprocess.Popen, local_rank: int) -> psutil.Process:
-    """The rank process that torchrun started with LOCAL_RANK=local_rank."""
+    """The rank process that the launcher started with LOCAL_RANK=local_rank (torchrun's in
+    its environment; tests/preloaded_launcher.py's named by it)."""
     for child in psutil.Process(launcher.pid).children(recursive=True):
         try:
-            if child.environ().get("LOCAL_RANK") == str(local_rank) and \
+            if child.name() == f"rank{local_rank}" or (
+                    child.environ().get("LOCAL_RANK") == str(local_rank) and
                     ("pretrain_gpt.py" in " ".join(child.cmdline()) or
-                     FAULTS in " ".join(child.cmdline())):
+                     FAULTS in " ".join(child.cmdline()))):
                 return child
         except psutil.NoSuchProcess:
             continue
@@ -144,7 +147,7 @@ def test_sigterm_to_one_worker_checkpoints_everyone_exits_zero_and_resumes_exact
 
 
 @pytest.mark.timeout(300)
-def test_ranks_whose_launcher_is_killed_stop_with_a_checkpoint(tmp_path):
+def test_ranks_whose_launcher_is_killed_stop_with_a_checkpoint(tmp_path, torchrun):
     """torchrun starts its ranks in sessions of their own, so a SIGKILL of the launcher (an
     agent killed by OOM, a node's supervisor gone) left them training, orphaned, with nobody
     to collect them. Each rank now notices within a heartbeat that it was re-parented, and
@@ -386,19 +389,28 @@ def test_a_standalone_rendezvous_and_worker_0_can_be_lost_without_stopping_train
               "--save-interval", "10"]
     store = serve(port, "store1.log")
     workers = []
+    # Worker 0 (and so the job) one step a second while HOLD exists: from the store's restart
+    # to worker 0's loss, however long the new store takes to start on a busy machine, so
+    # that worker 0 is lost well before the checkpoint of step 20.
+    hold = tmp_path / "hold"
+    paced = {"MEGATRON_STREAMING_SLOW_WORKER": f"0:1.0:{hold}"}
     try:
         wait_for_line(tmp_path / "store1.log", "listening", store, timeout=60)
         for w in range(3):
             workers.append(start(1, [*common, "--diloco-worker-index", str(w), "--log-jsonl",
                                      str(tmp_path / f"w{w}.jsonl")],
-                                 tmp_path / f"w{w}.log", SLOW, FAULTS))
+                                 tmp_path / f"w{w}.log", paced, FAULTS))
         wait_for_line(tmp_path / "w0.log", r"iteration +5/40", workers[0])
+        hold.touch()
         store.kill()
         store.wait(timeout=30)
         time.sleep(2)
         store = serve(port, "store2.log")
+        # Up again before worker 0 goes: a loss while the store is down is the rejoin case.
+        wait_for_line(tmp_path / "store2.log", "listening", store, timeout=60)
         wait_for_line(tmp_path / "w0.log", r"iteration +15/40", workers[0])
         kill(workers[0])
+        hold.unlink()
         # Worker 1 reports for the job now; after its line for step 21, step 20's
         # checkpoint is committed.
         wait_for_line(tmp_path / "w1.log", r"iteration +21/40", workers[1], timeout=240)

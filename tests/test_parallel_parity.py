@@ -15,7 +15,7 @@ import json
 
 import pytest
 
-from harness import TINY, train_losses, train_losses_together
+from harness import TINY, LaunchAhead, train_losses
 
 ITERS = ["--train-iters", "4", "--eval-iters", "0"]
 DECOUPLED = ["--decoupled-lr", "3e-3", "--decoupled-min-lr", "3e-4"]
@@ -98,18 +98,36 @@ OWN_REFERENCE = {"pp2_untied_zero1": ["--untie-embeddings-and-output-weights"],
                  "moe_pp2_ep2": [*MOE, "--global-batch-size", "8"]}
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("name", sorted(LAYOUTS))
-def test_layout_matches_single_process(name, reference, tmp_path):
+def _runs(name, tmp_path) -> dict:
+    """The layout's run, and beside it its own reference where it has one (start-ups leave
+    cores idle)."""
     nproc, extra = LAYOUTS[name]
     args = [*TINY, *ITERS, *extra]
-    driven = "--sequence-parallel" in extra
     layout = (nproc, args, {"TP_REDUCTIONS_DIR": str(tmp_path)},
-              "tests/tp_reductions_driver.py") if driven else (nproc, args)
+              "tests/tp_reductions_driver.py") if "--sequence-parallel" in extra \
+        else (nproc, args)
     runs = {"run": layout}
-    if name in OWN_REFERENCE:  # beside the run: start-ups leave cores idle
+    if name in OWN_REFERENCE:
         runs["own_ref"] = (1, [*TINY, *ITERS, *OWN_REFERENCE[name]])
-    together = train_losses_together(runs, tmp_path)
+    return runs
+
+
+@pytest.fixture(scope="module")
+def launches(request, tmp_path_factory):
+    """Each layout's launch starts while the previous layout's runs."""
+    ahead = LaunchAhead.for_test(request, "test_layout_matches_single_process", "name", _runs,
+                                 tmp_path_factory)
+    yield ahead
+    ahead.close()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_layout_matches_single_process(name, reference, launches):
+    nproc, extra = LAYOUTS[name]
+    driven = "--sequence-parallel" in extra
+    runs = launches.take(name)
+    together, tmp_path = runs.losses(), runs.tmp_path
     losses, ref = together["run"], together.get("own_ref", reference)
     if driven:
         ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(nproc)]
