@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Every GPU check in one call of a one-GPU machine (Python with a CUDA torch, no network):
 #   bash launch/device_check.sh [LIMIT_S]
-# Carry the wheels of what its Python lacks in .whl (megatron-core, deepspeed, pydantic, hjson;
-# built by `bash launch/device_wheels.sh`) and the quality corpus in .devdata/code. In order,
+# Carry the wheels of what its Python lacks in .whl (megatron-core, deepspeed, pydantic, hjson,
+# xxhash; built by `bash launch/device_wheels.sh`) and the quality corpus in .devdata/code. In order,
 # each inside what is left of LIMIT_S (default 500): the environment (and whether Transformer
 # Engine and apex import), the codec on CUDA against a device copy, the two-worker timeline
 # (overlap, step times, bytes), then the 34M quality run with the `-m cuda` tests beside it.

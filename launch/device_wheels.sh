@@ -13,7 +13,7 @@ for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 \
   platforms+=(--platform "$p")
 done
 for pkg in megatron-core==0.16.1 pydantic==2.14.3 pydantic_core==2.50.4 annotated-types==0.8.0 \
-           typing-inspection==0.4.5 hjson==3.1.0; do
+           typing-inspection==0.4.5 hjson==3.1.0 xxhash==4.1.0; do
   .venv/bin/pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
     --implementation cp "${platforms[@]}" -d .whl "$pkg"
 done

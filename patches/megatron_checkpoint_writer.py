@@ -1,5 +1,5 @@
-"""Adapter: where megatron-core's torch_dist writer leaves its write results (megatron-core
-0.16.1).
+"""Adapter: megatron-core's torch_dist writer, its files written and hashed in the saving
+process, its results left in that process (megatron-core 0.16.1).
 
 ``FileSystemWriterAsync`` (``dist_checkpointing.strategies.filesystem_async``) writes a rank's
 files in processes it forks, and the function that waits for them puts their results into a
@@ -14,6 +14,10 @@ thread with ``--async-save``: ``megatron_streaming.checkpoint.background``), nev
 process, so ``in_process_results`` sets that queue to an in-process ``queue.Queue`` once,
 before the first save plans its write. Megatron-core's ``AsyncCallsQueue`` (a forked or
 persistent caller process) would not see it; nothing here uses those.
+
+``write_files`` does the writer's part of a planned save (``FileSystemWriterAsync``'s write
+buckets: each a file name, its storage key and the items in it) itself, through torch's
+``_write_item``, which is what megatron-core's writer processes call for each item.
 """
 
 import queue
@@ -31,3 +35,68 @@ def in_process_results() -> None:
 
     if not isinstance(filesystem_async._results_queue, queue.Queue):
         filesystem_async._results_queue = queue.Queue()
+
+
+def write_files(request, digest) -> dict:
+    """The files of a planned torch_dist save (the request ``dist_checkpointing.save(...,
+    async_sharded_save=True)`` returns) written by this process, one thread per file instead
+    of megatron-core's forked writer processes (forking a rank of many GiB costs seconds, and
+    the results would come back through a queue), each file hashed with ``digest()`` as its
+    bytes are written instead of being read back afterwards. Every record's bytes are covered
+    by that hash, so torch's own per-record CRC-32 is left out meanwhile (``torch.load``
+    reads such files; a zip tool warns). The write results go to the queue the finalisation
+    reads (``in_process_results``), only when every file was written: a failed write raises
+    it here and leaves the queue empty. Returns {file name: (size, hex digest)}, names
+    relative to the checkpoint directory."""
+    require_version_once(PACKAGE, VERSION, NAME)
+    import concurrent.futures
+    import os
+
+    import torch
+    from torch.distributed.checkpoint.filesystem import SerializationFormat, _write_item
+
+    transform_list, use_msc = request.async_fn.args
+    if use_msc:
+        raise NotImplementedError("multi-storage client checkpoints are not supported")
+    _, buckets, results_queue = request.async_fn_args
+
+    def write(bucket):
+        file_name, storage_key, (bytes_data, tensor_data) = bucket
+        with open(file_name, "wb") as f:
+            stream = _Hashed(f, digest())
+            results = [_write_item(*transform_list, stream, data, item, storage_key,
+                                   serialization_format=SerializationFormat.TORCH_SAVE)
+                       for item, data in [*bytes_data, *tensor_data]]
+            f.flush()
+            os.fsync(f.fileno())
+        return results, storage_key, (stream.size, stream.hash.hexdigest())
+
+    crc = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(max(1, len(buckets))) as pool:
+            done = list(pool.map(write, buckets))
+    finally:
+        torch.serialization.set_crc32_options(crc)
+    results_queue.put({i: results for i, (results, _, _) in enumerate(done)})
+    return {name: info for _, name, info in done}
+
+
+class _Hashed:
+    """A file being written from its start, hashing what passes (the file-like object torch's
+    ``_write_item`` and ``torch.save`` write to: ``write``, ``tell``, ``flush``)."""
+
+    def __init__(self, f, hash_):
+        self.f, self.hash, self.size = f, hash_, 0
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        self.hash.update(view)
+        self.size += len(view)
+        return self.f.write(view)
+
+    def tell(self) -> int:
+        return self.size
+
+    def flush(self) -> None:
+        self.f.flush()

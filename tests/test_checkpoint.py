@@ -129,18 +129,15 @@ def test_async_save_commits_once_written_and_holds_the_state_of_its_step(
     with torch.no_grad():
         state.model.weight.add_(1.0)
     at_save = state.model.weight.detach().clone()
-    release, real_request = threading.Event(), checkpoint._dist_save_request
+    from patches import megatron_checkpoint_writer
+
+    release, real_write = threading.Event(), megatron_checkpoint_writer.write_files
 
     def held_write(*args):  # the write blocks until the test lets it go
-        request = real_request(*args)
+        release.wait(60)
+        return real_write(*args)
 
-        def write(*a, **k):
-            release.wait(60)
-            request.async_fn(*a, **k)
-
-        return request._replace(async_fn=write)
-
-    monkeypatch.setattr(checkpoint, "_dist_save_request", held_write)
+    monkeypatch.setattr(megatron_checkpoint_writer, "write_files", held_write)
     pending = ckpt.start_save(root, 2, state, {"iteration": 2}, background=True)
     with torch.no_grad():
         state.model.weight.mul_(-3.0)  # the next steps, while the files are written
@@ -149,6 +146,7 @@ def test_async_save_commits_once_written_and_holds_the_state_of_its_step(
     assert os.path.isdir(os.path.join(root, "iter_0000002.partial"))
     release.set()
     assert ckpt.finish_save(pending, keep_last=1) == os.path.join(root, "iter_0000002")
+    assert torch.serialization.get_crc32_options()  # left out of our files only
     assert checkpoint.find_checkpoint(root)[1]["iteration"] == 2
     assert sorted(os.listdir(root)) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
     loaded = LinearState(1)
@@ -242,7 +240,7 @@ def test_tampered_or_truncated_files_are_refused_naming_the_file(tmp_path, megat
         ckpt.load(root, LinearState(1), WORKER_0)
     # ... and, with checkpoint.json rewritten to match it, by the restricted unpickler.
     meta = json.loads(original)
-    meta["files"]["worker0/.metadata"] = {"size": len(evil), "sha256": store.sha256(
+    meta["files"]["worker0/.metadata"] = {"size": len(evil), store.HASH: store.file_hash(
         os.path.join(directory, ".metadata"))}
     with open(meta_path, "w") as f:
         json.dump(meta, f)

@@ -237,6 +237,9 @@ def test_adapters_refuse_another_version_before_touching_anything(monkeypatch):
                        match=r"'megatron_checkpoint_writer' .*megatron-core==0\.16\.1"):
         megatron_checkpoint_writer.in_process_results()
     with pytest.raises(_pinning.UpstreamVersionError,
+                       match=r"'megatron_checkpoint_writer' .*megatron-core==0\.16\.1"):
+        megatron_checkpoint_writer.write_files(SimpleNamespace(), None)
+    with pytest.raises(_pinning.UpstreamVersionError,
                        match=r"'torch_process_group' .*torch==2\.13\.0 or 2\.11\.0 .*2\.12\.0"):
         torch_process_group.standalone_group("gloo", None, 0, 1, None)
 

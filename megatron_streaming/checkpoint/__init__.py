@@ -18,7 +18,7 @@ import time
 from typing import Callable, List, Optional
 
 from ..errors import JobFailure, first_line
-from .background import FileWrite, PendingSave, own_files, snapshot
+from .background import FileWrite, PendingSave, Staging, in_place, shared_files
 from .meta import document
 from .resume import FORMAT_VERSION, CheckpointError
 from .store import (TRACKER, check_files, check_safe, check_writable, commit, file_table,
@@ -84,6 +84,7 @@ class Checkpointer:
         # Whether this rank commits for the job: global rank 0, or the first rank of the
         # lowest live worker once workers were lost (``elastic``).
         self.leads = leads or (lambda: rank == 0)
+        self.staging = Staging()  # --async-save's copy of the tensors, kept between saves
 
     def save(self, root: str, iteration: int, state, run_state: dict,
              keep_last: int = 0) -> str:
@@ -111,8 +112,7 @@ class Checkpointer:
         t0 = time.perf_counter()
         self._agree(root, iteration, partial, prepare if self.leads() else None)
         sharded = state.sharded_state_dict()
-        if background:
-            sharded = snapshot(sharded)
+        sharded = self.staging.snapshot(sharded) if background else in_place(sharded)
         t1 = time.perf_counter()
         infos = self.gather({**state.rank_info(), "keys": sorted(sharded)})
 
@@ -155,8 +155,7 @@ class Checkpointer:
         self._agree(p.root, p.iteration, p.partial, write.finalize)
         mine = os.path.join(p.partial, p.part)
         if self.local == 0:  # the worker's shared files, written by the finalisation
-            table.update(file_table(mine, [f for f in own_files(mine, 0)
-                                           if f not in table]))
+            table.update(file_table(mine, shared_files(mine)))
         tables = self.gather(table)
         files = {f"{p.part}/{k}": v for t in tables for k, v in sorted(t.items())}
         parts = [x for x in self.gather_workers((p.infos, files) if self.local == 0 else None)
@@ -178,7 +177,7 @@ class Checkpointer:
         # In the step loop's time: collect, describe, plan, waited (for the files: all of
         # a synchronous write), finalize (the index, the hashes' gather, the commit).
         self.timings = {**p.timings, "write": write.seconds["write"],
-                        "hash": write.seconds["hash"], "waited": t1 - t0,
+                        "waited": t1 - t0,
                         "gather": t2 - t1, "commit": time.perf_counter() - t2}
         return p.final
 

@@ -2,16 +2,20 @@
 
 megatron-core's torch_dist save comes in three parts (``dist_checkpointing.save`` with
 ``async_sharded_save``): planning (collective: the write plan and ``common.pt``), the write of
-this rank's ``__<rank>_<n>.distcp`` files (no collective: ``AsyncRequest.async_fn``, which
-forks megatron-core's writer processes), and finalisation (collective: every rank's write
-results go to the worker's first rank, which writes torch's ``.metadata`` index and
-megatron-core's ``metadata.json``). ``Checkpointer`` plans and finalises in the step loop; the
-write, and the SHA-256 of the files it wrote, run here: at once (a synchronous save) or on a
-thread while training goes on.
+this rank's ``__<rank>_<n>.distcp`` files (no collective), and finalisation (collective: every
+rank's write results go to the worker's first rank, which writes torch's ``.metadata`` index
+and megatron-core's ``metadata.json``). ``Checkpointer`` plans and finalises in the step loop;
+the write runs here (``patches.megatron_checkpoint_writer.write_files``: a thread per file,
+each hashed as it is written, ``store.HASH``): at once (a synchronous save) or on a thread while
+training goes on.
 
-Before a background write the tensors are copied out: ``preload_fn`` copies device tensors to
-host memory; host tensors that may still change (the model's weights, views of the optimizer's
-and the sync's buffers) are cloned, the main replica's only (the others are not written).
+What is written is never copied for a synchronous save: nothing changes the tensors while the
+step loop waits, so a view of a larger buffer (a parameter in ZeRO's flat buffer, a master in
+its partition) is handed to the writer as a tensor over the same memory whose storage is
+exactly its bytes (``exact``; megatron-core would otherwise clone it, since ``torch.save``
+writes a tensor's whole storage). Before a background write the host tensors are copied out
+into a staging buffer kept from one save to the next (``Staging``: the first save allocates
+it, later ones only copy); ``preload_fn`` copies device tensors to host memory.
 """
 
 from __future__ import annotations
@@ -21,34 +25,77 @@ import threading
 import time
 from typing import Optional
 
-from .store import checkpoint_files, file_table
+import torch
+
+from .store import HASH, checkpoint_files, new_hash
 
 # The files of one rank of a worker's part; the others (``.metadata``, ``common.pt``,
 # ``metadata.json``) are the worker's first rank's.
-_RANK_FILE = re.compile(r"__(\d+)_\d+\.distcp$")
+_RANK_FILE = re.compile(r"__\d+_\d+\.distcp$")
 
 
-def own_files(directory: str, local: int) -> list:
-    """The files rank ``local`` of the worker wrote into its part ``directory``; for the first
-    rank also the worker's shared ones."""
-    out = []
-    for f in checkpoint_files(directory):
-        m = _RANK_FILE.match(f)
-        if (m is not None and int(m.group(1)) == local) or (m is None and local == 0):
-            out.append(f)
-    return out
+def shared_files(directory: str) -> list:
+    """The files of a worker's part ``directory`` that its first rank's finalisation wrote
+    (the others are each rank's own ``__<rank>_<n>.distcp``)."""
+    return [f for f in checkpoint_files(directory) if not _RANK_FILE.match(f)]
 
 
-def snapshot(sharded: dict) -> dict:
-    """Clone the host tensors this rank writes (a background write must not see the next
-    step's updates); device tensors are copied to the host by the request's ``preload_fn``."""
+def _written_on_host(sharded: dict):
+    """The host tensors of ``sharded`` that this rank writes (its main replicas)."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, is_main_replica
 
-    for value in sharded.values():
-        if isinstance(value, ShardedTensor) and value.data is not None and \
-                value.data.device.type == "cpu" and is_main_replica(value.replica_id):
-            value.data = value.data.clone()
+    return [v for v in sharded.values()
+            if isinstance(v, ShardedTensor) and v.data is not None and
+            v.data.device.type == "cpu" and is_main_replica(v.replica_id)]
+
+
+def exact(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (a host tensor) over the same memory, as a tensor whose storage is exactly its
+    bytes, so that the writer writes it in place rather than a clone (``t`` itself when it
+    already is, or is not contiguous)."""
+    nbytes = t.numel() * t.element_size()
+    if t.untyped_storage().nbytes() == nbytes or not t.is_contiguous() or nbytes == 0:
+        return t
+    raw = t.detach().reshape(-1).view(torch.uint8).numpy()  # keeps ``t``'s memory alive
+    return torch.from_numpy(raw).view(t.dtype).view(t.shape)
+
+
+def in_place(sharded: dict) -> dict:
+    """A synchronous save: this rank's host tensors written from where they are."""
+    for value in _written_on_host(sharded):
+        value.data = exact(value.data)
     return sharded
+
+
+class Staging:
+    """A host buffer that a background save copies this rank's host tensors into, so the
+    next steps may change them while the files are written. Kept for the next save, which
+    copies into memory already mapped (a fresh allocation costs a page fault per 4 KiB, most
+    of a copy's time); reallocated only when the save needs more. Used by one save at a time
+    (a save waits for the write before it)."""
+
+    def __init__(self):
+        self.buffer = torch.empty(0, dtype=torch.uint8)
+
+    def snapshot(self, sharded: dict) -> dict:
+        values = _written_on_host(sharded)
+        sizes = [_aligned(v.data.numel() * v.data.element_size()) for v in values]
+        if sum(sizes) > self.buffer.numel():
+            self.buffer = torch.empty(0, dtype=torch.uint8)  # the old one freed first
+            self.buffer = torch.empty(sum(sizes), dtype=torch.uint8)
+        offset = 0
+        for value, size in zip(values, sizes):
+            t = value.data
+            n = t.numel() * t.element_size()
+            copy = self.buffer[offset:offset + n].view(t.dtype).view(t.shape)
+            copy.copy_(t)
+            value.data = exact(copy)
+            offset += size
+        return sharded
+
+
+def _aligned(n: int) -> int:
+    return (n + 63) // 64 * 64
 
 
 class FileWrite:
@@ -60,7 +107,7 @@ class FileWrite:
         self.request, self.directory, self.local = request, directory, local
         self.table: dict = {}
         self.error: Optional[BaseException] = None
-        self.seconds = {"write": 0.0, "hash": 0.0}
+        self.seconds = {"write": 0.0}  # hashed as written: the time of both
         self._thread: Optional[threading.Thread] = None
         self._done = threading.Event()
         if request is not None and request.preload_fn is not None:  # device -> host, here
@@ -69,16 +116,15 @@ class FileWrite:
             self.request = request._replace(async_fn_args=tuple(args))
 
     def run(self) -> "FileWrite":
+        from patches.megatron_checkpoint_writer import write_files
+
         try:
             started = time.perf_counter()
             r = self.request
             if r is not None and r.async_fn is not None:
-                r.async_fn(*r.async_fn_args, **r.async_fn_kwargs)
-            written = time.perf_counter()
-            mine = [f for f in own_files(self.directory, self.local)
-                    if _RANK_FILE.match(f)]
-            self.table = file_table(self.directory, mine)
-            self.seconds = {"write": written - started, "hash": time.perf_counter() - written}
+                self.table = {name: {"size": size, HASH: digest} for name, (size, digest)
+                              in write_files(r, new_hash).items()}
+            self.seconds = {"write": time.perf_counter() - started}
         except BaseException as e:  # reported by ``wait``, in the step loop's thread
             self.error = e
         finally:
@@ -125,4 +171,4 @@ class PendingSave:
         return self.write.done()
 
 
-__all__ = ["FileWrite", "PendingSave", "own_files", "snapshot"]
+__all__ = ["FileWrite", "PendingSave", "Staging", "exact", "in_place", "shared_files"]

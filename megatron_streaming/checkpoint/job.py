@@ -73,8 +73,7 @@ class JobState:
     def _add_outer(self, add, outer: dict) -> None:
         w, m = self.worker, self.map
 
-        def params(values):
-            return m.params(m.from_groups(values))
+        params = m.params_of_groups
 
         # Eager: each worker's global copy is its own (worker 0's stays the global one, read
         # by new workers and the offline tools); so is its latest share.
@@ -159,7 +158,10 @@ class JobState:
 
     def _restore(self, values: Dict[str, Dict[int, torch.Tensor]], plan) -> None:
         m = self.map
-        weights = self._loaded_weights(values, plan.weights_worker)
+        # A pending merge updates the weights in place: then they must not be the values
+        # read (theta_g's, for a new worker).
+        weights = self._loaded_weights(values, plan.weights_worker,
+                                       copy=plan.merge_pending_now and self.sync.enabled)
         if plan.merge_pending_now and self.sync.enabled:
             self._merge_at_load(weights, values, plan)
         if not self.optimizer.has_master:
@@ -167,16 +169,24 @@ class JobState:
                 for slot in m.slots:
                     slot.param.copy_(weights[slot.index].to(slot.param.dtype))
         w = plan.optimizer_worker
+        masters = None
+        partitions = self.optimizer.zero_partitions()
+        if partitions is not None:  # ZeRO's masters, written in place
+            with torch.no_grad():
+                m.scatter(weights, out=partitions)
+        elif self.optimizer.has_master:
+            masters = m.scatter(weights)
         self.optimizer.load_state_dict({
-            "master": m.scatter(weights) if self.optimizer.has_master else None,
+            "master": masters,
             "state": {k: m.scatter(values[keys.optimizer(w, k)]) for k in plan.optimizer_keys},
             "steps": plan.optimizer_steps, "loss_scaler": plan.loss_scaler})
         self.engine.push_to_model()
         if self.sync.enabled:
             self.sync.load_state_dict(self._outer_state(weights, values, plan))
 
-    def _loaded_weights(self, values, src) -> Dict[int, torch.Tensor]:
-        """fp32 weights of every slot: the worker's master (or model), else theta_g."""
+    def _loaded_weights(self, values, src, copy: bool) -> Dict[int, torch.Tensor]:
+        """fp32 weights of every slot: the worker's master (or model), else theta_g (the
+        tensors read themselves where they are fp32, unless ``copy``)."""
         out = {}
         for slot in self.map.slots:
             i = slot.index
@@ -192,7 +202,7 @@ class JobState:
                     raise resume.CheckpointError(
                         f"--load: the checkpoint holds no weights of worker {src} for "
                         f"{slot.gname}")
-            out[i] = t.float().clone()
+            out[i] = t.float().clone() if copy else t.float()
         return out
 
     def _merge_at_load(self, weights, values, plan) -> None:
@@ -212,7 +222,7 @@ class JobState:
         m = self.map
 
         def groups(tensors):
-            return m.to_groups(m.scatter(tensors, zeros_for_missing=True)) if tensors else None
+            return m.groups_of_params(tensors) if tensors else None
 
         exchanges = {}
         for g, mean in zip(self.sync.groups, groups(values[PENDING]) or ()):

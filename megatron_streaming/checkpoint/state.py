@@ -131,16 +131,21 @@ class GroupSpace:
             out[slot.index] = vector[offset:offset + slot.param.numel()].view(slot.param.shape)
         return out
 
-    def scatter(self, tensors: Dict[int, torch.Tensor], device=None) -> torch.Tensor:
-        """This rank's vector of the space from whole parameters (``gather``'s inverse)."""
-        if self.zero is not None:
-            flat, _, start, size, _ = self.zero
-            full = torch.zeros(max(flat.numel(), start + size), dtype=torch.float32,
-                               device=device)
+    def scatter(self, tensors: Dict[int, torch.Tensor], device=None,
+                out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """This rank's vector of the space from whole parameters (``gather``'s inverse);
+        under ZeRO written into ``out`` when given (a live partition: no new memory)."""
+        if self.zero is not None:  # this rank's partition [start, start + size) of them
+            _, _, start, size, _ = self.zero
+            out = torch.zeros(size, dtype=torch.float32, device=device) if out is None \
+                else out.zero_()
             for slot in self.slots:
-                offset = self.offsets[slot.index]
-                full[offset:offset + slot.param.numel()] = tensors[slot.index].reshape(-1)
-            return full[start:start + size].clone()
+                offset, n = self.offsets[slot.index], slot.param.numel()
+                lo, hi = max(offset, start), min(offset + n, start + size)
+                if lo < hi:
+                    out[lo - start:hi - start] = \
+                        tensors[slot.index].reshape(-1)[lo - offset:hi - offset]
+            return out
         return torch.cat([tensors[s.index].reshape(-1).float().to(device) for s in self.slots]) \
             if self.slots else torch.zeros(0, device=device)
 
@@ -236,14 +241,16 @@ class LayoutMap:
             out.update(space.gather(vector))
         return out
 
-    def scatter(self, tensors: Dict[int, torch.Tensor], zeros_for_missing=False) \
-            -> List[torch.Tensor]:
+    def scatter(self, tensors: Dict[int, torch.Tensor], zeros_for_missing=False,
+                out: Optional[List[torch.Tensor]] = None) -> List[torch.Tensor]:
         """``params``' inverse: per space, this rank's vector of whole-parameter ``tensors``
-        (every slot's, or zeros where one is missing)."""
+        (every slot's, or zeros where one is missing); into ``out``'s (ZeRO's partitions)
+        when given."""
         if zeros_for_missing:
             tensors = {s.index: tensors.get(s.index, torch.zeros(s.param.shape))
                        for s in self.slots}
-        return [space.scatter(tensors) for space in self.spaces]
+        return [space.scatter(tensors, out=o)
+                for space, o in zip(self.spaces, out or [None] * len(self.spaces))]
 
     def from_groups(self, values: List[torch.Tensor]) -> List[torch.Tensor]:
         """Per shard group values (flat) -> per space vectors (CPU; zeros elsewhere)."""
@@ -255,6 +262,59 @@ class LayoutMap:
                     value[offset:offset + n].detach().float().cpu()
                 offset += n
         return vectors
+
+    def params_of_groups(self, values: List[torch.Tensor]) -> Dict[int, torch.Tensor]:
+        """Per shard group values (flat) -> slot index -> whole parameter: views of ``values``
+        when every parameter lies whole on this rank, inside one piece of a shard group (no
+        copy); otherwise through the spaces (``from_groups``, ``params``: ZeRO gathers).
+        A parameter in no shard group is zeros either way."""
+        where = self._slot_in_groups()
+        if where is None:
+            return self.params(self.from_groups(values))
+        out = {}
+        for slot in self.slots:
+            found = where.get(slot.index)
+            if found is None:
+                out[slot.index] = torch.zeros(slot.param.shape)
+                continue
+            g, start = found
+            n = slot.param.numel()
+            out[slot.index] = values[g][start:start + n].detach().float().view(slot.param.shape)
+        return out
+
+    def _slot_in_groups(self) -> Optional[Dict[int, tuple]]:
+        """slot index -> (shard group, first element in its value), or None when some space
+        is spread over ZeRO ranks (a parameter may lie in part on another rank)."""
+        if not hasattr(self, "_in_groups"):
+            self._in_groups = None
+            if all(space.zero is None or dist.get_world_size(space.zero[4]) == 1
+                   for space in self.spaces):
+                self._in_groups = {}
+                for g in self.groups:
+                    space, start = self.spaces[g.param_group], 0
+                    for position, n in self.pieces[g.index]:
+                        for slot in space.slots:
+                            offset = space.offsets[slot.index]
+                            if position <= offset and offset + slot.param.numel() <= \
+                                    position + n:
+                                self._in_groups[slot.index] = (g.index, start + offset -
+                                                               position)
+                        start += n
+        return self._in_groups
+
+    def groups_of_params(self, tensors: Dict[int, torch.Tensor]) -> List[torch.Tensor]:
+        """Whole-parameter ``tensors`` -> one flat fp32 tensor per shard group (zeros where
+        one is missing): ``params_of_groups``' inverse, copied straight into place when every
+        parameter lies whole on this rank, else through the spaces."""
+        where = self._slot_in_groups()
+        if where is None:
+            return self.to_groups(self.scatter(tensors, zeros_for_missing=True))
+        values = [torch.zeros(g.numel) for g in self.groups]
+        for index, (g, start) in where.items():
+            t = tensors.get(index)
+            if t is not None:
+                values[g][start:start + t.numel()] = t.reshape(-1)
+        return values
 
     def to_groups(self, vectors: List[torch.Tensor]) -> List[torch.Tensor]:
         """``from_groups``' inverse: one flat tensor per shard group."""

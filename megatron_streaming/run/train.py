@@ -304,15 +304,14 @@ class Run:
         self.last_saved = pending.iteration
         t = self.checkpointer.timings
         if pending.write.is_background():
-            log.info("saved checkpoint %s at iteration %d (written in the background in "
-                     "%.2f s, hashed in %.2f s; the step loop waited %.2f s at the start and "
-                     "%.2f s at the commit)", path, self.iteration, t["write"], t["hash"],
+            log.info("saved checkpoint %s at iteration %d (written and hashed in the "
+                     "background in %.2f s; the step loop waited %.2f s at the start and "
+                     "%.2f s at the commit)", path, self.iteration, t["write"],
                      t["collect"] + t["describe"] + t["plan"],
                      t["waited"] + t["gather"] + t["commit"])
         else:
-            log.info("saved checkpoint %s in %.2f s (gather %.2f s, write %.2f s, hash %.2f s)",
-                     path, sum(t.values()),
-                     t["collect"] + t["describe"], t["plan"] + t["write"], t["hash"])
+            log.info("saved checkpoint %s in %.2f s (gather %.2f s, write and hash %.2f s)",
+                     path, sum(t.values()), t["collect"] + t["describe"], t["plan"] + t["write"])
 
     def _save_failed(self, error: Exception, iteration: int) -> None:
         # A worker lost during the save: not committed; elastic runs go on (anything else,

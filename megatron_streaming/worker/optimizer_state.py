@@ -29,6 +29,14 @@ class InnerOptimizerState:
         masters under --bf16 / --fp16 without ZeRO."""
         return self.engine.zero or self.engine.sixteen_bit_without_zero
 
+    def zero_partitions(self) -> Optional[List[torch.Tensor]]:
+        """Under ZeRO, per param group this rank's fp32 partition (the masters, flat), which a
+        restore may write in place; else None."""
+        if not self.engine.zero:
+            return None
+        return [deepspeed_zero.fp32_partition(self.engine.optimizer, i)
+                for i in range(self.groups)]
+
     def tensors(self, i: int) -> List[torch.Tensor]:
         """The tensors the inner optimizer keeps state for, in param group ``i``."""
         if self.engine.zero:
@@ -72,6 +80,8 @@ class InnerOptimizerState:
         state = self.engine.inner_optimizer.state
         parts = [state[t][key].reshape(-1) if t in state and key in state[t]
                  else torch.zeros(t.numel(), device=t.device) for t in self.tensors(i)]
+        if len(parts) == 1:  # ZeRO's partition: its state itself (a save writes, not keeps)
+            return parts[0].float()
         return torch.cat([p.float() for p in parts]) if parts else torch.zeros(0)
 
     def state_dict(self) -> dict:
@@ -88,7 +98,8 @@ class InnerOptimizerState:
         alone (the caller restores the parameters), an empty ``state`` leaves a fresh
         optimizer (its state is created at the next step), ``steps`` may lack a group (one
         --decoupled-lr added), an empty ``loss_scaler`` keeps the configured one. The masters
-        reach the model with ``WorkerEngine.push_to_model``."""
+        reach the model with ``WorkerEngine.push_to_model``. The ``state`` vectors are given
+        away: on the parameters' device the optimizer's state is views of them."""
         masters = state.get("master")
         if masters is not None and self.has_master:
             self._restore_masters(masters)
@@ -98,8 +109,8 @@ class InnerOptimizerState:
         for i in range(self.groups) if vectors else ():
             step = _group_step(state.get("steps") or [], i)
             offset = 0
-            for t in self.tensors(i):
-                values = {k: v[i][offset:offset + t.numel()].view_as(t).to(t.device).clone()
+            for t in self.tensors(i):  # views of the vectors given (the state's own now)
+                values = {k: v[i][offset:offset + t.numel()].view_as(t).to(t.device)
                           for k, v in vectors.items()}
                 if step is not None:
                     values["step"] = step_tensor(step, t, opt.param_groups[i])
