@@ -26,7 +26,8 @@ a worker's own groups; it also creates megatron's global memory buffer, which
 ``DotProductAttention`` and the sequence-parallel layers need and which only
 ``initialize_model_parallel`` would otherwise create), ``megatron_row_parallel`` (a
 ``RowParallelLinear``'s partial sum before its all-reduce, for the ladder residual),
-``megatron_checkpoint_writer`` (the torch_dist writer's results through an in-process queue,
+``megatron_checkpoint_writer`` (the torch_dist writer's files written by the saving process,
+a thread per file, hashed as they are written, and its results through an in-process queue,
 not a spawned Manager that imports torch to unpickle them) and
 ``torch_process_group`` (process groups made on a store, outside the world).
 
