@@ -229,6 +229,7 @@ class LayoutMap:
         # Per shard group: (position in its space, length) of each of its views.
         self.pieces = [[(self.spaces[g.param_group].position(t), t.numel()) for t in g.tensors]
                        for g in groups]
+        self._in_groups = self._slot_in_groups()
 
     def stored_shapes(self) -> dict:
         """global name -> stored shape (this rank's parameters)."""
@@ -268,7 +269,7 @@ class LayoutMap:
         when every parameter lies whole on this rank, inside one piece of a shard group (no
         copy); otherwise through the spaces (``from_groups``, ``params``: ZeRO gathers).
         A parameter in no shard group is zeros either way."""
-        where = self._slot_in_groups()
+        where = self._in_groups
         if where is None:
             return self.params(self.from_groups(values))
         out = {}
@@ -283,30 +284,31 @@ class LayoutMap:
         return out
 
     def _slot_in_groups(self) -> Optional[Dict[int, tuple]]:
-        """slot index -> (shard group, first element in its value), or None when some space
-        is spread over ZeRO ranks (a parameter may lie in part on another rank)."""
-        if not hasattr(self, "_in_groups"):
-            self._in_groups = None
-            if all(space.zero is None or dist.get_world_size(space.zero[4]) == 1
-                   for space in self.spaces):
-                self._in_groups = {}
-                for g in self.groups:
-                    space, start = self.spaces[g.param_group], 0
-                    for position, n in self.pieces[g.index]:
-                        for slot in space.slots:
-                            offset = space.offsets[slot.index]
-                            if position <= offset and offset + slot.param.numel() <= \
-                                    position + n:
-                                self._in_groups[slot.index] = (g.index, start + offset -
-                                                               position)
-                        start += n
-        return self._in_groups
+        """slot index -> (shard group, first element in its value); None when some space is
+        spread over ZeRO ranks or some parameter lies across pieces (then it is assembled
+        through the spaces)."""
+        if any(space.zero is not None and dist.get_world_size(space.zero[4]) > 1
+               for space in self.spaces):
+            return None
+        where = {}
+        for g in self.groups:
+            space, start = self.spaces[g.param_group], 0
+            for position, n in self.pieces[g.index]:
+                for slot in space.slots:
+                    lo, hi = space.offsets[slot.index], \
+                        space.offsets[slot.index] + slot.param.numel()
+                    if position <= lo and hi <= position + n:
+                        where[slot.index] = (g.index, start + lo - position)
+                    elif lo < position + n and position < hi:
+                        return None  # in part only
+                start += n
+        return where
 
     def groups_of_params(self, tensors: Dict[int, torch.Tensor]) -> List[torch.Tensor]:
         """Whole-parameter ``tensors`` -> one flat fp32 tensor per shard group (zeros where
         one is missing): ``params_of_groups``' inverse, copied straight into place when every
         parameter lies whole on this rank, else through the spaces."""
-        where = self._slot_in_groups()
+        where = self._in_groups
         if where is None:
             return self.to_groups(self.scatter(tensors, zeros_for_missing=True))
         values = [torch.zeros(g.numel) for g in self.groups]
