@@ -200,6 +200,45 @@ def test_entry_point_reports_data_errors_and_keeps_tracebacks_of_bugs(monkeypatc
         entry.main(["--mock-data"])
 
 
+def test_a_setup_that_fails_stops_the_heartbeat_it_started(monkeypatch):
+    """A failure inside ``Run.setup`` (a corrupt --load, say) still stops the heartbeat: left
+    running, its rendezvous-store call can be in flight while the interpreter exits, and the
+    process then aborts ("terminate called without an active exception") instead of exiting
+    with 2."""
+    import types
+
+    import megatron_streaming.job.lifecycle as lifecycle
+    import megatron_streaming.run.start as start
+    from megatron_streaming.errors import UsageError
+    from megatron_streaming.run.train import Run
+
+    closed = []
+
+    class Heartbeat:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def close(self):
+            closed.append("heartbeat")
+
+    topology = types.SimpleNamespace(is_logging_rank=lambda: False)
+    started = types.SimpleNamespace(topology=topology, tokenizer=None, job=None, resume=None,
+                                    resume_plan=None, rejoin=None, own_processes=True,
+                                    patches=(), rendezvous=None)
+    monkeypatch.setattr(start, "start_processes", lambda cfg: started)
+    monkeypatch.setattr(lifecycle, "Liveness", Heartbeat)
+    monkeypatch.setattr(lifecycle, "StopAgreement", lambda *args: types.SimpleNamespace())
+
+    def refuse(cfg, started):
+        raise UsageError("--load /x: altered after it was written")
+
+    monkeypatch.setattr(start, "say_at_start", refuse)
+    with pytest.raises(UsageError, match="altered"):
+        with Run(parse_args(["--mock-data"])):
+            pass
+    assert closed == ["heartbeat"]
+
+
 def test_worker_index_turns_one_launch_into_its_share_of_the_job():
     from megatron_streaming.parallel.distributed import join_worker_launch
 

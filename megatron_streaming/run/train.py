@@ -23,7 +23,8 @@ class Run:
         with Run(cfg) as run:      # setup(); the sync is hooked into the inner optimizer
             run.train()
                                    # close(): hooks detached, TensorBoard flushed, heartbeat
-                                   # stopped; also when the block raises
+                                   # stopped; also when the block raises, and when setup
+                                   # itself fails (a bad --load, say)
     """
 
     def __init__(self, cfg: Config, extensions=()):
@@ -54,6 +55,7 @@ class Run:
             started.rejoin
         self.own_processes, self.patches = started.own_processes, started.patches
         self.rendezvous = started.rendezvous
+        self._closed = False  # from here on there is something for ``close`` to stop
         self.liveness = Liveness(self.topology, self.rendezvous, stop=self.stop_request,
                                  store_timeout=60.0 * p.distributed_timeout_minutes,
                                  saves=bool(cfg.checkpoint.save))
@@ -91,7 +93,6 @@ class Run:
         self.data = RunData(self.cfg, self.topology, self.tokenizer, self.job)
         self._check_data_position(run_state)
         self.writer = make_writer(self.cfg.logging, self.reports, self.cfg)
-        self._closed = False
         return self
 
     def _take_state(self) -> Optional[dict]:
@@ -145,7 +146,11 @@ class Run:
             self.writer = make_writer(self.cfg.logging, reports, self.cfg)
 
     def __enter__(self) -> "Run":
-        return self.setup()
+        try:
+            return self.setup()
+        except BaseException:  # ``with`` calls no __exit__ then: stop what setup started
+            self.close()  # (a heartbeat left in a store call aborts the interpreter's exit)
+            raise
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         self.close()
@@ -158,9 +163,10 @@ class Run:
         if getattr(self, "_closed", True):
             return
         self._closed = True
-        self.sync.detach()
-        self.writer.close()
-        self.liveness.close()
+        for part, release in (("sync", "detach"), ("writer", "close"), ("liveness", "close")):
+            made = getattr(self, part, None)  # a failed setup may not have made it
+            if made is not None:
+                getattr(made, release)()
 
     # ---- evaluation ----------------------------------------------------------------------
     def evaluate(self, split: str) -> Optional[float]:
