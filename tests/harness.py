@@ -75,14 +75,46 @@ def free_port() -> int:
     raise RuntimeError("no free TCP port in 20000-32000 on the loopback")
 
 
-# Launches of several ranks start them from tests/preloaded_launcher.py, which does torchrun's
-# job but imports torch, DeepSpeed and megatron-core once and forks the ranks (a third of the
-# suite's time went to every rank importing them). Tests of torchrun's own behaviour (its
-# ranks' sessions, a killed agent) set this to False.
+# Launches start from tests/zygote.py, a process of the test session that imported torch,
+# DeepSpeed and megatron-core once: each launch's processes are forked from it (a third of the
+# suite's time went to every process importing them). A launch whose environment changes what
+# an import reads (stand-in packages on PYTHONPATH) starts from tests/preloaded_launcher.py,
+# which imports them once per launch, or as plain ``python`` for one process. Tests of the
+# launchers' own behaviour (torchrun's rank sessions, a killed agent) set PRELOADED to False.
 PRELOADED = True
+_ZYGOTE: dict = {}  # the session's server: its process and socket, started at first use
 
 
-def command(nproc: int, args, script: str = "pretrain_gpt.py") -> list:
+def _zygote_socket(environment: dict) -> Optional[str]:
+    """The session's zygote socket, if a launch with ``environment`` can start from it."""
+    import atexit
+    import tempfile
+
+    import zygote
+
+    if not PRELOADED or os.environ.get("MEGATRON_STREAMING_TEST_ZYGOTE", "1") == "0":
+        return None
+    if _ZYGOTE.get("owner") != os.getpid():  # a process forked from this one starts its own
+        base = env()
+        path = os.path.join(tempfile.mkdtemp(prefix="zygote"), "socket")
+        log = open(os.path.join(os.path.dirname(path), "server.log"), "w")
+        server = subprocess.Popen([sys.executable, "tests/zygote.py", "serve", path], cwd=REPO,
+                                  env=base, stdin=subprocess.DEVNULL, stdout=log,
+                                  stderr=subprocess.STDOUT)
+        atexit.register(server.kill)
+        _ZYGOTE.update(owner=os.getpid(), server=server, path=path, env=base)
+    if zygote.differs_at_import(_ZYGOTE["env"], environment):
+        return None
+    return _ZYGOTE["path"]
+
+
+def command(nproc: int, args, script: str = "pretrain_gpt.py",
+            environment: Optional[dict] = None, forked: bool = True) -> list:
+    """The command line of a launch of ``script`` on ``nproc`` ranks in ``environment`` (the
+    tests' ``env()`` unless given); ``forked``: from the session's zygote where it can."""
+    path = _zygote_socket(env() if environment is None else environment) if forked else None
+    if path is not None:
+        return [sys.executable, "tests/zygote.py", path, str(nproc), script, *args]
     if nproc == 1:
         return [sys.executable, script, *args]
     if PRELOADED:
@@ -98,8 +130,9 @@ def run(nproc: int, args, timeout: float = 240, check: bool = True,
 
     ``extra_env`` is added to the environment, e.g. ``WORLD_SIZE`` to make a single process
     validate its flags against a larger world."""
-    cmd = command(nproc, args, script)
-    proc = subprocess.run(cmd, cwd=REPO, env=env(extra_env), capture_output=True, text=True,
+    environment = env(extra_env)
+    cmd = command(nproc, args, script, environment)
+    proc = subprocess.run(cmd, cwd=REPO, env=environment, capture_output=True, text=True,
                           timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n"
@@ -112,11 +145,14 @@ FAULTS = "tests/pretrain_with_faults.py"
 
 
 def start(nproc: int, args, log_path, extra_env: Optional[dict] = None,
-          script: str = "pretrain_gpt.py", wrap=lambda cmd: cmd) -> subprocess.Popen:
+          script: str = "pretrain_gpt.py", wrap=None) -> subprocess.Popen:
     """Launch in the background, stdout and stderr into ``log_path``; ``wrap`` may prefix
     the command (e.g. to run it in a network namespace)."""
     log = open(log_path, "w")
-    return subprocess.Popen(wrap(command(nproc, args, script)), cwd=REPO, env=env(extra_env),
+    environment = env(extra_env)
+    # Wrapped (in another network namespace, say): not forked from the session's zygote.
+    cmd = command(nproc, args, script, environment, forked=wrap is None)
+    return subprocess.Popen(wrap(cmd) if wrap else cmd, cwd=REPO, env=environment,
                             stdout=log, stderr=subprocess.STDOUT, text=True)
 
 

@@ -84,23 +84,45 @@ def _run_rank(rank: int, nproc: int, port: int, script: str, args: list) -> None
     sys.exit(0)
 
 
-def main() -> int:
-    nproc, script, args = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
-    _preload()
+def _run_alone(script: str, args: list) -> None:
+    """In the forked child: ``python script args`` as a lone process (its environment as
+    given: no rank variables added)."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_DFL)
+    from megatron_streaming.run import quiet
+
+    if quiet._FILTER is not None:
+        quiet._FILTER.rank = quiet.launch_rank()
+    path = os.path.abspath(script)
+    sys.argv = [script, *args]
+    sys.path[0] = os.path.dirname(path)
+    runpy.run_path(path, run_name="__main__")
+    sys.exit(0)
+
+
+def launch(nproc: int, script: str, args: list, client=None) -> int:
+    """Fork the launch's processes from this (preloaded) one and wait for them: NPROC ranks
+    as torchrun would start them, or, for 1, the script as a lone process. The exit status:
+    1 if a rank failed, else 0 (a lone process's own status). ``client``: a socket whose end
+    (EOF) means the launch was killed: its processes are killed too (``tests/zygote.py``)."""
+    import select
+
     from harness import free_port
 
-    port = int(os.environ.get("MASTER_PORT") or free_port())
+    port = int(os.environ.get("MASTER_PORT") or free_port()) if nproc > 1 else 0
     sys.stdout.flush()
     sys.stderr.flush()
     children = {}
     for rank in range(nproc):
         pid = os.fork()
         if pid == 0:
+            if nproc == 1:
+                _run_alone(script, args)
             _run_rank(rank, nproc, port, script, args)
         children[pid] = rank
 
     def stop(sig, _frame=None):
-        for pid in children:
+        for pid in list(children):
             try:
                 os.kill(pid, sig)
             except ProcessLookupError:
@@ -108,21 +130,35 @@ def main() -> int:
 
     signal.signal(signal.SIGTERM, lambda s, f: stop(signal.SIGTERM))
     signal.signal(signal.SIGINT, lambda s, f: stop(signal.SIGINT))
-    failed, deadline = False, None
+    failed, deadline, code = False, None, 0
     while children:
         if deadline is not None and time.monotonic() > deadline:
             stop(signal.SIGKILL)
         pid, status = os.waitpid(-1, os.WNOHANG)
         if pid == 0:
-            time.sleep(0.05)
+            if client is not None and select.select([client], [], [], 0.05)[0] \
+                    and not client.recv(1):  # the client is gone: so is the launch
+                stop(signal.SIGKILL)
+                client, deadline = None, time.monotonic()
+            elif client is None:
+                time.sleep(0.05)
             continue
         if pid not in children:
             continue
         del children[pid]
-        if os.waitstatus_to_exitcode(status) != 0 and not failed:
+        code = os.waitstatus_to_exitcode(status)
+        if code != 0 and not failed:
             failed, deadline = True, time.monotonic() + GRACE_SECONDS
             stop(signal.SIGTERM)  # torchrun's agent: the others are stopped
+    if nproc == 1:
+        return code
     return 1 if failed else 0
+
+
+def main() -> int:
+    nproc, script, args = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
+    _preload()
+    return launch(nproc, script, args)
 
 
 if __name__ == "__main__":

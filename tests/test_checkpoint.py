@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -20,8 +21,10 @@ def test_resume_continues_the_uninterrupted_run_exactly(tmp_path):
     run(2, [*RESUME, "--log-jsonl", str(tmp_path / "full.jsonl")])
     ckpt = tmp_path / "ckpt"
     # Saved in the background (--async-save), committed on the way out.
-    run(2, [*RESUME, "--save", str(ckpt), "--exit-interval", "3", "--async-save",
-            "--save-interval", "3", "--log-jsonl", str(tmp_path / "first.jsonl")])
+    saving = run(2, [*RESUME, "--save", str(ckpt), "--exit-interval", "3", "--async-save",
+                     "--save-interval", "3", "--log-jsonl", str(tmp_path / "first.jsonl")])
+    # The host buffer of the copies was made at the start, beside training, not in the save.
+    assert re.search(r"--async-save: [0-9.]+ GiB of host memory", saving.stderr), saving.stderr
     run(2, [*RESUME, "--load", str(ckpt), "--log-jsonl", str(tmp_path / "second.jsonl")])
     full = read_jsonl(tmp_path / "full.jsonl")
     first = read_jsonl(tmp_path / "first.jsonl")

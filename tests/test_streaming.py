@@ -136,11 +136,18 @@ CASES = {
 }
 
 
+# Whole-model tolerances other than 1e-6: the Llama case's TP-split matmuls, RoPE and RMSNorm
+# round differently from the reference's by up to 1.5e-6 on a CPU without AVX-512 (an AVX2
+# EPYC), under 1e-6 with it; a wrong implementation is off by 1e-3 and more.
+WHOLE_TOLERANCE = {"llama_tp2_p2_tau1": 3e-6}
+
+
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_distributed_matches_single_process_reference(name, tmp_path):
     nproc, extra = CASES[name]
-    matches_reference(nproc, [*BASE, *extra], tmp_path)
+    matches_reference(nproc, [*BASE, *extra], tmp_path,
+                      whole_tol=WHOLE_TOLERANCE.get(name, 1e-6))
     for w in range(2):  # each worker's world met on a store of its own, not on the job's
         met = dumps(tmp_path, w)["stores"]
         assert met["world"] != met["job"] and not met["in_job"], (w, met)

@@ -86,6 +86,12 @@ class Checkpointer:
         self.leads = leads or (lambda: rank == 0)
         self.staging = Staging()  # --async-save's copy of the tensors, kept between saves
 
+    def reserve_staging(self, state) -> int:
+        """--async-save: make the host buffer the saves copy into now, beside training,
+        instead of in the first save; returns its bytes. Collective within the worker, as
+        ``state.sharded_state_dict`` is."""
+        return self.staging.reserve(state.sharded_state_dict())
+
     def save(self, root: str, iteration: int, state, run_state: dict,
              keep_last: int = 0) -> str:
         """Write the checkpoint, then commit on the leading rank. A write that fails on any

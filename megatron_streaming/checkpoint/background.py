@@ -71,15 +71,40 @@ class Staging:
     """A host buffer that a background save copies this rank's host tensors into, so the
     next steps may change them while the files are written. Kept for the next save, which
     copies into memory already mapped (a fresh allocation costs a page fault per 4 KiB, most
-    of a copy's time); reallocated only when the save needs more. Used by one save at a time
-    (a save waits for the write before it)."""
+    of a copy's time); reallocated only when the save needs more. ``reserve`` makes it ahead
+    of the first save, on a thread beside training, so that the first save only copies too.
+    Used by one save at a time (a save waits for the write before it)."""
 
     def __init__(self):
         self.buffer = torch.empty(0, dtype=torch.uint8)
+        self._reserving: Optional[threading.Thread] = None
+
+    @staticmethod
+    def _sizes(values) -> list:
+        return [_aligned(v.data.numel() * v.data.element_size()) for v in values]
+
+    def reserve(self, sharded: dict) -> int:
+        """Start making (and touching) the buffer a save of ``sharded`` needs, on a thread;
+        returns its bytes."""
+        need = sum(self._sizes(_written_on_host(sharded)))
+
+        def make():
+            buffer = torch.empty(need, dtype=torch.uint8)
+            buffer.fill_(0)  # every page faulted in here, not in the first save's copy
+            self.buffer = buffer
+
+        if need > self.buffer.numel():
+            self._reserving = threading.Thread(target=make, name="checkpoint-staging",
+                                               daemon=True)
+            self._reserving.start()
+        return need
 
     def snapshot(self, sharded: dict) -> dict:
+        if self._reserving is not None:
+            self._reserving.join()
+            self._reserving = None
         values = _written_on_host(sharded)
-        sizes = [_aligned(v.data.numel() * v.data.element_size()) for v in values]
+        sizes = self._sizes(values)
         if sum(sizes) > self.buffer.numel():
             self.buffer = torch.empty(0, dtype=torch.uint8)  # the old one freed first
             self.buffer = torch.empty(sum(sizes), dtype=torch.uint8)

@@ -93,6 +93,11 @@ class Run:
         self.data = RunData(self.cfg, self.topology, self.tokenizer, self.job)
         self._check_data_position(run_state)
         self.writer = make_writer(self.cfg.logging, self.reports, self.cfg)
+        if cfg.checkpoint.async_save and cfg.checkpoint.save:
+            staged = self.checkpointer.reserve_staging(self.job_state)
+            log.info("--async-save: %.2f GiB of host memory on this rank for the copies of the "
+                     "checkpoints written in the background, made beside the first steps",
+                     staged / 2**30)
         return self
 
     def _take_state(self) -> Optional[dict]:
