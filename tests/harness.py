@@ -80,8 +80,11 @@ def free_port() -> int:
 # suite's time went to every process importing them). A launch whose environment changes what
 # an import reads (stand-in packages on PYTHONPATH) starts from tests/preloaded_launcher.py,
 # which imports them once per launch, or as plain ``python`` for one process. Tests of the
-# launchers' own behaviour (torchrun's rank sessions, a killed agent) set PRELOADED to False.
+# launchers' own behaviour (torchrun's rank sessions, a killed agent) set PRELOADED to False;
+# tests that find a launch's ranks among its child processes set FORKED to False (the ranks of
+# a launch forked from the zygote are not the client's children).
 PRELOADED = True
+FORKED = True
 _ZYGOTE: dict = {}  # the session's server: its process and socket, started at first use
 
 
@@ -92,7 +95,7 @@ def _zygote_socket(environment: dict) -> Optional[str]:
 
     import zygote
 
-    if not PRELOADED or os.environ.get("MEGATRON_STREAMING_TEST_ZYGOTE", "1") == "0":
+    if not (PRELOADED and FORKED) or os.environ.get("MEGATRON_STREAMING_TEST_ZYGOTE") == "0":
         return None
     if _ZYGOTE.get("owner") != os.getpid():  # a process forked from this one starts its own
         base = env()

@@ -22,6 +22,13 @@ import netns
 from harness import FAULTS, TINY, free_port, read_jsonl, run, start, wait_for_line
 
 
+@pytest.fixture(autouse=True)
+def ranks_under_their_launcher(monkeypatch):
+    """These tests find a launch's ranks among its child processes (``_rank_of``): its
+    launcher starts them, not the session's zygote."""
+    monkeypatch.setattr(harness, "FORKED", False)
+
+
 @pytest.fixture
 def torchrun(monkeypatch):
     """Launches by torchrun itself: a test of what its ranks do (their sessions, a killed

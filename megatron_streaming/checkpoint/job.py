@@ -176,9 +176,13 @@ class JobState:
                 m.scatter(weights, out=partitions)
         elif self.optimizer.has_master:
             masters = m.scatter(weights)
+        # ZeRO's optimizer state, written into the vectors it has (DeepSpeed made them at
+        # its start) rather than into new ones: fresh memory costs a page fault per 4 KiB.
         self.optimizer.load_state_dict({
             "master": masters,
-            "state": {k: m.scatter(values[keys.optimizer(w, k)]) for k in plan.optimizer_keys},
+            "state": {k: m.scatter(values[keys.optimizer(w, k)],
+                                   out=self.optimizer.zero_state(k))
+                      for k in plan.optimizer_keys},
             "steps": plan.optimizer_steps, "loss_scaler": plan.loss_scaler})
         self.engine.push_to_model()
         if self.sync.enabled:
@@ -221,8 +225,8 @@ class JobState:
         """The sync's ``load_state_dict`` fields, per shard group, from whole parameters."""
         m = self.map
 
-        def groups(tensors):
-            return m.groups_of_params(tensors) if tensors else None
+        def groups(tensors, live=None):  # into the sync's own vectors (``live``) if it can
+            return m.groups_of_params(tensors, out=live) if tensors else None
 
         exchanges = {}
         for g, mean in zip(self.sync.groups, groups(values[PENDING]) or ()):
@@ -233,8 +237,11 @@ class JobState:
                                       "all_finite": info["all_finite"],
                                       **{k: stats[k] for k in ("bytes_sent", "bytes_received",
                                                                "quant_error") if k in stats}}
-        return {"theta_g": groups(values[THETA_G] or weights),  # no sync saved: the weights
-                "momentum": groups(values[MOMENTUM]), "own": groups(values[OWN]),
+        sync = self.sync
+        return {"theta_g": groups(values[THETA_G] or weights,  # no sync saved: the weights
+                                  getattr(sync, "theta_g", None)),
+                "momentum": groups(values[MOMENTUM], getattr(sync, "momentum", None)),
+                "own": groups(values[OWN]),
                 "residual": groups(values[RESIDUAL]), "exchanges": exchanges,
                 "merged_early": plan.nothing_in_flight, "bytes": plan.bytes}
 

@@ -304,14 +304,20 @@ class LayoutMap:
                 start += n
         return where
 
-    def groups_of_params(self, tensors: Dict[int, torch.Tensor]) -> List[torch.Tensor]:
+    def groups_of_params(self, tensors: Dict[int, torch.Tensor],
+                         out: Optional[List[torch.Tensor]] = None) -> List[torch.Tensor]:
         """Whole-parameter ``tensors`` -> one flat fp32 tensor per shard group (zeros where
         one is missing): ``params_of_groups``' inverse, copied straight into place when every
-        parameter lies whole on this rank, else through the spaces."""
+        parameter lies whole on this rank (into ``out``'s when given and of the groups'
+        sizes: no new memory), else through the spaces."""
         where = self._in_groups
         if where is None:
             return self.to_groups(self.scatter(tensors, zeros_for_missing=True))
-        values = [torch.zeros(g.numel) for g in self.groups]
+        fits = out is not None and len(out) == len(self.groups) and all(
+            o.dtype == torch.float32 and o.dim() == 1 and o.numel() == g.numel
+            for o, g in zip(out, self.groups))
+        values = [o.zero_() for o in out] if fits else \
+            [torch.zeros(g.numel) for g in self.groups]
         for index, (g, start) in where.items():
             t = tensors.get(index)
             if t is not None:

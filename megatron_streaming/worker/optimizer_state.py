@@ -37,6 +37,20 @@ class InnerOptimizerState:
         return [deepspeed_zero.fp32_partition(self.engine.optimizer, i)
                 for i in range(self.groups)]
 
+    def zero_state(self, key: str) -> Optional[List[torch.Tensor]]:
+        """Under ZeRO, per param group the partition's current ``key`` state (flat fp32),
+        which a restore may write in place and give back to ``load_state_dict``; None where
+        there is none of that shape yet."""
+        partitions = self.zero_partitions()
+        if partitions is None:
+            return None
+        state = self.engine.inner_optimizer.state
+        live = [state.get(t, {}).get(key) for t in partitions]
+        if any(v is None or v.dtype != torch.float32 or v.numel() != t.numel() or
+               not v.is_contiguous() for v, t in zip(live, partitions)):
+            return None
+        return [v.view(-1) for v in live]
+
     def tensors(self, i: int) -> List[torch.Tensor]:
         """The tensors the inner optimizer keeps state for, in param group ``i``."""
         if self.engine.zero:
