@@ -60,38 +60,25 @@ def _preload() -> None:
 
 
 def _run_rank(rank: int, nproc: int, port: int, script: str, args: list) -> None:
-    """In the forked child: become rank ``rank`` and run ``script`` as ``python script``
+    """In the forked child: become rank ``rank`` of ``nproc`` (one: a lone process, its
+    environment as given, no rank variables added) and run ``script`` as ``python script``
     would; its SystemExit ends this process (never returns to the launcher's code)."""
-    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
-                       "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0",
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                       "TORCHELASTIC_RUN_ID": "preloaded", "TORCHELASTIC_RESTART_COUNT": "0"})
-    try:
-        with open("/proc/self/comm", "w") as f:
-            f.write(f"rank{rank}")
-    except OSError:
-        pass
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, signal.SIG_DFL)
     from megatron_streaming.run import quiet
 
+    if nproc > 1:
+        os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank),
+                           "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
+                           "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                           "MASTER_PORT": str(port), "TORCHELASTIC_RUN_ID": "preloaded",
+                           "TORCHELASTIC_RESTART_COUNT": "0"})
+        try:
+            with open("/proc/self/comm", "w") as f:
+                f.write(f"rank{rank}")
+        except OSError:
+            pass
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_DFL)
     if quiet._FILTER is not None:  # expected warnings: once per job, on rank 0 (quiet.py)
-        quiet._FILTER.rank = rank
-    path = os.path.abspath(script)
-    sys.argv = [script, *args]
-    sys.path[0] = os.path.dirname(path)
-    runpy.run_path(path, run_name="__main__")
-    sys.exit(0)
-
-
-def _run_alone(script: str, args: list) -> None:
-    """In the forked child: ``python script args`` as a lone process (its environment as
-    given: no rank variables added)."""
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, signal.SIG_DFL)
-    from megatron_streaming.run import quiet
-
-    if quiet._FILTER is not None:
         quiet._FILTER.rank = quiet.launch_rank()
     path = os.path.abspath(script)
     sys.argv = [script, *args]
@@ -116,8 +103,6 @@ def launch(nproc: int, script: str, args: list, client=None) -> int:
     for rank in range(nproc):
         pid = os.fork()
         if pid == 0:
-            if nproc == 1:
-                _run_alone(script, args)
             _run_rank(rank, nproc, port, script, args)
         children[pid] = rank
 
