@@ -88,36 +88,45 @@ def _start_pair(out, per_worker, save=()):
 
 @pytest.mark.timeout(900)
 def test_workers_of_different_layouts_and_batches_match_the_reference(tmp_path):
-    launches, references = [], {}
-    try:  # both jobs at once, and their references: much of a launch is waiting
-        for name, per_worker in CASES.items():
-            out = tmp_path / name
-            out.mkdir()
-            references[name] = start_reference(
-                [*SHARED, *per_worker[0]], out, 4,
-                {"REFERENCE_WORKER_ARGS": json.dumps([[*SHARED, *f] for f in per_worker])})
-            # The first job saves after step 6, with fragment 1's lanes in flight (sent after
-            # 6, merged after 7): they come back to the shards for it, and the run goes on.
-            save = ["--save", str(out / "ckpt"), "--save-interval", "6"] \
-                if name in SAVES else []
-            launches += _start_pair(out, per_worker, save)
-        for proc, log in launches:
-            assert proc.wait(timeout=600) == 0, log.read_text()[-5000:]
-        # Those jobs again from their checkpoints of step 6 (fragment 1 in flight), each
-        # worker in its own layout: they must end where the uninterrupted runs ended.
-        launches = []
-        for name in SAVES:
-            resumed = tmp_path / name / "resumed"
-            resumed.mkdir()
-            (tmp_path / name / "ckpt" / "latest_checkpointed_iteration.txt").write_text("6\n")
-            launches += _start_pair(resumed, CASES[name],
-                                    ["--load", str(tmp_path / name / "ckpt")])
-        for proc, log in launches:
-            assert proc.wait(timeout=600) == 0, log.read_text()[-5000:]
-    finally:
-        for proc in [p for p, _ in launches] + list(references.values()):
+    started = []
+    try:
+        _train_and_compare(tmp_path, started)
+    finally:  # at the end only: a reference may well outlast every launch
+        for proc in started:
             if proc.poll() is None:
                 proc.kill()
+
+
+def _train_and_compare(tmp_path, started: list):
+    launches, references = [], {}
+    # Both jobs at once, and their references: much of a launch is waiting.
+    for name, per_worker in CASES.items():
+        out = tmp_path / name
+        out.mkdir()
+        references[name] = start_reference(
+            [*SHARED, *per_worker[0]], out, 4,
+            {"REFERENCE_WORKER_ARGS": json.dumps([[*SHARED, *f] for f in per_worker])})
+        started.append(references[name])
+        # The first job saves after step 6, with fragment 1's lanes in flight (sent after
+        # 6, merged after 7): they come back to the shards for it, and the run goes on.
+        save = ["--save", str(out / "ckpt"), "--save-interval", "6"] \
+            if name in SAVES else []
+        launches += _start_pair(out, per_worker, save)
+        started += [p for p, _ in launches[-2:]]
+    for proc, log in launches:
+        assert proc.wait(timeout=600) == 0, log.read_text()[-5000:]
+    # Those jobs again from their checkpoints of step 6 (fragment 1 in flight), each
+    # worker in its own layout: they must end where the uninterrupted runs ended.
+    launches = []
+    for name in SAVES:
+        resumed = tmp_path / name / "resumed"
+        resumed.mkdir()
+        (tmp_path / name / "ckpt" / "latest_checkpointed_iteration.txt").write_text("6\n")
+        launches += _start_pair(resumed, CASES[name],
+                                ["--load", str(tmp_path / name / "ckpt")])
+        started += [p for p, _ in launches[-2:]]
+    for proc, log in launches:
+        assert proc.wait(timeout=600) == 0, log.read_text()[-5000:]
     for name in SAVES:
         for w in range(2):
             again, first = dumps(tmp_path / name / "resumed", w), dumps(tmp_path / name, w)
