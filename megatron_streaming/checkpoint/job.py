@@ -130,16 +130,27 @@ class JobState:
         if src is not None:
             model_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
                 meta["precision"], torch.float32)
-            reader.want(MODEL, [keys.worker(src, MODEL)], model_dtype, model=True)
-            reader.want(MASTER, [keys.worker(src, MASTER)])
+            # Read where each tensor is to end up (ZeRO's partitions, the optimizer's and the
+            # sync's vectors) when this layout holds it whole: no new memory, no second copy.
+            # The masters in flight are merged into the weights first: not those then.
+            live = self.optimizer.zero_partitions() \
+                if not (plan.merge_pending_now and self.sync.enabled) else None
+            reader.want(MASTER, [keys.worker(src, MASTER)], into=self.map.slot_views(live))
+            # A worker's model weights are its masters rounded: read where no master is.
+            reader.want(MODEL, [keys.worker(src, MODEL)], model_dtype, model=True,
+                        unless=MASTER)
         for name in plan.optimizer_keys if plan.optimizer_worker is not None else ():
             reader.want(keys.optimizer(plan.optimizer_worker, name),
-                        [keys.optimizer(plan.optimizer_worker, name)])
+                        [keys.optimizer(plan.optimizer_worker, name)],
+                        into=self.map.slot_views(self.optimizer.zero_state(name)))
         if self.sync.enabled or src is None:
             # Eager: worker src's own global copy, unless it is worker 0's (the global one).
             mine = [src] if plan.eager_saved and src is not None else []
             for kind in (THETA_G, MOMENTUM):
-                reader.want(kind, [*(keys.outer(kind, w) for w in mine), keys.outer(kind)])
+                live = getattr(self.sync, {THETA_G: "theta_g", MOMENTUM: "momentum"}[kind],
+                               None) if self.sync.enabled else None
+                reader.want(kind, [*(keys.outer(kind, w) for w in mine), keys.outer(kind)],
+                            into=self.map.group_views(live))
             reader.want(PENDING, [keys.outer(PENDING)])
             if plan.eager_saved:
                 reader.want(OWN, [keys.outer(OWN, src if src is not None else 0)])

@@ -6,7 +6,7 @@ vocabulary padded for another TP size is read whole and this rank's rows taken f
 from __future__ import annotations
 
 import os
-from typing import Dict, Iterable, List, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -27,20 +27,27 @@ class SlotReader:
         self._wanted: List[Tuple[str, object, str, bool]] = []  # (kind, slot, key, model)
 
     def want(self, kind: str, prefixes: Iterable[str], dtype=torch.float32,
-             model: bool = False) -> None:
+             model: bool = False, into: Optional[Dict[int, torch.Tensor]] = None,
+             unless: Optional[str] = None) -> None:
         """Per slot, the first of ``prefixes`` (``keys``) the part stores, as ``kind``; a
         slot with none of them has no ``kind``. ``model``: the model's weights (their rows
-        beyond a stored vocabulary keep the parameter's)."""
+        beyond a stored vocabulary keep the parameter's). ``into``: slot index -> where its
+        tensor is to end up (a view of live state of ``dtype``): read there directly.
+        ``unless``: not for a slot that already has that kind."""
         prefixes = list(prefixes)
+        had = {slot.index for k, slot, _, _ in self._wanted if k == unless}
         for slot in self.map.slots:
             key = next((k for k in (keys.tensor(p, slot.gname) for p in prefixes)
                         if k in self.stored), None)
-            if key is None:
+            if key is None or slot.index in had:
                 continue
             stored = tuple(self.shapes[slot.gname])
             if stored == slot.global_shape(self.map.tp):
-                self.request[key] = sharded(key, slot, torch.empty_like(slot.param, dtype=dtype),
-                                            self.map.tp_rank, self.map.tp, False)
+                target = (into or {}).get(slot.index)
+                if target is None or target.dtype != dtype:
+                    target = torch.empty_like(slot.param, dtype=dtype)
+                self.request[key] = sharded(key, slot, target, self.map.tp_rank, self.map.tp,
+                                            False)
             else:  # a vocabulary padded for another TP size: read it whole, take our rows
                 self.request[key] = whole(key, stored, dtype)
             self._wanted.append((kind, slot, key, model))

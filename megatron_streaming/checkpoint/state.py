@@ -116,6 +116,20 @@ class GroupSpace:
             return (view.data_ptr() - self._base.data_ptr()) // view.element_size()
         return self._view_positions[view.data_ptr()]
 
+    def views(self, vector: torch.Tensor) -> Dict[int, torch.Tensor]:
+        """Under ZeRO, slot index -> a view of ``vector`` (this rank's partition, flat) shaped
+        as the parameter, for each parameter that lies whole in it: where a read may land
+        directly, so that ``scatter`` has nothing left to copy."""
+        if self.zero is None or vector is None or vector.device.type != "cpu":
+            return {}
+        _, _, start, size, _ = self.zero
+        out = {}
+        for slot in self.slots:
+            lo, n = self.offsets[slot.index], slot.param.numel()
+            if start <= lo and lo + n <= start + size:
+                out[slot.index] = vector[lo - start:lo - start + n].view(slot.param.shape)
+        return out
+
     def gather(self, vector: torch.Tensor) -> Dict[int, torch.Tensor]:
         """slot index -> whole parameter (fp32, the parameter's shape)."""
         vector = vector.detach().float()
@@ -137,17 +151,33 @@ class GroupSpace:
         under ZeRO written into ``out`` when given (a live partition: no new memory)."""
         if self.zero is not None:  # this rank's partition [start, start + size) of them
             _, _, start, size, _ = self.zero
-            out = torch.zeros(size, dtype=torch.float32, device=device) if out is None \
-                else out.zero_()
+            if out is None:
+                out = torch.empty(size, dtype=torch.float32, device=device)
+            covered = []
             for slot in self.slots:
                 offset, n = self.offsets[slot.index], slot.param.numel()
                 lo, hi = max(offset, start), min(offset + n, start + size)
                 if lo < hi:
-                    out[lo - start:hi - start] = \
-                        tensors[slot.index].reshape(-1)[lo - offset:hi - offset]
+                    dst = out[lo - start:hi - start]
+                    src = tensors[slot.index].reshape(-1)[lo - offset:hi - offset]
+                    if src.data_ptr() != dst.data_ptr():  # else read there already
+                        dst.copy_(src)
+                    covered.append((lo - start, hi - start))
+            _zero_between(out, covered)  # ZeRO's padding
             return out
         return torch.cat([tensors[s.index].reshape(-1).float().to(device) for s in self.slots]) \
             if self.slots else torch.zeros(0, device=device)
+
+
+def _zero_between(vector: torch.Tensor, covered: List[tuple]) -> None:
+    """Zeros of ``vector`` outside the ``covered`` (start, end) ranges."""
+    position = 0
+    for lo, hi in sorted(covered):
+        if lo > position:
+            vector[position:lo].zero_()
+        position = max(position, hi)
+    if position < vector.numel():
+        vector[position:].zero_()
 
 
 def group_spaces(engine, slots: List[Slot]) -> List[GroupSpace]:
@@ -283,6 +313,29 @@ class LayoutMap:
             out[slot.index] = values[g][start:start + n].detach().float().view(slot.param.shape)
         return out
 
+    def group_views(self, values: Optional[List[torch.Tensor]]) -> Dict[int, torch.Tensor]:
+        """slot index -> a view of per shard group ``values`` shaped as the parameter, for
+        each parameter that lies whole in one piece of a group on this rank; empty when
+        they do not (``_slot_in_groups``) or ``values`` are not the groups' flat fp32."""
+        if self._in_groups is None or not self._fit_groups(values):
+            return {}
+        return {index: values[g][start:start + self.slots[index].param.numel()]
+                .view(self.slots[index].param.shape)
+                for index, (g, start) in self._in_groups.items()}
+
+    def slot_views(self, vectors: Optional[List[torch.Tensor]]) -> Dict[int, torch.Tensor]:
+        """slot index -> a view of per-space ``vectors`` (ZeRO's partitions, or state of
+        their shape) shaped as the parameter, where one lies whole in this rank's part."""
+        out = {}
+        for space, vector in zip(self.spaces, vectors or ()):
+            out.update(space.views(vector))
+        return out
+
+    def _fit_groups(self, values) -> bool:
+        return values is not None and len(values) == len(self.groups) and all(
+            v.dtype == torch.float32 and v.dim() == 1 and v.numel() == g.numel
+            and v.device.type == "cpu" for v, g in zip(values, self.groups))
+
     def _slot_in_groups(self) -> Optional[Dict[int, tuple]]:
         """slot index -> (shard group, first element in its value); None when some space is
         spread over ZeRO ranks or some parameter lies across pieces (then it is assembled
@@ -313,15 +366,18 @@ class LayoutMap:
         where = self._in_groups
         if where is None:
             return self.to_groups(self.scatter(tensors, zeros_for_missing=True))
-        fits = out is not None and len(out) == len(self.groups) and all(
-            o.dtype == torch.float32 and o.dim() == 1 and o.numel() == g.numel
-            for o, g in zip(out, self.groups))
-        values = [o.zero_() for o in out] if fits else \
-            [torch.zeros(g.numel) for g in self.groups]
+        values = out if self._fit_groups(out) else \
+            [torch.empty(g.numel) for g in self.groups]
+        covered = [[] for _ in self.groups]
         for index, (g, start) in where.items():
             t = tensors.get(index)
             if t is not None:
-                values[g][start:start + t.numel()] = t.reshape(-1)
+                dst = values[g][start:start + t.numel()]
+                if t.data_ptr() != dst.data_ptr():  # else read there already
+                    dst.copy_(t.reshape(-1))
+                covered[g].append((start, start + t.numel()))
+        for value, ranges in zip(values, covered):
+            _zero_between(value, ranges)
         return values
 
     def to_groups(self, vectors: List[torch.Tensor]) -> List[torch.Tensor]:
