@@ -114,7 +114,8 @@ def _zygote_socket(environment: dict) -> Optional[str]:
 def command(nproc: int, args, script: str = "pretrain_gpt.py",
             environment: Optional[dict] = None, forked: bool = True) -> list:
     """The command line of a launch of ``script`` on ``nproc`` ranks in ``environment`` (the
-    tests' ``env()`` unless given); ``forked``: from the session's zygote where it can."""
+    tests' ``env()`` unless given); ``forked``: from the session's zygote where it can.
+    ``script`` "-m": ``args`` start with a module's name, run as ``python -m`` runs it."""
     path = _zygote_socket(env() if environment is None else environment) if forked else None
     if path is not None:
         return [sys.executable, "tests/zygote.py", path, str(nproc), script, *args]

@@ -2,6 +2,7 @@
 once and forks the ranks from it.
 
     python tests/preloaded_launcher.py NPROC SCRIPT [ARGS...]
+    python tests/preloaded_launcher.py NPROC -m MODULE [ARGS...]
 
 does what ``python -m torch.distributed.run --standalone --nproc-per-node NPROC SCRIPT ARGS``
 does for this package's scripts: NPROC ranks of SCRIPT on this host, each with RANK,
@@ -42,6 +43,7 @@ PRELOAD = (
     "megatron.core.dist_checkpointing", "megatron.core.datasets.blended_megatron_dataset_builder",
     "megatron.core.datasets.gpt_dataset", "megatron.core.transformer.moe.moe_layer",
     "torch.distributed.checkpoint", "torch.utils.tensorboard", "torch._dynamo",
+    "megatron.core.tokenizers",
 )
 
 
@@ -80,10 +82,15 @@ def _run_rank(rank: int, nproc: int, port: int, script: str, args: list) -> None
         signal.signal(sig, signal.SIG_DFL)
     if quiet._FILTER is not None:  # expected warnings: once per job, on rank 0 (quiet.py)
         quiet._FILTER.rank = quiet.launch_rank()
-    path = os.path.abspath(script)
-    sys.argv = [script, *args]
-    sys.path[0] = os.path.dirname(path)
-    runpy.run_path(path, run_name="__main__")
+    if script == "-m":  # ``python -m MODULE ARGS``: the working directory first on the path
+        sys.argv = [*args]
+        sys.path[0] = os.getcwd()
+        runpy.run_module(args[0], run_name="__main__", alter_sys=True)
+    else:
+        path = os.path.abspath(script)
+        sys.argv = [script, *args]
+        sys.path[0] = os.path.dirname(path)
+        runpy.run_path(path, run_name="__main__")
     sys.exit(0)
 
 

@@ -115,7 +115,7 @@ def write_conf(root: Path, node: str) -> Path:
         "AuthType=auth/munge",
         "CredType=cred/munge",
         # cred_expire is also how long a requeued job waits before it may start again.
-        f"AuthInfo=socket={root / 'munge.socket'},cred_expire=20",
+        f"AuthInfo=socket={root / 'munge.socket'},cred_expire=10",
         f"StateSaveLocation={root / 'state'}",
         f"SlurmdSpoolDir={root / 'spool'}",
         f"SlurmctldPidFile={root / 'slurmctld.pid'}",
@@ -130,8 +130,8 @@ def write_conf(root: Path, node: str) -> Path:
         "SelectTypeParameters=CR_Core",
         "SchedulerType=sched/backfill",
         # A requeued job starts at the first scheduling pass after its wait: every second
-        # here, not every 30 s (the default backfill interval).
-        "SchedulerParameters=bf_interval=1",
+        # here, not every 30 s (the default backfill interval) or 60 s (the main loop's).
+        "SchedulerParameters=bf_interval=1,sched_interval=1",
         "JobAcctGatherType=jobacct_gather/none",
         "AccountingStorageType=accounting_storage/none",
         "JobCompType=jobcomp/none",

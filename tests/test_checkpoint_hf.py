@@ -10,12 +10,11 @@ another layout and with two workers.
 
 import json
 import subprocess
-import sys
 
 import pytest
 import torch
 
-from harness import REPO, TINY, env, read_jsonl, run
+from harness import REPO, TINY, command, env, read_jsonl, run, start
 from megatron_streaming.cli.arguments import parse_args
 from megatron_streaming.checkpoint import offline
 
@@ -27,7 +26,7 @@ VOCAB, SEQ = 256, 32
 
 def cli(*args, check=True):
     """The tool as a user runs it (a process of its own)."""
-    proc = subprocess.run([sys.executable, "-m", "megatron_streaming.checkpoint", *map(str, args)],
+    proc = subprocess.run(command(1, ["megatron_streaming.checkpoint", *map(str, args)], "-m"),
                           cwd=REPO, env=env(), capture_output=True, text=True, timeout=300)
     if check:
         assert proc.returncode == 0, proc.stderr[-4000:]
@@ -80,16 +79,26 @@ def test_export_of_a_streaming_run_gives_our_logits(tmp_path, megatron_world):
     export of theta_g (and of worker 1's local weights) gives in transformers the logits our
     model gives."""
     mixtral = [*LLAMA, "--num-experts", "4", "--moe-router-topk", "2"]
-    for arch, flags, layout, written in (
-            ("llama", LLAMA, ["--tensor-model-parallel-size", "2"], "TP 2, PP 1, SP 1, DP 1"),
-            ("gpt2", [], [], "TP 1, PP 1, SP 1, DP 1"),
-            ("mixtral", mixtral, ["--expert-model-parallel-size", "2"],
-             "TP 1, PP 1, SP 1, DP 2, EP 2")):
-        ckpt = tmp_path / arch
-        run(4 if layout else 2, [
+    cases = (("llama", LLAMA, ["--tensor-model-parallel-size", "2"], "TP 2, PP 1, SP 1, DP 1"),
+             ("gpt2", [], [], "TP 1, PP 1, SP 1, DP 1"),
+             ("mixtral", mixtral, ["--expert-model-parallel-size", "2"],
+              "TP 1, PP 1, SP 1, DP 2, EP 2"))
+    launches = []  # the three runs at once: much of a tiny run's time is its start
+    for arch, flags, layout, _ in cases:
+        launches.append(start(4 if layout else 2, [
             *TINY, "--num-layers", "2", *flags, "--train-iters", "5", "--eval-iters", "0",
             "--diloco-workers", "2", "--diloco-inner-steps", "4", "--diloco-fragments", "2",
-            "--diloco-overlap-steps", "1", *layout, "--save", str(ckpt)])
+            "--diloco-overlap-steps", "1", *layout, "--save", str(tmp_path / arch)],
+            tmp_path / f"{arch}.log"))
+    try:
+        for proc, (arch, *_) in zip(launches, cases):
+            assert proc.wait(timeout=400) == 0, (tmp_path / f"{arch}.log").read_text()[-5000:]
+    finally:
+        for proc in launches:
+            if proc.poll() is None:
+                proc.kill()
+    for arch, flags, layout, written in cases:
+        ckpt = tmp_path / arch
         text = cli("inspect", ckpt).stdout
         assert f"written by 2 worker(s) x ({written})" in text
         assert "in flight: none" in text  # the last step merges what is in flight

@@ -116,10 +116,12 @@ REQUEUE_ITERS = 60
 @pytest.mark.timeout(900)
 def test_usr1_checkpoints_requeues_and_the_rerun_resumes(cluster, tmp_path):
     out, ckpt, summary = tmp_path / "job.out", tmp_path / "ckpt", tmp_path / "summary.json"
-    flags = [*TINY, "--train-iters", str(REQUEUE_ITERS), "--log-interval", "10",
-             "--save", str(ckpt), "--load", str(ckpt), "--summary-json", str(summary)]
+    # One rank per worker: the path under test is the job's, and the job starts twice.
+    flags = [*TINY, "--tensor-model-parallel-size", "1", "--train-iters", str(REQUEUE_ITERS),
+             "--log-interval", "10", "--save", str(ckpt), "--load", str(ckpt),
+             "--summary-json", str(summary)]
     job = cluster.sbatch(["--nodes=1", f"--output={out}", "launch/slurm.sh", *flags],
-                         cwd=REPO, env={**JOB_ENV, "GPUS_PER_NODE": "4",
+                         cwd=REPO, env={**JOB_ENV, "GPUS_PER_NODE": "2",
                                         "MASTER_PORT": str(free_port())})
     deadline = time.monotonic() + JOB_TIMEOUT
     while not re.search(r"iteration +\d+0/", out.read_text() if out.exists() else ""):

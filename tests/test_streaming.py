@@ -12,12 +12,11 @@ after Adam's normalisation, so each tensor is held to 1e-5 and the whole model t
 
 import glob
 import subprocess
-import sys
 
 import pytest
 import torch
 
-from harness import FAULTS, NO_DROPOUT, REPO, env, run
+from harness import FAULTS, NO_DROPOUT, REPO, command, env, run
 
 BASE = [*NO_DROPOUT, "--mock-data", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
         "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "12",
@@ -58,9 +57,10 @@ def start_reference(args, out, world, extra_env=None) -> subprocess.Popen:
     """The reference in the background (it needs nothing of the distributed run, and its
     single process fills the cores that the run's start-up and rendezvous leave idle).
     On the CPU always, also on a GPU machine (the CUDA tests compare the GPU run with it)."""
-    e = env({"REFERENCE_WORLD_SIZE": str(world), "CUDA_VISIBLE_DEVICES": "",
-             **(extra_env or {})})
-    return subprocess.Popen([sys.executable, "tests/diloco_reference.py", str(out), *args],
+    hide_gpus = {"CUDA_VISIBLE_DEVICES": ""} if torch.cuda.is_available() else {}
+    e = env({"REFERENCE_WORLD_SIZE": str(world), **hide_gpus, **(extra_env or {})})
+    # A lone process from the session's zygote where it can (it imports nothing then).
+    return subprocess.Popen(command(1, [str(out), *args], "tests/diloco_reference.py", e),
                             cwd=REPO, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
 

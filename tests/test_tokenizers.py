@@ -10,11 +10,10 @@ import base64
 import json
 import re
 import subprocess
-import sys
 
 import pytest
 
-from harness import REPO, SHARED_DATA, env, train_losses
+from harness import REPO, SHARED_DATA, command, env, train_losses
 from local_tokenizers import gpt2_bpe, hugging_face_dir, write_jsonl
 from megatron_streaming.data.tokenizers import TokenizerSpec, build_tokenizer, problems
 from megatron_streaming.errors import UsageError
@@ -97,7 +96,7 @@ def test_tokenizer_flag_problems_are_one_line(spec, line):
 
 
 def _preprocess(*args):
-    return subprocess.run([sys.executable, "-m", "megatron_streaming.data", *args],
+    return subprocess.run(command(1, ["megatron_streaming.data", *args], "-m"),
                           capture_output=True, text=True, env=env(), cwd=REPO, timeout=300)
 
 

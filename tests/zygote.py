@@ -2,6 +2,7 @@
 
     python tests/zygote.py serve SOCKET          # the server (``harness`` starts it)
     python tests/zygote.py SOCKET NPROC SCRIPT [ARGS...]
+    python tests/zygote.py SOCKET 1 -m MODULE [ARGS...]
 
 The second form is the launch a test runs in place of ``python SCRIPT ARGS`` (NPROC 1) or
 ``tests/preloaded_launcher.py NPROC SCRIPT ARGS``: a small client that hands the server its
@@ -13,8 +14,9 @@ torch, DeepSpeed and megatron-core already imported (about 6.5 s of every launch
 * its output streams, exit status (a lone process killed by a signal: the client ends by the
   same signal) and SIGTERM / SIGINT (passed on);
 * killed (``Popen.kill``), the client's socket closes and the launch's processes are killed;
-* the expected warnings the imports print (``quiet``) are printed again at its start, as a
-  launch that imported them itself would.
+* the expected warnings the imports print (``quiet``) are printed again at the start of a
+  script's launch, as a launch that imported them itself would (not of a module's: the
+  package's tools import less).
 
 ``harness.command`` sends a launch here only when its environment differs from the server's
 in nothing an import reads (``IMPORT_TIME``); tests of the launchers themselves and of
@@ -120,8 +122,10 @@ def _take_launch(conn: socket.socket, printed: dict) -> None:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
-    if int(request["nproc"]) > 1 or quiet.launch_rank() == 0:
-        for fd in (1, 2):  # the imports' expected warnings, as this launch would print them
+    # The imports' expected warnings, as a script's launch would print them (a module, the
+    # package's tools, imports less than the server did: it prints none of them).
+    if request["script"] != "-m" and (int(request["nproc"]) > 1 or quiet.launch_rank() == 0):
+        for fd in (1, 2):
             if printed[fd]:
                 os.write(fd, printed[fd])
     _send(conn, {"pid": os.getpid()})
