@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import collections
 import time
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
@@ -139,10 +139,13 @@ class JobState:
             # A worker's model weights are its masters rounded: read where no master is.
             reader.want(MODEL, [keys.worker(src, MODEL)], model_dtype, model=True,
                         unless=MASTER)
-        for name in plan.optimizer_keys if plan.optimizer_worker is not None else ():
+        # The optimizer's state vectors (made here if its first step has not made them yet).
+        moments = {name: self.optimizer.zero_state_vectors(name)
+                   for name in plan.optimizer_keys} if plan.optimizer_worker is not None else {}
+        for name, vectors in moments.items():
             reader.want(keys.optimizer(plan.optimizer_worker, name),
                         [keys.optimizer(plan.optimizer_worker, name)],
-                        into=self.map.slot_views(self.optimizer.zero_state(name)))
+                        into=self.map.slot_views(vectors))
         if self.sync.enabled or src is None:
             # Eager: worker src's own global copy, unless it is worker 0's (the global one).
             mine = [src] if plan.eager_saved and src is not None else []
@@ -161,13 +164,14 @@ class JobState:
             reader.want_rank_tensor(keys.rng(self.topology.rank, name), value)
         values, loaded = reader.read(directory)
         read = time.perf_counter()
-        self._restore(collections.defaultdict(dict, values), plan)
+        self._restore(collections.defaultdict(dict, values), plan, moments)
         if plan.restore_rng:
             self.rng.load_state_dict({keys.rng_name(k): v for k, v in loaded.items()
                                       if keys.rng_name(k) is not None})
         return {"read": read - started, "restore": time.perf_counter() - read}
 
-    def _restore(self, values: Dict[str, Dict[int, torch.Tensor]], plan) -> None:
+    def _restore(self, values: Dict[str, Dict[int, torch.Tensor]], plan,
+                 moments: Dict[str, Optional[List[torch.Tensor]]]) -> None:
         m = self.map
         # A pending merge updates the weights in place: then they must not be the values
         # read (theta_g's, for a new worker).
@@ -187,12 +191,11 @@ class JobState:
                 m.scatter(weights, out=partitions)
         elif self.optimizer.has_master:
             masters = m.scatter(weights)
-        # ZeRO's optimizer state, written into the vectors it has (DeepSpeed made them at
-        # its start) rather than into new ones: fresh memory costs a page fault per 4 KiB.
+        # ZeRO's optimizer state, in the vectors it was read into (``load``): its own, or
+        # new ones made once (fresh memory costs a page fault per 4 KiB).
         self.optimizer.load_state_dict({
             "master": masters,
-            "state": {k: m.scatter(values[keys.optimizer(w, k)],
-                                   out=self.optimizer.zero_state(k))
+            "state": {k: m.scatter(values[keys.optimizer(w, k)], out=moments.get(k))
                       for k in plan.optimizer_keys},
             "steps": plan.optimizer_steps, "loss_scaler": plan.loss_scaler})
         self.engine.push_to_model()

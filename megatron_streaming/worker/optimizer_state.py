@@ -51,6 +51,17 @@ class InnerOptimizerState:
             return None
         return [v.view(-1) for v in live]
 
+    def zero_state_vectors(self, key: str) -> Optional[List[torch.Tensor]]:
+        """Under ZeRO, vectors for ``key`` state that a restore may write in place and give
+        to ``load_state_dict``: the optimizer's own (``zero_state``) or, before its first
+        step has made them, new ones of the partitions' sizes; else None."""
+        live = self.zero_state(key)
+        if live is not None:
+            return live
+        partitions = self.zero_partitions()
+        return None if partitions is None else \
+            [torch.empty(t.numel(), dtype=torch.float32, device=t.device) for t in partitions]
+
     def tensors(self, i: int) -> List[torch.Tensor]:
         """The tensors the inner optimizer keeps state for, in param group ``i``."""
         if self.engine.zero:
