@@ -22,9 +22,9 @@ import netns
 from harness import FAULTS, TINY, free_port, read_jsonl, run, start, wait_for_line
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture
 def ranks_under_their_launcher(monkeypatch):
-    """These tests find a launch's ranks among its child processes (``_rank_of``): its
+    """For a test that finds a launch's ranks among its child processes (``_rank_of``): its
     launcher starts them, not the session's zygote."""
     monkeypatch.setattr(harness, "FORKED", False)
 
@@ -61,6 +61,7 @@ def _tracker(ckpt) -> int:
 
 
 @pytest.mark.timeout(420)
+@pytest.mark.usefixtures("ranks_under_their_launcher")
 def test_killed_rank_is_named_and_the_job_resumes_from_the_last_checkpoint(tmp_path):
     """Saved with --async-save --keep-last 1; the rank is killed while the checkpoint of
     iteration 12 is being written: the job resumes from the one of iteration 8."""
@@ -112,6 +113,7 @@ def test_killed_rank_is_named_and_the_job_resumes_from_the_last_checkpoint(tmp_p
 
 
 @pytest.mark.timeout(420)
+@pytest.mark.usefixtures("ranks_under_their_launcher")
 def test_sigterm_to_one_worker_checkpoints_everyone_exits_zero_and_resumes_exactly(tmp_path):
     """SLURM sends SIGTERM at the time limit; with one job per cluster only one worker gets
     it. Every rank must stop after the same step, checkpoint, exit 0; the requeued command

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+import harness
 from harness import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -54,12 +55,21 @@ worker = _load_worker_module()
 
 
 def _start(scenario: str, env: dict, log) -> subprocess.Popen:
-    full_env = {k: v for k, v in os.environ.items() if k != SKIP_ENV}
-    full_env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", TORCH_COMPILE_DISABLE="1", **env)
+    if scenario == "single_rank":
+        # Imports megatron-core before apply(), as the session's zygote has: a process
+        # forked from it starts as fresh as to patches (the zygote applies none) and skips
+        # the imports. The others import in an order of their own (selection fakes CUDA
+        # and apex at import; two_ranks applies before any megatron import).
+        full_env = harness.env(env)  # env names the patch to skip, if any
+        cmd = harness.command(1, [scenario], str(WORKER_PATH.relative_to(REPO)), full_env)
+    else:
+        full_env = {k: v for k, v in os.environ.items() if k != SKIP_ENV}
+        full_env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", TORCH_COMPILE_DISABLE="1",
+                        **env)
+        cmd = [sys.executable, str(WORKER_PATH), scenario]
     # Output goes to a file, not a pipe: nothing reads a pipe until the worker is collected,
     # and a full pipe would block the worker.
-    return subprocess.Popen([sys.executable, str(WORKER_PATH), scenario], cwd=REPO,
-                            env=full_env, stdout=log, stderr=subprocess.STDOUT)
+    return subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=log, stderr=subprocess.STDOUT)
 
 
 class _Workers:
