@@ -35,6 +35,7 @@ class Run:
         self.start_time = time.perf_counter()
         self.rejoin = None  # the membership record of a running job this worker rejoins
         self.launch_environment = dict(os.environ)  # as launched: a restart to rejoin uses it
+        self._staging_pending = False  # --async-save's buffer still to make (``train``)
 
     def setup(self) -> "Run":
         """Everything a rank needs, built in dependency order."""
@@ -93,12 +94,17 @@ class Run:
         self.data = RunData(self.cfg, self.topology, self.tokenizer, self.job)
         self._check_data_position(run_state)
         self.writer = make_writer(self.cfg.logging, self.reports, self.cfg)
-        if cfg.checkpoint.async_save and cfg.checkpoint.save:
-            staged = self.checkpointer.reserve_staging(self.job_state)
-            log.info("--async-save: %.2f GiB of host memory on this rank for the copies of the "
-                     "checkpoints written in the background, made beside the first steps",
-                     staged / 2**30)
+        # --async-save's host buffer is sized after the first step, once the optimizer has
+        # made its state (DeepSpeed makes the Adam moments at the first step).
+        self._staging_pending = bool(cfg.checkpoint.async_save and cfg.checkpoint.save)
         return self
+
+    def _reserve_staging(self) -> None:
+        self._staging_pending = False
+        staged = self.checkpointer.reserve_staging(self.job_state)
+        log.info("--async-save: %.2f GiB of host memory on this rank for the copies of the "
+                 "checkpoints written in the background, made beside the next steps",
+                 staged / 2**30)
 
     def _take_state(self) -> Optional[dict]:
         """The state to start from: a live worker's (a restarted worker rejoining), the
@@ -211,6 +217,8 @@ class Run:
             self.iteration += 1
             self.liveness.iteration = self.iteration
             loss = result.loss
+            if self._staging_pending:  # every rank of the worker, after the same step
+                self._reserve_staging()
             if self.iteration == t.train_iters:
                 merged = self.sync.finish()
                 if merged:
