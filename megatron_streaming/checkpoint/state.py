@@ -299,19 +299,10 @@ class LayoutMap:
         when every parameter lies whole on this rank, inside one piece of a shard group (no
         copy); otherwise through the spaces (``from_groups``, ``params``: ZeRO gathers).
         A parameter in no shard group is zeros either way."""
-        where = self._in_groups
-        if where is None:
+        if self._in_groups is None:
             return self.params(self.from_groups(values))
-        out = {}
-        for slot in self.slots:
-            found = where.get(slot.index)
-            if found is None:
-                out[slot.index] = torch.zeros(slot.param.shape)
-                continue
-            g, start = found
-            n = slot.param.numel()
-            out[slot.index] = values[g][start:start + n].detach().float().view(slot.param.shape)
-        return out
+        views = self._views_in_groups([v.detach().float() for v in values])
+        return {s.index: views.get(s.index, torch.zeros(s.param.shape)) for s in self.slots}
 
     def group_views(self, values: Optional[List[torch.Tensor]]) -> Dict[int, torch.Tensor]:
         """slot index -> a view of per shard group ``values`` shaped as the parameter, for
@@ -319,6 +310,9 @@ class LayoutMap:
         they do not (``_slot_in_groups``) or ``values`` are not the groups' flat fp32."""
         if self._in_groups is None or not self._fit_groups(values):
             return {}
+        return self._views_in_groups(values)
+
+    def _views_in_groups(self, values: List[torch.Tensor]) -> Dict[int, torch.Tensor]:
         return {index: values[g][start:start + self.slots[index].param.numel()]
                 .view(self.slots[index].param.shape)
                 for index, (g, start) in self._in_groups.items()}

@@ -37,30 +37,19 @@ class InnerOptimizerState:
         return [deepspeed_zero.fp32_partition(self.engine.optimizer, i)
                 for i in range(self.groups)]
 
-    def zero_state(self, key: str) -> Optional[List[torch.Tensor]]:
-        """Under ZeRO, per param group the partition's current ``key`` state (flat fp32),
-        which a restore may write in place and give back to ``load_state_dict``; None where
-        there is none of that shape yet."""
+    def zero_state_vectors(self, key: str) -> Optional[List[torch.Tensor]]:
+        """Under ZeRO, per param group a flat fp32 vector for ``key`` state that a restore may
+        write in place and give to ``load_state_dict``: the optimizer's own or, before its
+        first step has made them, new ones of the partitions' sizes; else None."""
         partitions = self.zero_partitions()
         if partitions is None:
             return None
         state = self.engine.inner_optimizer.state
         live = [state.get(t, {}).get(key) for t in partitions]
-        if any(v is None or v.dtype != torch.float32 or v.numel() != t.numel() or
-               not v.is_contiguous() for v, t in zip(live, partitions)):
-            return None
-        return [v.view(-1) for v in live]
-
-    def zero_state_vectors(self, key: str) -> Optional[List[torch.Tensor]]:
-        """Under ZeRO, vectors for ``key`` state that a restore may write in place and give
-        to ``load_state_dict``: the optimizer's own (``zero_state``) or, before its first
-        step has made them, new ones of the partitions' sizes; else None."""
-        live = self.zero_state(key)
-        if live is not None:
-            return live
-        partitions = self.zero_partitions()
-        return None if partitions is None else \
-            [torch.empty(t.numel(), dtype=torch.float32, device=t.device) for t in partitions]
+        if all(v is not None and v.dtype == torch.float32 and v.numel() == t.numel() and
+               v.is_contiguous() for v, t in zip(live, partitions)):
+            return [v.view(-1) for v in live]
+        return [torch.empty(t.numel(), dtype=torch.float32, device=t.device) for t in partitions]
 
     def tensors(self, i: int) -> List[torch.Tensor]:
         """The tensors the inner optimizer keeps state for, in param group ``i``."""
