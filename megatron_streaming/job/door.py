@@ -304,7 +304,7 @@ class Door:
         key = f"worker{worker}"
         started = time.monotonic()
         deadline = started + self.timeout.total_seconds()
-        said = False
+        said, pause = False, 0.02  # the other workers' first ranks start within ms, or late
         while not self.store.check([PREFIX + key]):  # polled: a timed-out wait logs in C++
             if time.monotonic() > deadline:
                 raise ConfigError(
@@ -315,5 +315,6 @@ class Door:
                 log.warning("waiting for worker %d to start (up to %.0f s)", worker,
                             self.timeout.total_seconds())
                 said = True
-            time.sleep(0.5)
+            time.sleep(pause)
+            pause = min(0.5, 2 * pause)
         return json.loads(self._get(key))

@@ -255,7 +255,7 @@ def _published_address(job_store, key: str, worker: int, timeout) -> tuple:
     from ..errors import JobFailure
 
     deadline = time.monotonic() + timeout.total_seconds()
-    crossed, address, error = 0, None, None
+    crossed, address, error, pause = 0, None, None, 0.02
     while time.monotonic() < deadline:
         crossed += len(key)
         if job_store.check([key]):  # polled: a timed-out wait logs in C++
@@ -267,7 +267,8 @@ def _published_address(job_store, key: str, worker: int, timeout) -> tuple:
                 return address, crossed
             except OSError as e:
                 error = e
-        time.sleep(0.5)
+        time.sleep(pause)  # published within ms of the others' start, or much later
+        pause = min(0.5, 2 * pause)
     where = f"worker {worker}'s store at {address}, as its first rank published it," \
         if address else f"no address of worker {worker}'s own store from its first rank"
     raise JobFailure(f"{where} within {timeout.total_seconds():.0f} s "
