@@ -9,10 +9,11 @@ time of ``Checkpointer.save`` and ``Checkpointer.load`` is measured inside each 
 (``--time-checkpoints``: this script wraps them and re-runs pretrain_gpt.py), the slowest rank
 counts. Size: the bytes of the iteration directory. With ``--async-save`` (this revision
 only): the time the step loop was blocked by a save (its start and its commit, less any wait
-for the files) against the synchronous save's time, for the first save (which allocates the
-host buffer the tensors are copied to) and the slowest later one. The baseline revision is
-checked out as a git worktree under ``--out``. Reported as ratios ours / baseline, measured
-in one run.
+for the files) against the synchronous save's time, for the first save and a later one, each
+also less the time a rank waited at the save's start for the other worker to reach it (the
+two workers' steps drift apart by that much on shared cores; not the save's own cost). The
+baseline revision is checked out as a git worktree under ``--out``. Reported as ratios ours /
+baseline, measured in one run.
 """
 
 import argparse
@@ -49,7 +50,7 @@ def timed_main():
 
     out = os.environ["CKPT_TIMING_OUT"]
 
-    def wrap(name):
+    def wrap(name, details=lambda result: {}):
         original = getattr(ckpt.Checkpointer, name)
 
         def timed(self, *args, **kwargs):
@@ -57,7 +58,8 @@ def timed_main():
             result = original(self, *args, **kwargs)
             with open(out, "a") as f:
                 f.write(json.dumps({"op": name, "rank": int(os.environ.get("RANK", 0)),
-                                    "seconds": time.perf_counter() - started}) + "\n")
+                                    "seconds": time.perf_counter() - started,
+                                    **details(result)}) + "\n")
             return result
 
         setattr(ckpt.Checkpointer, name, timed)
@@ -65,7 +67,7 @@ def timed_main():
     wrap("save")
     wrap("load")
     if hasattr(ckpt.Checkpointer, "start_save"):  # --async-save: the step loop's share
-        wrap("start_save")
+        wrap("start_save", lambda pending: {"agree": pending.timings.get("agree", 0.0)})
         original_finish = ckpt.Checkpointer.finish_save
 
         def finish(self, *args, **kwargs):
@@ -75,8 +77,7 @@ def timed_main():
             with open(out, "a") as f:
                 f.write(json.dumps({
                     "op": "finish_save", "rank": int(os.environ.get("RANK", 0)),
-                    "seconds": time.perf_counter() - started, "waited": t["waited"],
-                    "write": t["write"]}) + "\n")
+                    "seconds": time.perf_counter() - started, **t}) + "\n")
             return result
 
         ckpt.Checkpointer.finish_save = finish
@@ -87,6 +88,10 @@ def timed_main():
 
 
 def launch(repo, nproc, args, timing):
+    # Every run starts with no earlier run's writes still going to the disk: a save that
+    # follows 5 GB of another's dirty pages is throttled by their write-back (1.7x the same
+    # save's time on a clean page cache, one run to the next).
+    os.sync()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={nproc}", os.path.abspath(__file__), "--timed", *args]
     env = dict(os.environ, CKPT_TIMING_OUT=timing, OMP_NUM_THREADS="1")
@@ -124,27 +129,33 @@ def measure(repo, name, out, async_save=False):
 
 
 def measure_async(repo, nproc, model, ckpt, timing):
-    """--async-save: three steps, a save after each. The step loop's share of each save: its
-    start (collect, copy out, plan) and its commit, less the time the commit waited for the
-    files (none once the writes take less than a save interval, which a run that saves every
-    few hundred steps has: here the next save comes one step later). The first save also
-    allocates the host buffer the copies go to (kept for the later ones): reported apart."""
+    """--async-save: six steps, a save after the third and the sixth (the host buffer the
+    tensors are copied to is made beside the second step, as in a run whose first save comes
+    later still; three steps give the first save's files time to be written before the next
+    save is due, as in a run that saves every few hundred steps). The step loop's share of
+    each save: its start (collect, copy out, plan) and its commit, less the time the commit
+    waited for its files (the last save's, at the end of training); and that less the wait
+    at the start for every rank of the other worker to reach the save."""
     os.remove(timing)
     subprocess.run(["rm", "-rf", ckpt])
-    launch(repo, nproc, [*model, *COMMON, "--train-iters", "3", "--save", ckpt,
-                         "--save-interval", "1", "--async-save"], timing)
+    launch(repo, nproc, [*model, *COMMON, "--train-iters", "6", "--save", ckpt,
+                         "--save-interval", "3", "--async-save"], timing)
     records = [json.loads(line) for line in open(timing)]
     by_rank = {}
     for r in records:  # per rank, in order: start_save, finish_save of each save
         by_rank.setdefault(r["rank"], {}).setdefault(r["op"], []).append(r)
-    saves = min(len(ops["finish_save"]) for ops in by_rank.values())
 
-    def blocked(i):
+    def blocked(i, less_agree=False):
         return max(ops["start_save"][i]["seconds"] + ops["finish_save"][i]["seconds"]
-                   - ops["finish_save"][i]["waited"] for ops in by_rank.values())
+                   - ops["finish_save"][i]["waited"]
+                   - (ops["start_save"][i]["agree"] if less_agree else 0.0)
+                   for ops in by_rank.values())
 
-    return {"async_blocked_seconds": blocked(0),
-            "async_blocked_later_seconds": max(blocked(i) for i in range(1, saves)),
+    return {"async_blocked_seconds": blocked(0), "async_blocked_later_seconds": blocked(1),
+            "async_blocked_less_agree_seconds": blocked(0, True),
+            "async_blocked_later_less_agree_seconds": blocked(1, True),
+            "async_agree_seconds": [max(ops["start_save"][i]["agree"]
+                                        for ops in by_rank.values()) for i in (0, 1)],
             "async_write_seconds": max(ops["finish_save"][0]["write"]
                                        for ops in by_rank.values())}
 
@@ -168,11 +179,11 @@ def main():
         ours, theirs = measure(REPO, name, out, async_save=True), measure(base, name, out)
         results[name] = {"ours": ours, "baseline": theirs,
                          "ratio": {k: ours[k] / theirs[k] for k in theirs}}
-        if "async_blocked_seconds" in ours:  # against our own synchronous save
-            results[name]["ratio"]["async_blocked_over_sync_save"] = \
-                ours["async_blocked_seconds"] / ours["save_seconds"]
-            results[name]["ratio"]["async_blocked_later_over_sync_save"] = \
-                ours["async_blocked_later_seconds"] / ours["save_seconds"]
+        for which in ("", "_later", "_less_agree", "_later_less_agree"):
+            key = f"async_blocked{which}_seconds"  # against our own synchronous save
+            if key in ours:
+                results[name]["ratio"][f"async_blocked{which}_over_sync_save"] = \
+                    ours[key] / ours["save_seconds"]
         print(name, json.dumps(results[name]), flush=True)
     with open(os.path.join(out, "checkpoint_format.json"), "w") as f:
         json.dump({"baseline": args.baseline, "results": results}, f, indent=1)

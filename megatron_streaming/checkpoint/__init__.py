@@ -117,6 +117,7 @@ class Checkpointer:
 
         t0 = time.perf_counter()
         self._agree(root, iteration, partial, prepare if self.leads() else None)
+        agreed = time.perf_counter()  # every rank of every worker has reached the save
         sharded = state.sharded_state_dict()
         sharded = self.staging.snapshot(sharded) if background else in_place(sharded)
         t1 = time.perf_counter()
@@ -136,7 +137,8 @@ class Checkpointer:
         write = FileWrite(request[0], mine, self.local)  # device tensors copied out here
         t3 = time.perf_counter()
         pending = PendingSave(root, iteration, partial, final, part, infos, write,
-                              {"collect": t1 - t0, "describe": t2 - t1, "plan": t3 - t2},
+                              {"agree": agreed - t0, "collect": t1 - agreed,
+                               "describe": t2 - t1, "plan": t3 - t2},
                               run_state, state.describe)
         if background:
             write.start()
@@ -159,6 +161,7 @@ class Checkpointer:
         self._fail_together(p.root, p.iteration, p.partial, error)
         t1 = time.perf_counter()
         self._agree(p.root, p.iteration, p.partial, write.finalize)
+        finalized = time.perf_counter()
         mine = os.path.join(p.partial, p.part)
         if self.local == 0:  # the worker's shared files, written by the finalisation
             table.update(file_table(mine, shared_files(mine)))
@@ -180,11 +183,12 @@ class Checkpointer:
                 prune(p.root, keep_last)
 
         self._agree(p.root, p.iteration, p.partial, commit_and_prune if leads else None)
-        # In the step loop's time: collect, describe, plan, waited (for the files: all of
-        # a synchronous write), finalize (the index, the hashes' gather, the commit).
+        # In the step loop's time: agree (waiting for every rank of every worker to reach
+        # the save), collect, describe, plan, waited (for the files: all of a synchronous
+        # write), finalize (torch's index), gather (the hashes) and commit.
         self.timings = {**p.timings, "write": write.seconds["write"],
-                        "waited": t1 - t0,
-                        "gather": t2 - t1, "commit": time.perf_counter() - t2}
+                        "waited": t1 - t0, "finalize": finalized - t1,
+                        "gather": t2 - finalized, "commit": time.perf_counter() - t2}
         return p.final
 
     def _fail_together(self, root: str, iteration: int, partial: str, error) -> None:
