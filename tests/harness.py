@@ -32,10 +32,16 @@ TINY = [*NO_DROPOUT, "--mock-data", "--num-layers", "4", "--hidden-size", "64",
 # Set in this process by in-process fixtures (megatron_world): a launched job must not inherit
 # them, or a lone process would try to host its store on this process's port.
 RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+# Set in this process by in-process model builds (megatron-core's attention backend choice)
+# and tokenizer loads: a launch sets its own, and inheriting them would make it differ at
+# import from the session's zygote (tests/zygote.py), so that it imports everything anew.
+IN_PROCESS = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN", "HF_HUB_OFFLINE")
+_AT_START = {k: os.environ[k] for k in IN_PROCESS if k in os.environ}
 
 
 def env(extra: Optional[dict] = None) -> dict:
-    e = {k: v for k, v in os.environ.items() if k not in RENDEZVOUS}
+    e = {k: v for k, v in os.environ.items() if k not in RENDEZVOUS + IN_PROCESS}
+    e.update(_AT_START)
     e.setdefault("OMP_NUM_THREADS", "1")
     # torch.compile off in launched runs: its imports (inductor, pulled in by the functions
     # megatron-core decorates at import) cost 1.5 s of a 5.5 s start-up, on every rank of
