@@ -1,12 +1,15 @@
-"""Training-loop pieces: the learning-rate schedule, and a run on separate split datasets."""
+"""Training-loop pieces: the learning-rate schedule, Python's garbage collector in training
+(--manual-gc), and a run on separate split datasets."""
 
+import gc
 import json
 import math
 
 import pytest
 
 from harness import SHARED_DATA, run
-from megatron_streaming.cli.arguments import parse_args
+from megatron_streaming.cli.arguments import ConfigError, parse_args, validate
+from megatron_streaming.run.collector import GarbageCollection
 from seams import lr_at
 
 
@@ -22,6 +25,85 @@ def test_warmup_then_cosine_and_linear_decay():
     assert lr_at(9, cfg) == pytest.approx(0.1 + 0.9 * 0.5)
     cfg.optimizer.lr_decay_style = "constant"
     assert lr_at(9, cfg) == 1.0
+
+
+class _Cycle:
+    def __init__(self):
+        self.me = self
+
+
+def _collector_state():
+    return gc.isenabled(), gc.get_freeze_count()
+
+
+@pytest.fixture
+def collector_restored():
+    """The process's collector as each test found it (the test process may have frozen)."""
+    before = _collector_state()
+    yield before
+    if gc.get_freeze_count() and not before[1]:
+        gc.unfreeze()
+    gc.enable() if before[0] else gc.disable()
+
+
+def test_training_starts_with_the_set_up_frozen_and_the_collector_automatic(collector_restored):
+    """By default a full collection in training walks only what training made: the objects
+    alive at the start are collected once and frozen; ``stop`` gives the process back its
+    collector as found."""
+    enabled, frozen = collector_restored
+    kept = [_Cycle() for _ in range(10_000)]  # alive at the start: frozen
+    _Cycle()  # garbage at the start: collected, not frozen
+    collector = GarbageCollection.from_config(parse_args(["--mock-data"]).training)
+    collector.start()
+    assert gc.isenabled() and gc.get_freeze_count() >= frozen + len(kept)
+    for step in range(1, 7):
+        collector.after_step(step)
+    collector.before_eval()
+    collector.after_eval()
+    assert collector.collections == 0  # automatic: nothing collects on a schedule
+    collector.stop()
+    collector.stop()  # idempotent
+    assert _collector_state() == (enabled, frozen if frozen else 0)
+
+
+def test_manual_gc_collects_every_interval_and_around_evaluations(collector_restored):
+    """--manual-gc, Megatron-LM's: the automatic collector off during training; a collection
+    every --manual-gc-interval iterations, before each evaluation and after it (generation 0),
+    unless --no-manual-gc-eval; the flags validated."""
+    enabled, frozen = collector_restored
+    cfg = parse_args(["--mock-data", "--manual-gc", "--manual-gc-interval", "3"])
+    assert (cfg.training.manual_gc, cfg.training.manual_gc_interval,
+            cfg.training.manual_gc_eval) == (True, 3, True)
+    collector = GarbageCollection.from_config(cfg.training)
+    collector.start()
+    assert not gc.isenabled() and gc.get_freeze_count() > frozen
+    generations = []
+    gc.callbacks.append(lambda phase, info: phase == "start" and
+                        generations.append(info["generation"]))
+    try:
+        for step in range(1, 8):
+            _Cycle()
+            collector.after_step(step)
+        assert generations == [2, 2]  # after iterations 3 and 6
+        collector.before_eval()
+        collector.after_eval()
+        assert generations == [2, 2, 2, 0] and collector.collections == 4
+    finally:
+        gc.callbacks.pop()
+    collector.stop()
+    assert _collector_state() == (enabled, frozen if frozen else 0)
+
+    quiet = GarbageCollection.from_config(parse_args(
+        ["--mock-data", "--manual-gc", "--no-manual-gc-eval"]).training)
+    quiet.start()
+    for step in range(1, 5):
+        quiet.after_step(step)  # interval 0: never in the step loop
+    quiet.before_eval()
+    quiet.after_eval()
+    quiet.stop()
+    assert quiet.collections == 0 and _collector_state() == (enabled, frozen if frozen else 0)
+    with pytest.raises(ConfigError, match="--manual-gc-interval must be >= 0, got -1"):
+        validate(parse_args(["--mock-data", "--manual-gc", "--manual-gc-interval", "-1"]), 1)
 
 
 @pytest.mark.timeout(300)

@@ -555,6 +555,8 @@ def _validate_batches(cfg: Config, dp: int) -> None:
     _require(t.eval_interval >= 0, f"--eval-interval must be >= 0, got {t.eval_interval}")
     _require(t.exit_interval >= 0, f"--exit-interval must be >= 0, got {t.exit_interval}")
     _require(t.eval_iters >= 0, f"--eval-iters must be >= 0, got {t.eval_iters}")
+    _require(t.manual_gc_interval >= 0,
+             f"--manual-gc-interval must be >= 0, got {t.manual_gc_interval}")
 
 
 def _validate_data(d) -> None:

@@ -196,12 +196,9 @@ FLAGS: List[ForeignFlag] = [
         "--no-bias-dropout-fusion", "--no-rope-fusion", "--no-gradient-accumulation-fusion",
         "--no-persist-layer-norm", "--no-async-tensor-model-parallel-allreduce",
         "--cross-entropy-loss-fusion")],
-    # --- memory management of the CUDA allocator and Python's GC: no math -----------------
+    # --- memory management of the CUDA allocator: no math ---------------------------------
     ForeignFlag("--empty-unused-memory-level", ACCEPTED,
                 "empties the CUDA caching allocator; no effect on CPU, no math", ONE),
-    ForeignFlag("--manual-gc", ACCEPTED, "Python's garbage collector stays automatic"),
-    ForeignFlag("--manual-gc-interval", ACCEPTED,
-                "Python's garbage collector stays automatic", ONE),
     # --- logging ---------------------------------------------------------------------------
     *[ForeignFlag(flag, ACCEPTED, _LOG_ALWAYS) for flag in (
         "--log-throughput", "--log-learning-rate-to-tensorboard",

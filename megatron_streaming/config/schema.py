@@ -454,6 +454,14 @@ class TrainingConfig:
     exit_duration_in_mins: Optional[float] = arg(
         None, "Stop (saving first with --save) once this many minutes have passed since "
         "start-up; every rank of every worker stops after the same iteration.")
+    manual_gc: bool = arg(
+        False, "Python's automatic garbage collection off during training; collect every "
+        "--manual-gc-interval iterations and around evaluations instead, on every rank at "
+        "the same iteration.")
+    manual_gc_interval: int = arg(
+        0, "With --manual-gc: collect every this many iterations (0 = not in the step loop).")
+    manual_gc_eval: bool = arg(
+        True, "with --manual-gc, collect before each evaluation and (what it made) after it.")
     deepspeed_config: Optional[str] = arg(
         None, "A DeepSpeed JSON to merge into the generated one: keys that map to our flags "
         "set them (or must agree), DeepSpeed tuning keys pass through, the rest is refused.",

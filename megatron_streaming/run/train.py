@@ -36,12 +36,14 @@ class Run:
         self.rejoin = None  # the membership record of a running job this worker rejoins
         self.launch_environment = dict(os.environ)  # as launched: a restart to rejoin uses it
         self._staging_pending = False  # --async-save's buffer still to make (``train``)
+        self.collector = None  # Python's garbage collector in training (``collector``)
 
     def setup(self) -> "Run":
         """Everything a rank needs, built in dependency order."""
         from ..job.elastic import Elastic
         from ..job.lifecycle import Liveness, StopAgreement, StopRequest
         from . import build
+        from .collector import GarbageCollection
         from .metrics import setup_logging
         from .report import RunReport
         from .start import say_at_start, start_processes
@@ -78,6 +80,7 @@ class Run:
             cfg, self.topology, self.model, self.engine, self.sync, self.tokenizer.vocab_size)
         self.sync.attach(self.engine.inner_optimizer, self.engine.step_hooks)
         self.report = RunReport(cfg, self.topology, self.model, self.engine, self.sync)
+        self.collector = GarbageCollection.from_config(cfg.training)
         self.writer = None  # made below, once the data is known (a rejoining worker: joined)
         self.elastic = Elastic(cfg, self.topology, self.sync, self.stop, self.stop_request,
                                self.liveness, self.job, self.rendezvous, self.report_from_here)
@@ -174,7 +177,8 @@ class Run:
         if getattr(self, "_closed", True):
             return
         self._closed = True
-        for part, release in (("sync", "detach"), ("writer", "close"), ("liveness", "close")):
+        for part, release in (("sync", "detach"), ("writer", "close"), ("liveness", "close"),
+                              ("collector", "stop")):
             made = getattr(self, part, None)  # a failed setup may not have made it
             if made is not None:
                 getattr(made, release)()
@@ -195,7 +199,9 @@ class Run:
         return None if losses[0] is None else sum(losses) / len(losses)
 
     def _report_eval(self, split: str) -> Optional[float]:
+        self.collector.before_eval()
         loss = self.evaluate(split)
+        self.collector.after_eval()
         if loss is not None and self.topology.is_logging_rank():
             log.info("%s loss at iteration %d: %.6f", split, self.iteration, loss)
             self.writer.scalars(self.iteration, {f"{split}/loss": loss})
@@ -209,6 +215,7 @@ class Run:
         throughput = Throughput(self.data.tokens_through, self.iteration)
         iterator = self.data.train_iterator(self.iteration)
         loss = None
+        self.collector.start()  # the set-up's objects out of every later collection's walk
         while self.iteration < t.train_iters:
             started = time.perf_counter()
             result = self.engine.train_step(iterator, self.iteration)
@@ -238,6 +245,7 @@ class Run:
             interval = cfg.checkpoint.save_interval
             if interval and self.iteration % interval == 0:
                 self.save()
+            self.collector.after_step(self.iteration)
             if t.exit_interval and self.iteration % t.exit_interval == 0:
                 log.info("exiting at iteration %d (--exit-interval %d)", self.iteration,
                          t.exit_interval)
