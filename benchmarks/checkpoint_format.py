@@ -11,7 +11,8 @@ counts. Size: the bytes of the iteration directory. With ``--async-save`` (this 
 only): the time the step loop was blocked by a save (its start and its commit, less any wait
 for the files) against the synchronous save's time, for the first save and a later one, each
 also less the time a rank waited at the save's start for the other worker to reach it (the
-two workers' steps drift apart by that much on shared cores; not the save's own cost). The
+two workers' steps drift apart by that much on shared cores; not the save's own cost: the
+same schedule's synchronous saves wait as long, ``sync_agree_seconds``). The
 baseline revision is checked out as a git worktree under ``--out``. Reported as ratios ours /
 baseline, measured in one run.
 """
@@ -135,29 +136,40 @@ def measure_async(repo, nproc, model, ckpt, timing):
     save is due, as in a run that saves every few hundred steps). The step loop's share of
     each save: its start (collect, copy out, plan) and its commit, less the time the commit
     waited for its files (the last save's, at the end of training); and that less the wait
-    at the start for every rank of the other worker to reach the save."""
-    os.remove(timing)
-    subprocess.run(["rm", "-rf", ckpt])
-    launch(repo, nproc, [*model, *COMMON, "--train-iters", "6", "--save", ckpt,
-                         "--save-interval", "3", "--async-save"], timing)
-    records = [json.loads(line) for line in open(timing)]
-    by_rank = {}
-    for r in records:  # per rank, in order: start_save, finish_save of each save
-        by_rank.setdefault(r["rank"], {}).setdefault(r["op"], []).append(r)
+    at the start for every rank of the other worker to reach the save. The same schedule
+    without --async-save shows that wait at a synchronous save too (``sync_agree``): the
+    workers' steps drift apart between synchronisations, with or without a save."""
+
+    def saves(async_save):
+        os.remove(timing)
+        subprocess.run(["rm", "-rf", ckpt])
+        launch(repo, nproc, [*model, *COMMON, "--train-iters", "6", "--save", ckpt,
+                             "--save-interval", "3", *(["--async-save"] if async_save else [])],
+               timing)
+        by_rank = {}
+        for r in (json.loads(line) for line in open(timing)):
+            # per rank, in order: start_save, finish_save of each save
+            by_rank.setdefault(r["rank"], {}).setdefault(r["op"], []).append(r)
+        return by_rank.values()
+
+    def agree(ranks, i):
+        return max(ops["start_save"][i]["agree"] for ops in ranks)
+
+    synchronous = saves(False)
+    ranks = saves(True)
 
     def blocked(i, less_agree=False):
         return max(ops["start_save"][i]["seconds"] + ops["finish_save"][i]["seconds"]
                    - ops["finish_save"][i]["waited"]
                    - (ops["start_save"][i]["agree"] if less_agree else 0.0)
-                   for ops in by_rank.values())
+                   for ops in ranks)
 
     return {"async_blocked_seconds": blocked(0), "async_blocked_later_seconds": blocked(1),
             "async_blocked_less_agree_seconds": blocked(0, True),
             "async_blocked_later_less_agree_seconds": blocked(1, True),
-            "async_agree_seconds": [max(ops["start_save"][i]["agree"]
-                                        for ops in by_rank.values()) for i in (0, 1)],
-            "async_write_seconds": max(ops["finish_save"][0]["write"]
-                                       for ops in by_rank.values())}
+            "async_agree_seconds": [agree(ranks, i) for i in (0, 1)],
+            "sync_agree_seconds": [agree(synchronous, i) for i in (0, 1)],
+            "async_write_seconds": max(ops["finish_save"][0]["write"] for ops in ranks)}
 
 
 def main():

@@ -278,8 +278,7 @@ class LayoutMap:
         (every slot's, or zeros where one is missing); into ``out``'s (ZeRO's partitions)
         when given."""
         if zeros_for_missing:
-            tensors = {s.index: tensors.get(s.index, torch.zeros(s.param.shape))
-                       for s in self.slots}
+            tensors = self._or_zeros(tensors)
         return [space.scatter(tensors, out=o)
                 for space, o in zip(self.spaces, out or [None] * len(self.spaces))]
 
@@ -302,7 +301,13 @@ class LayoutMap:
         if self._in_groups is None:
             return self.params(self.from_groups(values))
         views = self._views_in_groups([v.detach().float() for v in values])
-        return {s.index: views.get(s.index, torch.zeros(s.param.shape)) for s in self.slots}
+        return self._or_zeros(views)
+
+    def _or_zeros(self, tensors: Dict[int, torch.Tensor]) -> Dict[int, torch.Tensor]:
+        """slot index -> ``tensors``' tensor, or zeros of the parameter's shape where it has
+        none (made only there: ``dict.get``'s default would be made for every slot)."""
+        return {s.index: tensors[s.index] if s.index in tensors else torch.zeros(s.param.shape)
+                for s in self.slots}
 
     def group_views(self, values: Optional[List[torch.Tensor]]) -> Dict[int, torch.Tensor]:
         """slot index -> a view of per shard group ``values`` shaped as the parameter, for
