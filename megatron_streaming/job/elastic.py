@@ -191,7 +191,14 @@ class Elastic:
         topo.cross.data_group = topo.cross.control_group = None
         topo.cross.proxy_groups = []
         self.stop.release()
+        # The groups were made before training froze what was alive then out of the
+        # collector's walks (run/collector.py): collect those objects too, then freeze again.
+        frozen = gc.get_freeze_count() > 0
+        if frozen:
+            gc.unfreeze()
         gc.collect()
+        if frozen:
+            gc.freeze()
 
     def _new_epoch(self, record) -> None:
         """Make ``record``'s groups (this rank's coordinate) and move everything onto them."""

@@ -12,6 +12,11 @@ each evaluation and, of what the evaluation made, after it (``--no-manual-gc-eva
 around evaluations), so that every rank collects at the same iteration instead of one rank
 pausing while the others wait for it in a collective.
 
+The price of the freeze: an object alive when training starts that later becomes unreachable
+only through a reference cycle stays allocated (one freed by its reference count is freed as
+ever). What must be freed on cue collects around the freeze: a lost worker's process groups
+(``job.elastic``) are collected with ``gc.unfreeze`` first and frozen again after.
+
 ``stop`` gives the process back its collector as it found it (a run embedded in a longer-lived
 process, the tests' for one), except that a freeze the process had already made stays.
 """
