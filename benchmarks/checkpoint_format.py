@@ -1,20 +1,23 @@
 """Checkpoint size and save / load time: this version's format against another revision's.
 
     .venv/bin/python benchmarks/checkpoint_format.py [--baseline 7c2292b] [--out runs/ckpt]
+                                                     [--repeats 2]
 
 For two models, the quick-start one (4 layers, hidden 128, 2 workers x TP2, 4 ranks) and one
 of about 100M parameters (12 layers, hidden 768, vocabulary 32000, 2 workers of one rank, bf16,
-ZeRO-1), each revision trains one step with ``--save``, then resumes it with ``--load``. The
-time of ``Checkpointer.save`` and ``Checkpointer.load`` is measured inside each rank
-(``--time-checkpoints``: this script wraps them and re-runs pretrain_gpt.py), the slowest rank
-counts. Size: the bytes of the iteration directory. With ``--async-save`` (this revision
-only): the time the step loop was blocked by a save (its start and its commit, less any wait
-for the files) against the synchronous save's time, for the first save and a later one, each
-also less the time a rank waited at the save's start for the other worker to reach it (the
-two workers' steps drift apart by that much on shared cores; not the save's own cost: the
-same schedule's synchronous saves wait as long, ``sync_agree_seconds``). The
-baseline revision is checked out as a git worktree under ``--out``. Reported as ratios ours /
-baseline, measured in one run.
+ZeRO-1), each revision trains one step with ``--save``, then resumes it with ``--load``,
+``--repeats`` times, the two revisions alternating; the fastest save and the fastest load of
+each count (the disk's speed varies from one run to the next; every sample is kept). The
+time of ``Checkpointer.save`` and ``Checkpointer.load`` is measured inside each rank (this
+script wraps them and re-runs pretrain_gpt.py), the slowest rank counts. Size: the bytes of
+the iteration directory. With ``--async-save`` (this revision only): the time the step loop
+was blocked by a save (its start and its commit, less any wait for the files) against the
+synchronous save's time, for the first save and a later one, each also less the time a rank
+waited at the save's start for the other worker to reach it (the two workers' steps drift
+apart by that much on shared cores; not the save's own cost: the same schedule's
+synchronous saves wait as long, ``sync_agree_seconds``), and against the same schedule's
+synchronous saves, waits included in both. The baseline revision is checked out as a git
+worktree under ``--out``. Reported as ratios ours / baseline, measured in one run.
 """
 
 import argparse
@@ -106,13 +109,17 @@ def dir_size(path):
                for n in files)
 
 
-def measure(repo, name, out, async_save=False):
-    nproc, model = MODELS[name]
+def paths(repo, name, out):
     ckpt = os.path.join(out, f"{name}_{os.path.basename(repo)}")
-    timing = ckpt + ".jsonl"
-    for path in (timing,):
-        if os.path.exists(path):
-            os.remove(path)
+    return ckpt, ckpt + ".jsonl"
+
+
+def measure(repo, name, out):
+    """One synchronous save (after one step) and one load of revision ``repo``."""
+    nproc, model = MODELS[name]
+    ckpt, timing = paths(repo, name, out)
+    if os.path.exists(timing):
+        os.remove(timing)
     subprocess.run(["rm", "-rf", ckpt])
     launch(repo, nproc, [*model, *COMMON, "--save", ckpt], timing)
     launch(repo, nproc, [*model, *COMMON, "--train-iters", "2", "--load", ckpt], timing)
@@ -122,14 +129,21 @@ def measure(repo, name, out, async_save=False):
         [sum(r["seconds"] for r in records if r["rank"] == rank and
              r["op"] in ("start_save", "finish_save")) for rank in {r["rank"] for r in records}]
     loads = [r["seconds"] for r in records if r["op"] == "load"]
-    result = {"save_seconds": max(saves), "load_seconds": max(loads),
-              "bytes": dir_size(os.path.join(ckpt, "iter_0000001"))}
-    if async_save:
-        result.update(measure_async(repo, nproc, model, ckpt, timing))
-    return result
+    return {"save_seconds": max(saves), "load_seconds": max(loads),
+            "bytes": dir_size(os.path.join(ckpt, "iter_0000001"))}
 
 
-def measure_async(repo, nproc, model, ckpt, timing):
+def best(samples):
+    """The fastest save and the fastest load of several ``measure`` runs (the disk's speed
+    varies from one run to the next), with every sample."""
+    return {"save_seconds": min(r["save_seconds"] for r in samples),
+            "load_seconds": min(r["load_seconds"] for r in samples),
+            "bytes": samples[0]["bytes"],
+            "save_samples": [r["save_seconds"] for r in samples],
+            "load_samples": [r["load_seconds"] for r in samples]}
+
+
+def measure_async(name, out):
     """--async-save: six steps, a save after the third and the sixth (the host buffer the
     tensors are copied to is made beside the second step, as in a run whose first save comes
     later still; three steps give the first save's files time to be written before the next
@@ -139,9 +153,13 @@ def measure_async(repo, nproc, model, ckpt, timing):
     at the start for every rank of the other worker to reach the save. The same schedule
     without --async-save shows that wait at a synchronous save too (``sync_agree``): the
     workers' steps drift apart between synchronisations, with or without a save."""
+    nproc, model = MODELS[name]
+    repo = REPO
+    ckpt, timing = paths(repo, name, out)
 
     def saves(async_save):
-        os.remove(timing)
+        if os.path.exists(timing):
+            os.remove(timing)
         subprocess.run(["rm", "-rf", ckpt])
         launch(repo, nproc, [*model, *COMMON, "--train-iters", "6", "--save", ckpt,
                              "--save-interval", "3", *(["--async-save"] if async_save else [])],
@@ -169,6 +187,10 @@ def measure_async(repo, nproc, model, ckpt, timing):
             "async_blocked_later_less_agree_seconds": blocked(1, True),
             "async_agree_seconds": [agree(ranks, i) for i in (0, 1)],
             "sync_agree_seconds": [agree(synchronous, i) for i in (0, 1)],
+            # the same schedule's synchronous saves, their waits included
+            "sync_same_schedule_seconds": [max(ops["start_save"][i]["seconds"] +
+                                               ops["finish_save"][i]["seconds"]
+                                               for ops in synchronous) for i in (0, 1)],
             "async_write_seconds": max(ops["finish_save"][0]["write"] for ops in ranks)}
 
 
@@ -178,6 +200,9 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--baseline", default="7c2292b")
     parser.add_argument("--out", default="runs/ckpt")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="synchronous save and load runs per revision, alternating; the "
+                        "fastest of each counts")
     args = parser.parse_args()
     out = os.path.abspath(args.out)
     os.makedirs(out, exist_ok=True)
@@ -188,17 +213,25 @@ def main():
         os.symlink(os.path.join(REPO, ".venv"), os.path.join(base, ".venv"))
     results = {}
     for name in MODELS:
-        ours, theirs = measure(REPO, name, out, async_save=True), measure(base, name, out)
-        results[name] = {"ours": ours, "baseline": theirs,
-                         "ratio": {k: ours[k] / theirs[k] for k in theirs}}
+        samples = {REPO: [], base: []}
+        for _ in range(args.repeats):
+            for repo in samples:
+                samples[repo].append(measure(repo, name, out))
+        ours, theirs = best(samples[REPO]), best(samples[base])
+        ratio = {k: ours[k] / theirs[k] for k in ("save_seconds", "load_seconds", "bytes")}
+        ours.update(measure_async(name, out))
         for which in ("", "_later", "_less_agree", "_later_less_agree"):
-            key = f"async_blocked{which}_seconds"  # against our own synchronous save
-            if key in ours:
-                results[name]["ratio"][f"async_blocked{which}_over_sync_save"] = \
-                    ours[key] / ours["save_seconds"]
+            # against our own synchronous save
+            ratio[f"async_blocked{which}_over_sync_save"] = \
+                ours[f"async_blocked{which}_seconds"] / ours["save_seconds"]
+        for which, i in (("", 0), ("_later", 1)):  # against the same schedule's, waits in both
+            ratio[f"async_blocked{which}_over_same_schedule_sync_save"] = \
+                ours[f"async_blocked{which}_seconds"] / ours["sync_same_schedule_seconds"][i]
+        results[name] = {"ours": ours, "baseline": theirs, "ratio": ratio}
         print(name, json.dumps(results[name]), flush=True)
     with open(os.path.join(out, "checkpoint_format.json"), "w") as f:
-        json.dump({"baseline": args.baseline, "results": results}, f, indent=1)
+        json.dump({"baseline": args.baseline, "repeats": args.repeats, "results": results},
+                  f, indent=1)
 
 
 if __name__ == "__main__":
