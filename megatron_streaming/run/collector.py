@@ -57,7 +57,7 @@ class GarbageCollection:
         when = [f"every {self.interval} iterations"] if self.interval else []
         if self.around_eval:
             when.append("around each evaluation")
-        return " and ".join(when) or "only at the end"
+        return " and ".join(when) or "never during training"
 
     def after_step(self, iteration: int) -> None:
         if self.manual and self.interval and iteration % self.interval == 0:
