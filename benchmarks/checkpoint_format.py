@@ -92,9 +92,9 @@ def timed_main():
 
 
 def launch(repo, nproc, args, timing):
-    # Every run starts with no earlier run's writes still going to the disk: a save right
-    # after the async run's 10 GB, still dirty in the page cache, is held back by their
-    # write-back (~110M: 1.71x the old format's save, against 0.88x to 0.90x after one).
+    # Every run starts with no earlier run's writes still going to the disk. Run G2, without
+    # it, measured our save at 1.71x the old format's (~110M), against 0.88x to 0.90x in G1
+    # and G3 with it; the cause was not established (both formats fsync their files).
     os.sync()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={nproc}", os.path.abspath(__file__), "--timed", *args]

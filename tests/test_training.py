@@ -4,6 +4,7 @@
 import gc
 import json
 import math
+import weakref
 
 import pytest
 
@@ -61,6 +62,13 @@ def test_training_starts_with_the_set_up_frozen_and_the_collector_automatic(coll
     collector.before_eval()
     collector.after_eval()
     assert collector.collections == 0  # automatic: nothing collects on a schedule
+    # A cycle alive at the start and dropped later is out of reach of gc.collect();
+    # collect_everything (what a lost worker's groups get) frees it and freezes again.
+    cycle = weakref.ref(kept.pop())
+    gc.collect()
+    assert cycle() is not None
+    collector.collect_everything()
+    assert cycle() is None and gc.get_freeze_count() >= frozen + len(kept)
     collector.stop()
     collector.stop()  # idempotent
     assert _collector_state() == (enabled, frozen if frozen else 0)

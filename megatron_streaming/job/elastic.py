@@ -37,6 +37,7 @@ rank 0), losing worker 0 ends the job; ``--rendezvous-external`` keeps it elsewh
 from __future__ import annotations
 
 import datetime
+import gc
 import logging
 from typing import Optional
 
@@ -56,15 +57,18 @@ class Elastic:
     """This rank's part of the job's membership; built by the run after the sync, from what it
     acts on: the topology and its communicator (which records a failed collective: ``lost``),
     the sync, the stop agreement and request, the heartbeats, every worker's shape (``job``),
-    the job's rendezvous store (``rendezvous``, a ``distributed.StoreAddress``) and
-    ``report_from_here(bool)``, called when this rank starts or stops reporting."""
+    the job's rendezvous store (``rendezvous``, a ``distributed.StoreAddress``),
+    ``report_from_here(bool)``, called when this rank starts or stops reporting, and
+    ``collect()``, a full garbage collection (the run's collector: it also frees what training
+    froze out of the collector's walks)."""
 
     def __init__(self, cfg, topology, sync, stop, stop_request, liveness, job, rendezvous,
-                 report_from_here):
+                 report_from_here, collect=None):
         s = cfg.streaming
         self.cfg, self.topology, self.sync, self.job = cfg, topology, sync, job
         self.stop, self.stop_request, self.liveness = stop, stop_request, liveness
         self.rendezvous, self.report_from_here = rendezvous, report_from_here
+        self.collect = collect or gc.collect
         topo = topology
         self.min_workers = s.diloco_min_workers or s.diloco_workers
         self.enabled = sync.enabled and self.min_workers < topo.layout.workers
@@ -176,8 +180,6 @@ class Elastic:
         connections closed: a peer still blocked in a collective on them (it has not noticed
         the loss yet) fails at once instead of after --diloco-timeout. (Aborting a gloo group
         does not wake a blocked collective; closing its connections does.)"""
-        import gc
-
         from patches.torch_process_group import drop
 
         topo = self.topology
@@ -191,14 +193,7 @@ class Elastic:
         topo.cross.data_group = topo.cross.control_group = None
         topo.cross.proxy_groups = []
         self.stop.release()
-        # The groups were made before training froze what was alive then out of the
-        # collector's walks (run/collector.py): collect those objects too, then freeze again.
-        frozen = gc.get_freeze_count() > 0
-        if frozen:
-            gc.unfreeze()
-        gc.collect()
-        if frozen:
-            gc.freeze()
+        self.collect()
 
     def _new_epoch(self, record) -> None:
         """Make ``record``'s groups (this rank's coordinate) and move everything onto them."""

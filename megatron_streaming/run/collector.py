@@ -14,8 +14,9 @@ pausing while the others wait for it in a collective.
 
 The price of the freeze: an object alive when training starts that later becomes unreachable
 only through a reference cycle stays allocated (one freed by its reference count is freed as
-ever). What must be freed on cue collects around the freeze: a lost worker's process groups
-(``job.elastic``) are collected with ``gc.unfreeze`` first and frozen again after.
+ever). What must be freed on cue calls ``collect_everything``, which lifts the freeze for
+the collection: a lost worker's process groups (``job.elastic``), whose connections close
+when they are collected.
 
 ``stop`` gives the process back its collector as it found it (a run embedded in a longer-lived
 process, the tests' for one), except that a freeze the process had already made stays.
@@ -74,6 +75,15 @@ class GarbageCollection:
     def _collect(self, generation: int = 2) -> None:
         gc.collect(generation)
         self.collections += 1
+
+    def collect_everything(self) -> None:
+        """A full collection that also reaches what ``start`` froze; frozen again after."""
+        frozen = gc.get_freeze_count() > 0
+        if frozen:
+            gc.unfreeze()
+        gc.collect()
+        if frozen:
+            gc.freeze()
 
     def stop(self) -> None:
         if not self._started:

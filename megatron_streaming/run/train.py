@@ -83,7 +83,8 @@ class Run:
         self.collector = GarbageCollection.from_config(cfg.training)
         self.writer = None  # made below, once the data is known (a rejoining worker: joined)
         self.elastic = Elastic(cfg, self.topology, self.sync, self.stop, self.stop_request,
-                               self.liveness, self.job, self.rendezvous, self.report_from_here)
+                               self.liveness, self.job, self.rendezvous, self.report_from_here,
+                               self.collector.collect_everything)
         for make in self.extensions:
             self.engine.step_hooks.append(make(self))
         self.iteration = 0
