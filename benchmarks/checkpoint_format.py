@@ -11,12 +11,12 @@ each count (the disk's speed varies from one run to the next; every sample is ke
 time of ``Checkpointer.save`` and ``Checkpointer.load`` is measured inside each rank (this
 script wraps them and re-runs pretrain_gpt.py), the slowest rank counts. Size: the bytes of
 the iteration directory. With ``--async-save`` (this revision only): the time the step loop
-was blocked by a save (its start and its commit, less any wait for the files) against the
-synchronous save's time, for the first save and a later one, each also less the time a rank
-waited at the save's start for the other worker to reach it (the two workers' steps drift
-apart by that much on shared cores; not the save's own cost: the same schedule's
-synchronous saves wait as long, ``sync_agree_seconds``), and against the same schedule's
-synchronous saves, waits included in both. The baseline revision is checked out as a git
+was blocked by a save (its start and its commit, less any wait for its own files) against
+the synchronous save's time, for the first save and a later one, each also less the time a
+rank waited for the other worker at the save's collectives across workers (the two workers'
+steps drift apart by that much on shared cores; not the save's own cost: the same
+schedule's synchronous saves wait as long, ``sync_waits_seconds``), and against the same
+schedule's synchronous saves, the waits in both or in neither. The baseline revision is checked out as a git
 worktree under ``--out``. Reported as ratios ours / baseline, measured in one run.
 """
 
@@ -144,15 +144,18 @@ def best(samples):
 
 
 def measure_async(name, out):
-    """--async-save: six steps, a save after the third and the sixth (the host buffer the
-    tensors are copied to is made beside the second step, as in a run whose first save comes
-    later still; three steps give the first save's files time to be written before the next
-    save is due, as in a run that saves every few hundred steps). The step loop's share of
-    each save: its start (collect, copy out, plan) and its commit, less the time the commit
-    waited for its files (the last save's, at the end of training); and that less the wait
-    at the start for every rank of the other worker to reach the save. The same schedule
-    without --async-save shows that wait at a synchronous save too (``sync_agree``): the
-    workers' steps drift apart between synchronisations, with or without a save."""
+    """--async-save: nine steps, a save after every third (the host buffer the tensors are
+    copied to is made, and the save planned, beside the second step, as in a run whose first
+    save comes later still; three steps give a save's files time to be written before the
+    next save is due, as in a run that saves every few hundred steps). The first two saves
+    count, committed in the step loop (the last one's commit waits for its files at the end
+    of training). The step loop's share of each save: its start (collect, copy out, plan)
+    and its commit, less the time the commit waited for this rank's files; and that less
+    the waits for the other worker at the save's two collectives across workers (``waits``).
+    The same schedule without --async-save, measured the same way, shows those waits at a
+    synchronous save too: the workers' steps drift apart between synchronisations, with or
+    without a save, and a save's first collective across workers is where the worker ahead
+    waits for the other."""
     nproc, model = MODELS[name]
     repo = REPO
     ckpt, timing = paths(repo, name, out)
@@ -161,7 +164,7 @@ def measure_async(name, out):
         if os.path.exists(timing):
             os.remove(timing)
         subprocess.run(["rm", "-rf", ckpt])
-        launch(repo, nproc, [*model, *COMMON, "--train-iters", "6", "--save", ckpt,
+        launch(repo, nproc, [*model, *COMMON, "--train-iters", "9", "--save", ckpt,
                              "--save-interval", "3", *(["--async-save"] if async_save else [])],
                timing)
         by_rank = {}
@@ -170,27 +173,37 @@ def measure_async(name, out):
             by_rank.setdefault(r["rank"], {}).setdefault(r["op"], []).append(r)
         return by_rank.values()
 
-    def agree(ranks, i):
-        return max(ops["start_save"][i]["agree"] for ops in ranks)
+    synchronous = list(saves(False))
+    ranks = list(saves(True))
 
-    synchronous = saves(False)
-    ranks = saves(True)
+    def waits(runs, ops, i):
+        """How long this rank waited for the other worker in save ``i``: at the save's two
+        collectives across workers (the agreement at its start, the gather of every worker's
+        files at its commit), its time in each less the least any rank spent there (the
+        last to arrive waits for no one)."""
+        return sum(ops[op][i][key] - min(o[op][i][key] for o in runs)
+                   for op, key in (("start_save", "agree"), ("finish_save", "gather")))
 
-    def blocked(i, less_agree=False):
+    def blocked(runs, i, less_waits=False):
+        """The step loop's share of save ``i``, the slowest rank's: its start and its commit,
+        less this rank's wait for its own files (and, ``less_waits``, for the other
+        worker)."""
         return max(ops["start_save"][i]["seconds"] + ops["finish_save"][i]["seconds"]
                    - ops["finish_save"][i]["waited"]
-                   - (ops["start_save"][i]["agree"] if less_agree else 0.0)
-                   for ops in ranks)
+                   - (waits(runs, ops, i) if less_waits else 0.0) for ops in runs)
 
-    return {"async_blocked_seconds": blocked(0), "async_blocked_later_seconds": blocked(1),
-            "async_blocked_less_agree_seconds": blocked(0, True),
-            "async_blocked_later_less_agree_seconds": blocked(1, True),
-            "async_agree_seconds": [agree(ranks, i) for i in (0, 1)],
-            "sync_agree_seconds": [agree(synchronous, i) for i in (0, 1)],
-            # the same schedule's synchronous saves, their waits included
-            "sync_same_schedule_seconds": [max(ops["start_save"][i]["seconds"] +
-                                               ops["finish_save"][i]["seconds"]
-                                               for ops in synchronous) for i in (0, 1)],
+    return {"async_blocked_seconds": blocked(ranks, 0),
+            "async_blocked_later_seconds": blocked(ranks, 1),
+            "async_blocked_less_waits_seconds": blocked(ranks, 0, True),
+            "async_blocked_later_less_waits_seconds": blocked(ranks, 1, True),
+            "async_waits_seconds": [max(waits(ranks, ops, i) for ops in ranks)
+                                    for i in (0, 1)],
+            "sync_waits_seconds": [max(waits(synchronous, ops, i) for ops in synchronous)
+                                   for i in (0, 1)],
+            # the same schedule's synchronous saves, with and without the waits
+            "sync_same_schedule_seconds": [blocked(synchronous, i) for i in (0, 1)],
+            "sync_same_schedule_less_waits_seconds": [blocked(synchronous, i, True)
+                                                      for i in (0, 1)],
             "async_write_seconds": max(ops["finish_save"][0]["write"] for ops in ranks)}
 
 
@@ -200,6 +213,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--baseline", default="7c2292b")
     parser.add_argument("--out", default="runs/ckpt")
+    parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     parser.add_argument("--repeats", type=int, default=2,
                         help="synchronous save and load runs per revision, alternating; the "
                         "fastest of each counts")
@@ -212,7 +226,7 @@ def main():
                        check=True, capture_output=True)
         os.symlink(os.path.join(REPO, ".venv"), os.path.join(base, ".venv"))
     results = {}
-    for name in MODELS:
+    for name in args.models:
         samples = {REPO: [], base: []}
         for _ in range(args.repeats):
             for repo in samples:
@@ -220,13 +234,18 @@ def main():
         ours, theirs = best(samples[REPO]), best(samples[base])
         ratio = {k: ours[k] / theirs[k] for k in ("save_seconds", "load_seconds", "bytes")}
         ours.update(measure_async(name, out))
-        for which in ("", "_later", "_less_agree", "_later_less_agree"):
-            # against our own synchronous save
+        for which, i in (("", 0), ("_later", 1)):
+            # against our own synchronous save (of one step), and against the same schedule's
+            # synchronous saves: the waits for the other worker in both, or in neither
             ratio[f"async_blocked{which}_over_sync_save"] = \
                 ours[f"async_blocked{which}_seconds"] / ours["save_seconds"]
-        for which, i in (("", 0), ("_later", 1)):  # against the same schedule's, waits in both
+            ratio[f"async_blocked{which}_less_waits_over_sync_save"] = \
+                ours[f"async_blocked{which}_less_waits_seconds"] / ours["save_seconds"]
             ratio[f"async_blocked{which}_over_same_schedule_sync_save"] = \
                 ours[f"async_blocked{which}_seconds"] / ours["sync_same_schedule_seconds"][i]
+            ratio[f"async_blocked{which}_less_waits_over_same_schedule_sync_save"] = \
+                ours[f"async_blocked{which}_less_waits_seconds"] / \
+                ours["sync_same_schedule_less_waits_seconds"][i]
         results[name] = {"ours": ours, "baseline": theirs, "ratio": ratio}
         print(name, json.dumps(results[name]), flush=True)
     with open(os.path.join(out, "checkpoint_format.json"), "w") as f:

@@ -28,7 +28,8 @@ a worker's own groups; it also creates megatron's global memory buffer, which
 ``RowParallelLinear``'s partial sum before its all-reduce, for the ladder residual),
 ``megatron_checkpoint_writer`` (the torch_dist writer's files written by the saving process,
 a thread per file, hashed as they are written, and its results through an in-process queue,
-not a spawned Manager that imports torch to unpickle them) and
+not a spawned Manager that imports torch to unpickle them), ``megatron_save_plan`` (a
+torch_dist save's plan kept and reused by the saves of the same structure) and
 ``torch_process_group`` (process groups made on a store, outside the world).
 
 Importing ``patches`` installs one import hook (``megatron_jit``): megatron-core's own import

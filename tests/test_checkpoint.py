@@ -157,6 +157,90 @@ def test_async_save_commits_once_written_and_holds_the_state_of_its_step(
     assert torch.equal(loaded.model.weight, at_save)
 
 
+def test_saves_of_one_structure_are_planned_once(tmp_path, monkeypatch, megatron_world):
+    """The plan of a save (megatron-core's check that every shard is written once, every
+    rank's plan gathered for the global metadata) is made once, ahead of the first
+    --async-save save, and reused by every save of the same structure, each writing its own
+    values; a change of shape plans afresh. A failure of a save that planned alone (here the
+    free space) fails it at the commit, the previous checkpoint kept."""
+    from megatron.core.dist_checkpointing import state_dict_utils
+    from torch.distributed.checkpoint import utils
+    from torch.distributed.checkpoint.planner import SavePlan
+
+    planned = []
+    validate, gather = state_dict_utils.validate_sharding_integrity, \
+        utils._DistWrapper.gather_object
+
+    def validating(*args, **kwargs):
+        planned.append("validated")
+        return validate(*args, **kwargs)
+
+    def gathering(self, obj):
+        if isinstance(obj, SavePlan):  # not the write results the finalisation gathers
+            planned.append("gathered")
+        return gather(self, obj)
+
+    monkeypatch.setattr(state_dict_utils, "validate_sharding_integrity", validating)
+    monkeypatch.setattr(utils._DistWrapper, "gather_object", gathering)
+    crossed = []  # the collectives across workers (round trips over the slow link)
+
+    def failed_ranks(failed):
+        crossed.append("agreed")
+        return [0] if failed else []
+
+    def gather_workers(obj):
+        crossed.append("gathered")
+        return [obj]
+
+    ckpt = checkpoint.Checkpointer(0, failed_ranks=failed_ranks, gather=lambda obj: [obj],
+                                   gather_workers=gather_workers)
+    state = LinearState(0)
+    root = str(tmp_path / "ckpt")
+    ckpt.plan_ahead(state.sharded_state_dict())
+    assert planned == ["validated", "gathered"] and crossed == []
+    for iteration in (1, 2):
+        with torch.no_grad():
+            state.model.weight.add_(1.0)
+        ckpt.finish_save(ckpt.start_save(root, iteration, state, {"iteration": iteration},
+                                         background=True))
+        loaded = LinearState(9)
+        assert ckpt.load(root, loaded, WORKER_0) == {"iteration": iteration}
+        assert torch.equal(loaded.model.weight, state.model.weight)
+    assert planned == ["validated", "gathered"]  # nothing more
+    # Each save crosses three times: its start's agreement, every worker's files and
+    # failures, the commit's agreement; then the load's verification agrees once.
+    assert crossed == ["agreed", "gathered", "agreed", "agreed"] * 2
+
+    crossed.clear()
+    wider = LinearState(1)
+    wider.model = torch.nn.Linear(4, 5)
+    ckpt.save(root, 3, wider, {"iteration": 3})
+    assert planned == ["validated", "gathered"] * 2
+    assert crossed == ["agreed", "gathered", "agreed"]  # planned afresh: the same
+    loaded = LinearState(9)
+    loaded.model = torch.nn.Linear(4, 5)
+    ckpt.load(root, loaded, WORKER_0)
+    assert torch.equal(loaded.model.weight, wider.model.weight)
+
+    def full(*args):
+        raise OSError(28, "No space left on device for the checkpoint")
+
+    monkeypatch.setattr(checkpoint, "_check_space", full)
+    with pytest.raises(checkpoint.CheckpointWriteError) as failure:
+        ckpt.save(root, 4, wider, {"iteration": 4})
+    assert str(failure.value) == (
+        f"--save {root}: writing the checkpoint of iteration 4 failed on rank(s) [0]: "
+        f"[Errno 28] No space left on device for the checkpoint; the latest checkpoint is "
+        f"still {root}/iter_0000003")
+    assert planned == ["validated", "gathered"] * 2  # planned alone: the commit learnt it
+    with pytest.raises(checkpoint.CheckpointWriteError, match="iteration 4 failed on rank"
+                       r"\(s\) \[0\]: \[Errno 28\] No space left on device for the checkpoint"):
+        _checkpointer().save(root, 4, wider, {"iteration": 4})  # to plan afresh: not planned
+    assert planned == ["validated", "gathered"] * 2
+    assert sorted(os.listdir(root)) == ["iter_0000001", "iter_0000002", "iter_0000003",
+                                        "latest_checkpointed_iteration.txt"]
+
+
 def test_keep_last_deletes_only_older_committed_checkpoints(tmp_path):
     from megatron_streaming.checkpoint import store
 

@@ -227,7 +227,8 @@ def test_adapters_refuse_another_version_before_touching_anything(monkeypatch):
     from types import SimpleNamespace
 
     from patches import (_pinning, deepspeed_zero, megatron_checkpoint_writer,
-                         megatron_parallel_state, megatron_row_parallel, torch_process_group)
+                         megatron_parallel_state, megatron_row_parallel, megatron_save_plan,
+                         torch_process_group)
 
     monkeypatch.setattr(_pinning, "installed_version",
                         {"megatron-core": "0.17.0", "deepspeed": "0.20.0",
@@ -249,6 +250,11 @@ def test_adapters_refuse_another_version_before_touching_anything(monkeypatch):
     with pytest.raises(_pinning.UpstreamVersionError,
                        match=r"'megatron_checkpoint_writer' .*megatron-core==0\.16\.1"):
         megatron_checkpoint_writer.write_files(SimpleNamespace(), None)
+    for plan in (lambda plans: plans.request({}, "unused", reuse=False),
+                 lambda plans: plans.plan_ahead({}, "unused")):
+        with pytest.raises(_pinning.UpstreamVersionError,
+                           match=r"'megatron_save_plan' .*megatron-core==0\.16\.1"):
+            plan(megatron_save_plan.SavePlans())
     with pytest.raises(_pinning.UpstreamVersionError,
                        match=r"'torch_process_group' .*torch==2\.13\.0 or 2\.11\.0 .*2\.12\.0"):
         torch_process_group.standalone_group("gloo", None, 0, 1, None)

@@ -47,19 +47,6 @@ class CheckpointWriteError(JobFailure):
     checkpoint that is still the latest."""
 
 
-def _dist_save_request(sharded_state_dict: dict, directory: str):
-    """megatron-core's torch_dist save, planned (collective; ``common.pt`` written): the
-    returned request writes this rank's files (``background.FileWrite``) and finalises."""
-    from megatron.core.dist_checkpointing import save
-    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
-    from patches.megatron_checkpoint_writer import in_process_results
-
-    in_process_results()  # the write runs in this process (background.FileWrite)
-    return save(sharded_state_dict, directory,
-                sharded_strategy=TorchDistSaveShardedStrategy("torch_dist", 1),
-                validate_access_integrity=True, async_sharded_save=True)
-
-
 class Checkpointer:
     """Saves and loads this rank's part of a job-wide checkpoint: each worker writes its own
     part (``store``), in its own world; the job's leading rank (``leads``) commits the whole.
@@ -85,12 +72,40 @@ class Checkpointer:
         # lowest live worker once workers were lost (``elastic``).
         self.leads = leads or (lambda: rank == 0)
         self.staging = Staging()  # --async-save's copy of the tensors, kept between saves
+        from patches.megatron_save_plan import SavePlans
+
+        self.plans = SavePlans()  # the latest save's plan, for the next of its structure
 
     def reserve_staging(self, state) -> int:
         """--async-save: make the host buffer the saves copy into now, beside training,
-        instead of in the first save; returns its bytes. Collective within the worker, as
-        ``state.sharded_state_dict`` is."""
-        return self.staging.reserve(state.sharded_state_dict())
+        instead of in the first save, and plan the saves (``plan_ahead``); returns the
+        buffer's bytes. Collective within the worker, as ``state.sharded_state_dict`` is."""
+        sharded = state.sharded_state_dict()
+        staged = self.staging.reserve(sharded)
+        self.plan_ahead(sharded)
+        return staged
+
+    def plan_ahead(self, sharded: dict) -> None:
+        """Plan a save of ``sharded`` now (megatron-core's validation and global metadata:
+        collective within the worker), so that the saves of its structure plan on each rank
+        alone. The planner makes a directory: a temporary one, made first, every rank of the
+        worker learning whether each could (else nothing is planned)."""
+        import tempfile
+
+        from patches.megatron_save_plan import structure
+
+        shape = structure(sharded)
+        try:
+            directory = tempfile.mkdtemp(prefix="megatron-streaming-plan-")
+        except OSError:
+            directory = None
+        try:
+            if all(made is not None for made in self.gather(directory)):
+                self._plan(sharded, directory, reuse=None)
+                self.plans.planned_for = shape
+        finally:
+            if directory is not None:
+                shutil.rmtree(directory, ignore_errors=True)
 
     def save(self, root: str, iteration: int, state, run_state: dict,
              keep_last: int = 0) -> str:
@@ -104,7 +119,16 @@ class Checkpointer:
                    background: bool = False) -> PendingSave:
         """Everything of a save that needs the step loop: this rank's tensors collected (and
         copied out when ``background``), the write planned; then its files written at once,
-        or on a thread (``background``: ``PendingSave.written`` tells when)."""
+        or on a thread (``background``: ``PendingSave.written`` tells when).
+
+        A save that plans afresh (the first, or one whose structure changed) plans with
+        every rank of the worker (megatron-core's validation and global metadata), once the
+        worker's first rank has checked the free space and told the others; one of the
+        structure of the kept plan (``SavePlans``; ``plan_ahead``) plans, checks the space
+        and writes on each rank alone. Either way a failure is learnt by every rank at the
+        commit, and the only collective across workers here is the agreement at the start."""
+        from patches.megatron_save_plan import structure
+
         final = iteration_dir(root, iteration)
         partial = final + ".partial"
         part = f"worker{self.worker}"
@@ -119,56 +143,113 @@ class Checkpointer:
         self._agree(root, iteration, partial, prepare if self.leads() else None)
         agreed = time.perf_counter()  # every rank of every worker has reached the save
         sharded = state.sharded_state_dict()
+        shape = structure(sharded)
         sharded = self.staging.snapshot(sharded) if background else in_place(sharded)
         t1 = time.perf_counter()
-        infos = self.gather({**state.rank_info(), "keys": sorted(sharded)})
+        gathered = self.gather(({**state.rank_info(), "keys": sorted(sharded)},
+                                self.plans.planned_for == shape))
+        infos = [info for info, _ in gathered]
+        need = sum(i.get("bytes", 0) for i in infos)
+        reuse = all(same for _, same in gathered)  # the same on every rank of the worker
+        request = []
 
         def make_part():  # a worker without the shared filesystem makes its own partial
             os.makedirs(mine, exist_ok=True)
-            _check_space(mine, sum(i.get("bytes", 0) for i in infos))
+            _check_space(mine, need)
 
-        # A disk that cannot take it fails every rank here, together: inside the writer's
-        # collectives a failure on one rank only would leave the others waiting.
-        self._agree(root, iteration, partial, make_part if self.local == 0 else None)
-        t2 = time.perf_counter()
-        request = []
-        self._agree(root, iteration, partial,
-                    lambda: request.append(_dist_save_request(sharded, mine)))
-        write = FileWrite(request[0], mine, self.local)  # device tensors copied out here
+        def plan():
+            request.append(self._plan(sharded, mine, reuse=reuse))
+
+        if reuse:  # this rank's own plan: no collective until the commit
+            error = _attempt(make_part)
+            t2 = time.perf_counter()
+            error = error or _attempt(plan)
+        else:
+            # Inside the planner's collectives (within the worker) a failure on one rank
+            # only would leave the others waiting: a disk that cannot take the save stops
+            # every rank of the worker before them (its first rank checks).
+            error = _attempt(make_part) if self.local == 0 else None
+            t2 = time.perf_counter()
+            if all(text is None for text in self.gather(_text(error))):
+                error = _attempt(plan)
+                if error is None:
+                    self.plans.planned_for = shape
+        # Any failure so far is learnt by every rank at the commit, the last collective
+        # across workers being the one above: the same for a worker that plans afresh
+        # and one that does not.
+        write = FileWrite(request[0] if request else None, mine, self.local)  # device tensors
+        # copied out here
         t3 = time.perf_counter()
         pending = PendingSave(root, iteration, partial, final, part, infos, write,
                               {"agree": agreed - t0, "collect": t1 - agreed,
                                "describe": t2 - t1, "plan": t3 - t2},
-                              run_state, state.describe)
-        if background:
+                              run_state, state.describe, error)
+        if background and error is None:
             write.start()
         else:
             write.run()
         return pending
 
+    def _plan(self, sharded: dict, directory: str, reuse: Optional[bool]):
+        """megatron-core's torch_dist save of ``sharded`` in ``directory``, planned
+        (``common.pt`` written): the request writes this rank's files
+        (``background.FileWrite``) and finalises. ``reuse`` None: planned only, nothing
+        written, no request."""
+        from patches.megatron_checkpoint_writer import in_process_results
+
+        in_process_results()  # the write runs in this process (background.FileWrite)
+        if reuse is None:
+            return self.plans.plan_ahead(sharded, directory)
+        return self.plans.request(sharded, directory, reuse)
+
     def finish_save(self, pending: PendingSave, keep_last: int = 0) -> str:
-        """Wait for this rank's files of ``pending``, learn that every rank's are written,
+        """Wait for this rank's files of ``pending``, learn whether every rank's were written,
         finalise, and commit on the leading rank (every rank of every worker takes part);
-        with ``keep_last`` the leading rank then deletes the older checkpoints beyond it."""
+        with ``keep_last`` the leading rank then deletes the older checkpoints beyond it. A
+        failure on any rank (of the write, its plan, or the finalisation) fails the save on
+        every rank with ``CheckpointWriteError``; the previous checkpoint stays the latest."""
         p, write = pending, pending.write
         t0 = time.perf_counter()
         table = write.wait()
-        error = None
-        if write.error is not None:
+        error = p.error
+        if error is None and write.error is not None:
             error = _os_error(write.error)
             if error is None:
                 raise write.error
-        self._fail_together(p.root, p.iteration, p.partial, error)
         t1 = time.perf_counter()
-        self._agree(p.root, p.iteration, p.partial, write.finalize)
+        # Over the worker: every rank's failure (None, or its text) and its files.
+        reports = self.gather((self.rank, _text(error), table))
+        failures = [(rank, text) for rank, text, _ in reports if text is not None]
+        if not failures:
+            try:
+                write.finalize()  # torch's index; fails on every rank of the worker or none
+            except _ERRORS as e:
+                found = _os_error(e)
+                if found is None:
+                    raise
+                failures = [(rank, str(found)) for rank, _, _ in reports]
         finalized = time.perf_counter()
         mine = os.path.join(p.partial, p.part)
-        if self.local == 0:  # the worker's shared files, written by the finalisation
-            table.update(file_table(mine, shared_files(mine)))
-        tables = self.gather(table)
-        files = {f"{p.part}/{k}": v for t in tables for k, v in sorted(t.items())}
-        parts = [x for x in self.gather_workers((p.infos, files) if self.local == 0 else None)
-                 if x is not None]
+        files = {}
+        if self.local == 0 and not failures:
+            tables = [t for _, _, t in reports]
+            tables[0] = {**tables[0], **file_table(mine, shared_files(mine))}  # the worker's
+            files = {f"{p.part}/{k}": v for t in tables for k, v in sorted(t.items())}
+        # Across workers: every worker's files (from its first rank) and failures (from each
+        # rank, the same on every rank of a worker).
+        gathered = self.gather_workers(((p.infos, files) if self.local == 0 else None,
+                                        failures))
+        every = {}
+        for _, fs in gathered:
+            for rank, text in fs:
+                every.setdefault(rank, text)
+        failures = sorted(every.items())
+        if failures:
+            if self.leads():
+                shutil.rmtree(p.partial, ignore_errors=True)  # give back the space it took
+            raise CheckpointWriteError(_write_error_message(
+                p.root, p.iteration, [rank for rank, _ in failures], failures[0][1]))
+        parts = [x for x, _ in gathered if x is not None]
         t2 = time.perf_counter()
         leads = self.leads()
         meta = None
@@ -184,8 +265,9 @@ class Checkpointer:
 
         self._agree(p.root, p.iteration, p.partial, commit_and_prune if leads else None)
         # In the step loop's time: agree (waiting for every rank of every worker to reach
-        # the save), collect, describe, plan, waited (for the files: all of a synchronous
-        # write), finalize (torch's index), gather (the hashes) and commit.
+        # the save), collect, describe, plan, waited (for this rank's files: all of a
+        # synchronous write), finalize (every rank's files over the worker, torch's index),
+        # gather (every worker's, across workers) and commit.
         self.timings = {**p.timings, "write": write.seconds["write"],
                         "waited": t1 - t0, "finalize": finalized - t1,
                         "gather": t2 - finalized, "commit": time.perf_counter() - t2}
@@ -254,6 +336,23 @@ class Checkpointer:
                                       f"{first_line(e)}") from None
             raise
         return meta["run"]
+
+
+def _attempt(action) -> Optional[OSError]:
+    """Run ``action``; the OSError it raised (or the one behind the writer's report), or None.
+    Anything else is raised."""
+    try:
+        action()
+    except _ERRORS as e:
+        error = _os_error(e)
+        if error is None:
+            raise
+        return error
+    return None
+
+
+def _text(error: Optional[OSError]) -> Optional[str]:
+    return None if error is None else str(error)
 
 
 def _check_space(directory: str, tensor_bytes: int) -> None:

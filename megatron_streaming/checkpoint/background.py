@@ -183,12 +183,14 @@ class PendingSave:
     """A checkpoint whose files are being written; ``Checkpointer.finish_save`` commits it."""
 
     def __init__(self, root: str, iteration: int, partial: str, final: str, part: str,
-                 infos: list, write: FileWrite, timings: dict, run_state: dict, describe):
+                 infos: list, write: FileWrite, timings: dict, run_state: dict, describe,
+                 error: Optional[OSError] = None):
         self.root, self.iteration, self.partial, self.final = root, iteration, partial, final
         self.part, self.infos, self.write, self.timings = part, infos, write, timings
         # What the checkpoint's JSON records: the run's state, the job's description
         # (``JobState.describe``, called on the leading rank at the commit).
         self.run_state, self.describe = run_state, describe
+        self.error = error  # this rank's failure before the write (its plan, the free space)
         self.started = time.perf_counter()
 
     def written(self) -> bool:
