@@ -1,7 +1,7 @@
 """Checkpoint size and save / load time: this version's format against another revision's.
 
     .venv/bin/python benchmarks/checkpoint_format.py [--baseline 7c2292b] [--out runs/ckpt]
-                                                     [--repeats 2]
+                                                     [--repeats 2] [--models quickstart 100M]
 
 For two models, the quick-start one (4 layers, hidden 128, 2 workers x TP2, 4 ranks) and one
 of about 100M parameters (12 layers, hidden 768, vocabulary 32000, 2 workers of one rank, bf16,
