@@ -107,8 +107,8 @@ class Run:
         self._staging_pending = False
         staged = self.checkpointer.reserve_staging(self.job_state)
         log.info("--async-save: %.2f GiB of host memory on this rank for the copies of the "
-                 "checkpoints written in the background, made beside the next steps",
-                 staged / 2**30)
+                 "checkpoints written in the background, made beside the next steps; the "
+                 "saves' plan made now", staged / 2**30)
 
     def _take_state(self) -> Optional[dict]:
         """The state to start from: a live worker's (a restarted worker rejoining), the
