@@ -13,11 +13,12 @@ script wraps them and re-runs pretrain_gpt.py), the slowest rank counts. Size: t
 the iteration directory. With ``--async-save`` (this revision only): the time the step loop
 was blocked by a save (its start and its commit, less any wait for its own files) against
 the synchronous save's time, for the first save and a later one, each also less the time a
-rank waited for the other worker at the save's collectives across workers (the two workers'
-steps drift apart by that much on shared cores; not the save's own cost: the same
+rank waited for the other worker at the save's first collective across workers (the two
+workers' steps drift apart by that much on shared cores; not the save's own cost: the same
 schedule's synchronous saves wait as long, ``sync_waits_seconds``), and against the same
-schedule's synchronous saves, the waits in both or in neither. The baseline revision is checked out as a git
-worktree under ``--out``. Reported as ratios ours / baseline, measured in one run.
+schedule's synchronous saves, the waits in both or in neither. The baseline revision is
+checked out as a git worktree under ``--out``. Reported as ratios ours / baseline, measured
+in one run.
 """
 
 import argparse
@@ -71,7 +72,7 @@ def timed_main():
     wrap("save")
     wrap("load")
     if hasattr(ckpt.Checkpointer, "start_save"):  # --async-save: the step loop's share
-        wrap("start_save", lambda pending: {"agree": pending.timings.get("agree", 0.0)})
+        wrap("start_save")
         original_finish = ckpt.Checkpointer.finish_save
 
         def finish(self, *args, **kwargs):
@@ -151,7 +152,7 @@ def measure_async(name, out):
     count, committed in the step loop (the last one's commit waits for its files at the end
     of training). The step loop's share of each save: its start (collect, copy out, plan)
     and its commit, less the time the commit waited for this rank's files; and that less
-    the waits for the other worker at the save's two collectives across workers (``waits``).
+    the wait for the other worker at the save's first collective across workers (``waits``).
     The same schedule without --async-save, measured the same way, shows those waits at a
     synchronous save too: the workers' steps drift apart between synchronisations, with or
     without a save, and a save's first collective across workers is where the worker ahead
@@ -177,12 +178,12 @@ def measure_async(name, out):
     ranks = list(saves(True))
 
     def waits(runs, ops, i):
-        """How long this rank waited for the other worker in save ``i``: at the save's two
-        collectives across workers (the agreement at its start, the gather of every worker's
-        files at its commit), its time in each less the least any rank spent there (the
-        last to arrive waits for no one)."""
-        return sum(ops[op][i][key] - min(o[op][i][key] for o in runs)
-                   for op, key in (("start_save", "agree"), ("finish_save", "gather")))
+        """How long this rank waited for the other worker in save ``i``: at the save's first
+        collective across workers (the gather of every worker's files at its commit), its
+        time there less the least any rank spent there (the last to arrive waits for no
+        one)."""
+        return ops["finish_save"][i]["gather"] - min(o["finish_save"][i]["gather"]
+                                                     for o in runs)
 
     def blocked(runs, i, less_waits=False):
         """The step loop's share of save ``i``, the slowest rank's: its start and its commit,

@@ -113,10 +113,20 @@ def test_crash_before_commit_keeps_previous_checkpoint(tmp_path, monkeypatch, me
     assert ckpt.load(root, state3, WORKER_0) == {"iteration": 1}
     assert torch.equal(state3.model.weight, saved)
 
-    # The next save of iteration 2 clears the stale partial directory and commits.
+    # A crash that left files in the partial directory (a rank's file of another layout, a
+    # worker that is no more): the next save of iteration 2 commits without them.
+    stale = os.path.join(root, "iter_0000002.partial")
+    os.makedirs(os.path.join(stale, "worker0"))
+    os.makedirs(os.path.join(stale, "worker3"))
+    for name in ("worker0/__7_0.distcp", "worker3/__0_0.distcp"):
+        with open(os.path.join(stale, name), "wb") as f:
+            f.write(b"stale")
     ckpt.save(root, 2, state2, {"iteration": 2})
-    assert checkpoint.find_checkpoint(root)[1]["iteration"] == 2
-    assert not os.path.exists(os.path.join(root, "iter_0000002.partial"))
+    directory, meta = checkpoint.find_checkpoint(root)
+    assert meta["iteration"] == 2 and not os.path.exists(stale)
+    assert sorted(os.listdir(directory)) == ["checkpoint.json", "worker0"]
+    assert sorted(os.listdir(os.path.join(directory, "worker0"))) == sorted(
+        name.split("/", 1)[1] for name in meta["files"])
 
 
 def test_async_save_commits_once_written_and_holds_the_state_of_its_step(
@@ -207,16 +217,16 @@ def test_saves_of_one_structure_are_planned_once(tmp_path, monkeypatch, megatron
         assert ckpt.load(root, loaded, WORKER_0) == {"iteration": iteration}
         assert torch.equal(loaded.model.weight, state.model.weight)
     assert planned == ["validated", "gathered"]  # nothing more
-    # Each save crosses three times: its start's agreement, every worker's files and
-    # failures, the commit's agreement; then the load's verification agrees once.
-    assert crossed == ["agreed", "gathered", "agreed", "agreed"] * 2
+    # Each save crosses twice, both at its commit: every worker's files and failures, then
+    # the commit's agreement; then the load's verification agrees once.
+    assert crossed == ["gathered", "agreed", "agreed"] * 2
 
     crossed.clear()
     wider = LinearState(1)
     wider.model = torch.nn.Linear(4, 5)
     ckpt.save(root, 3, wider, {"iteration": 3})
     assert planned == ["validated", "gathered"] * 2
-    assert crossed == ["agreed", "gathered", "agreed"]  # planned afresh: the same
+    assert crossed == ["gathered", "agreed"]  # planned afresh: the same
     loaded = LinearState(9)
     loaded.model = torch.nn.Linear(4, 5)
     ckpt.load(root, loaded, WORKER_0)

@@ -498,9 +498,8 @@ def test_full_or_read_only_save_fails_naming_the_path_and_keeps_the_last_checkpo
     full = run(2, [*flags, "--save", str(ckpt)], check=False, timeout=240)
     assert full.returncode != 0
     err = full.stderr
-    # Checked before writing (each worker's first rank compares what its ranks will write
-    # with the free space), so every rank stops together instead of some waiting inside the
-    # writer's collectives.
+    # Checked before writing (each rank compares what its worker's ranks will write with
+    # the free space), so nothing is written, and every rank learns it at the commit.
     assert (f"pretrain_gpt.py: error: --save {ckpt}: writing the checkpoint of iteration 4 "
             "failed on rank(s) [0, 1]: [Errno 28] No space left on device for the checkpoint"
             ) in err, err[-3000:]
@@ -530,7 +529,7 @@ def test_full_or_read_only_save_fails_naming_the_path_and_keeps_the_last_checkpo
             proc.kill()
     text = log.read_text()
     assert f"resumed from {ckpt} at iteration 2" in text
-    assert (f"--save {ckpt}: writing the checkpoint of iteration 6 failed on rank(s) [0]: "
+    assert (f"--save {ckpt}: writing the checkpoint of iteration 6 failed on rank(s) [0, 1]: "
             "[Errno 30] Read-only file system") in text, text[-3000:]
     assert f"the latest checkpoint is still {ckpt}/iter_0000004" in text
     assert _tracker(ckpt) == 4

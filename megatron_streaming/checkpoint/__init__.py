@@ -126,7 +126,7 @@ class Checkpointer:
         worker's first rank has checked the free space and told the others; one of the
         structure of the kept plan (``SavePlans``; ``plan_ahead``) plans, checks the space
         and writes on each rank alone. Either way a failure is learnt by every rank at the
-        commit, and the only collective across workers here is the agreement at the start."""
+        commit; nothing here crosses between workers."""
         from patches.megatron_save_plan import structure
 
         final = iteration_dir(root, iteration)
@@ -134,14 +134,10 @@ class Checkpointer:
         part = f"worker{self.worker}"
         mine = os.path.join(partial, part)
 
-        def prepare():
-            os.makedirs(root, exist_ok=True)
-            shutil.rmtree(partial, ignore_errors=True)  # left by a crash mid-save
-            os.makedirs(partial)
-
-        t0 = time.perf_counter()
-        self._agree(root, iteration, partial, prepare if self.leads() else None)
-        agreed = time.perf_counter()  # every rank of every worker has reached the save
+        # No collective across workers here: each worker's ranks make their part of the
+        # partial directory themselves, and what a crash mid-save left in it is removed at
+        # the commit (``store.commit``: what the checkpoint does not list).
+        agreed = time.perf_counter()
         sharded = state.sharded_state_dict()
         shape = structure(sharded)
         sharded = self.staging.snapshot(sharded) if background else in_place(sharded)
@@ -174,14 +170,13 @@ class Checkpointer:
                 error = _attempt(plan)
                 if error is None:
                     self.plans.planned_for = shape
-        # Any failure so far is learnt by every rank at the commit, the last collective
-        # across workers being the one above: the same for a worker that plans afresh
-        # and one that does not.
+        # Any failure so far is learnt by every rank at the commit: a worker that plans
+        # afresh and one that does not run the same collectives across workers.
         write = FileWrite(request[0] if request else None, mine, self.local)  # device tensors
         # copied out here
         t3 = time.perf_counter()
         pending = PendingSave(root, iteration, partial, final, part, infos, write,
-                              {"agree": agreed - t0, "collect": t1 - agreed,
+                              {"collect": t1 - agreed,
                                "describe": t2 - t1, "plan": t3 - t2},
                               run_state, state.describe, error)
         if background and error is None:
@@ -264,10 +259,10 @@ class Checkpointer:
                 prune(p.root, keep_last)
 
         self._agree(p.root, p.iteration, p.partial, commit_and_prune if leads else None)
-        # In the step loop's time: agree (waiting for every rank of every worker to reach
-        # the save), collect, describe, plan, waited (for this rank's files: all of a
-        # synchronous write), finalize (every rank's files over the worker, torch's index),
-        # gather (every worker's, across workers) and commit.
+        # In the step loop's time: collect, describe, plan, waited (for this rank's files:
+        # all of a synchronous write), finalize (every rank's files over the worker, torch's
+        # index), gather (every worker's, across workers: where the worker ahead waits for
+        # the others) and commit.
         self.timings = {**p.timings, "write": write.seconds["write"],
                         "waited": t1 - t0, "finalize": finalized - t1,
                         "gather": t2 - finalized, "commit": time.perf_counter() - t2}

@@ -310,9 +310,11 @@ def dump_meta(meta: dict) -> str:
 
 def commit(root: str, partial: str, final: str, meta: dict) -> None:
     """Write ``checkpoint.json`` into ``partial`` (its ``files`` already listed), rename it to
-    ``final`` (atomic), then point the tracker at it (atomic too)."""
+    ``final`` (atomic), then point the tracker at it (atomic too). What ``partial`` holds
+    beyond its files (left there by a save of the same iteration that crashed) goes first."""
     import shutil
 
+    _remove_unlisted(partial, meta["files"])
     meta["size_bytes"] = sum(f["size"] for f in meta["files"].values())
     atomic_write(os.path.join(partial, META), dump_meta(meta))
     if os.path.exists(final):
@@ -320,6 +322,17 @@ def commit(root: str, partial: str, final: str, meta: dict) -> None:
     os.replace(partial, final)
     fsync_dir(root)
     atomic_write(os.path.join(root, TRACKER), f"{meta['iteration']}\n")
+
+
+def _remove_unlisted(directory: str, files: dict) -> None:
+    """Delete the files under ``directory`` that ``files`` does not list, then the folders
+    left empty."""
+    for name in checkpoint_files(directory):
+        if name not in files:
+            os.remove(os.path.join(directory, name))
+    for folder, subfolders, names in os.walk(directory, topdown=False):
+        if folder != directory and not names and not os.listdir(folder):
+            os.rmdir(folder)
 
 
 def prune(root: str, keep: int) -> list:

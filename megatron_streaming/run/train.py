@@ -301,9 +301,8 @@ class Run:
         if background:
             self.saving = pending
             log.info("checkpoint of iteration %d: writing in the background (the step loop "
-                     "waited %.2f s: for every worker to reach the save %.2f s, collect "
-                     "%.2f s, plan %.2f s)", self.iteration, sum(t.values()), t["agree"],
-                     t["collect"] + t["describe"], t["plan"])
+                     "waited %.2f s: collect and copy out %.2f s, plan %.2f s)",
+                     self.iteration, sum(t.values()), t["collect"] + t["describe"], t["plan"])
             return
         self._commit(pending)
 
@@ -335,12 +334,12 @@ class Run:
         if pending.write.is_background():
             log.info("saved checkpoint %s at iteration %d (written and hashed in the "
                      "background in %.2f s; the step loop waited %.2f s at the start and "
-                     "%.2f s at the commit)", path, self.iteration, t["write"],
-                     t["agree"] + t["collect"] + t["describe"] + t["plan"],
-                     t["waited"] + t["finalize"] + t["gather"] + t["commit"])
+                     "%.2f s at the commit, %.2f s of it in the gather across workers)", path,
+                     self.iteration, t["write"], t["collect"] + t["describe"] + t["plan"],
+                     t["waited"] + t["finalize"] + t["gather"] + t["commit"], t["gather"])
         else:
             log.info("saved checkpoint %s in %.2f s (gather %.2f s, write and hash %.2f s)",
-                     path, sum(t.values()), t["agree"] + t["collect"] + t["describe"],
+                     path, sum(t.values()), t["collect"] + t["describe"],
                      t["plan"] + t["write"])
 
     def _save_failed(self, error: Exception, iteration: int) -> None:
