@@ -61,6 +61,8 @@ class Checkpointer:
                  gather: Callable[[object], list], world: int = 1, worker: int = 0,
                  gather_workers: Callable[[object], list] = lambda obj: [obj],
                  leads: Optional[Callable[[], bool]] = None, local: Optional[int] = None):
+        from patches.megatron_save_plan import SavePlans
+
         self.rank = rank  # global
         self.world = world  # ranks per worker (this worker's)
         self.local = rank % world if local is None else local  # rank within the worker
@@ -72,8 +74,6 @@ class Checkpointer:
         # lowest live worker once workers were lost (``elastic``).
         self.leads = leads or (lambda: rank == 0)
         self.staging = Staging()  # --async-save's copy of the tensors, kept between saves
-        from patches.megatron_save_plan import SavePlans
-
         self.plans = SavePlans()  # the latest save's plan, for the next of its structure
 
     def reserve_staging(self, state) -> int:
@@ -137,7 +137,7 @@ class Checkpointer:
         # No collective across workers here: each worker's ranks make their part of the
         # partial directory themselves, and what a crash mid-save left in it is removed at
         # the commit (``store.commit``: what the checkpoint does not list).
-        agreed = time.perf_counter()
+        t0 = time.perf_counter()
         sharded = state.sharded_state_dict()
         shape = structure(sharded)
         sharded = self.staging.snapshot(sharded) if background else in_place(sharded)
@@ -172,11 +172,11 @@ class Checkpointer:
                     self.plans.planned_for = shape
         # Any failure so far is learnt by every rank at the commit: a worker that plans
         # afresh and one that does not run the same collectives across workers.
-        write = FileWrite(request[0] if request else None, mine, self.local)  # device tensors
-        # copied out here
+        # On a GPU the device tensors are copied to host memory here.
+        write = FileWrite(request[0] if request else None, mine, self.local)
         t3 = time.perf_counter()
         pending = PendingSave(root, iteration, partial, final, part, infos, write,
-                              {"collect": t1 - agreed,
+                              {"collect": t1 - t0,
                                "describe": t2 - t1, "plan": t3 - t2},
                               run_state, state.describe, error)
         if background and error is None:
