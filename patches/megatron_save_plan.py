@@ -66,22 +66,26 @@ def _strategy_class():
 
 class SavePlans:
     """The plan of this rank's latest torch_dist save, for the next ones of the same
-    structure."""
+    structure. Its requests write through this process's results queue
+    (``megatron_checkpoint_writer.in_process_results``)."""
 
     def __init__(self):
         self._strategy = None
-        self.planned_for: Optional[str] = None  # the ``structure`` the cache was planned for
+        self.planned_for: Optional[str] = None  # the ``structure`` the kept plan is for
+
+    def matches(self, sharded: dict) -> bool:
+        """Whether the kept plan was made for ``sharded``'s structure."""
+        return self.planned_for is not None and self.planned_for == structure(sharded)
 
     def request(self, sharded: dict, directory: str, reuse: bool):
         """``dist_checkpointing.save(..., async_sharded_save=True)``'s request for ``sharded``
         in ``directory``: planned afresh and validated (collective within the worker; the plan
         is kept), or with ``reuse`` (every rank of the worker must pass the same) from the
-        kept plan, on this rank alone. The caller sets ``planned_for`` once every rank has
-        its plan."""
+        kept plan, on this rank alone."""
         require_version_once(PACKAGE, VERSION, NAME)
         from megatron.core.dist_checkpointing import save
 
-        return self._planned(lambda strategy: save(
+        return self._planned(sharded, lambda strategy: save(
             sharded, directory, sharded_strategy=strategy, validate_access_integrity=not reuse,
             async_sharded_save=True), reuse)
 
@@ -97,9 +101,12 @@ class SavePlans:
             sharded_part, _ = save_preprocess(dict(sharded), validate_access_integrity=True)
             strategy.async_save(sharded_part, directory)  # the request dropped
 
-        self._planned(plan, reuse=False)
+        self._planned(sharded, plan, reuse=False)
 
-    def _planned(self, plan, reuse: bool):
+    def _planned(self, sharded: dict, plan, reuse: bool):
+        from .megatron_checkpoint_writer import in_process_results
+
+        in_process_results()  # the request's write results stay in this process
         if not reuse:
             self._strategy, self.planned_for = _strategy_class()("torch_dist", 1,
                                                                  cached_metadata=True), None
@@ -115,6 +122,7 @@ class SavePlans:
             # The strategy caches a plan only once a second one equals it: from this one.
             strategy.validated_cache_reuse = True
             strategy.cached_global_metadata = strategy.planned_metadata
+            self.planned_for = structure(sharded)
         return result
 
     def forget(self) -> None:

@@ -92,17 +92,13 @@ class Checkpointer:
         worker learning whether each could (else nothing is planned)."""
         import tempfile
 
-        from patches.megatron_save_plan import structure
-
-        shape = structure(sharded)
         try:
             directory = tempfile.mkdtemp(prefix="megatron-streaming-plan-")
         except OSError:
             directory = None
         try:
             if all(made is not None for made in self.gather(directory)):
-                self._plan(sharded, directory, reuse=None)
-                self.plans.planned_for = shape
+                self.plans.plan_ahead(sharded, directory)
         finally:
             if directory is not None:
                 shutil.rmtree(directory, ignore_errors=True)
@@ -127,8 +123,6 @@ class Checkpointer:
         structure of the kept plan (``SavePlans``; ``plan_ahead``) plans, checks the space
         and writes on each rank alone. Either way a failure is learnt by every rank at the
         commit; nothing here crosses between workers."""
-        from patches.megatron_save_plan import structure
-
         final = iteration_dir(root, iteration)
         partial = final + ".partial"
         part = f"worker{self.worker}"
@@ -139,11 +133,11 @@ class Checkpointer:
         # the commit (``store.commit``: what the checkpoint does not list).
         t0 = time.perf_counter()
         sharded = state.sharded_state_dict()
-        shape = structure(sharded)
+        same = self.plans.matches(sharded)
         sharded = self.staging.snapshot(sharded) if background else in_place(sharded)
         t1 = time.perf_counter()
         gathered = self.gather(({**state.rank_info(), "keys": sorted(sharded)},
-                                self.plans.planned_for == shape))
+                                same))
         infos = [info for info, _ in gathered]
         need = sum(i.get("bytes", 0) for i in infos)
         reuse = all(same for _, same in gathered)  # the same on every rank of the worker
@@ -154,7 +148,7 @@ class Checkpointer:
             _check_space(mine, need)
 
         def plan():
-            request.append(self._plan(sharded, mine, reuse=reuse))
+            request.append(self.plans.request(sharded, mine, reuse))
 
         if reuse:  # this rank's own plan: no collective until the commit
             error = _attempt(make_part)
@@ -168,8 +162,6 @@ class Checkpointer:
             t2 = time.perf_counter()
             if all(text is None for text in self.gather(_text(error))):
                 error = _attempt(plan)
-                if error is None:
-                    self.plans.planned_for = shape
         # Any failure so far is learnt by every rank at the commit: a worker that plans
         # afresh and one that does not run the same collectives across workers.
         # On a GPU the device tensors are copied to host memory here.
@@ -184,18 +176,6 @@ class Checkpointer:
         else:
             write.run()
         return pending
-
-    def _plan(self, sharded: dict, directory: str, reuse: Optional[bool]):
-        """megatron-core's torch_dist save of ``sharded`` in ``directory``, planned
-        (``common.pt`` written): the request writes this rank's files
-        (``background.FileWrite``) and finalises. ``reuse`` None: planned only, nothing
-        written, no request."""
-        from patches.megatron_checkpoint_writer import in_process_results
-
-        in_process_results()  # the write runs in this process (background.FileWrite)
-        if reuse is None:
-            return self.plans.plan_ahead(sharded, directory)
-        return self.plans.request(sharded, directory, reuse)
 
     def finish_save(self, pending: PendingSave, keep_last: int = 0) -> str:
         """Wait for this rank's files of ``pending``, learn whether every rank's were written,

@@ -330,8 +330,8 @@ def _remove_unlisted(directory: str, files: dict) -> None:
     for name in checkpoint_files(directory):
         if name not in files:
             os.remove(os.path.join(directory, name))
-    for folder, subfolders, names in os.walk(directory, topdown=False):
-        if folder != directory and not names and not os.listdir(folder):
+    for folder, _, _ in os.walk(directory, topdown=False):
+        if folder != directory and not os.listdir(folder):
             os.rmdir(folder)
 
 
