@@ -55,7 +55,7 @@ def timed_main():
 
     out = os.environ["CKPT_TIMING_OUT"]
 
-    def wrap(name, details=lambda result: {}):
+    def wrap(name, details=lambda args, result: {}):
         original = getattr(ckpt.Checkpointer, name)
 
         def timed(self, *args, **kwargs):
@@ -64,7 +64,7 @@ def timed_main():
             with open(out, "a") as f:
                 f.write(json.dumps({"op": name, "rank": int(os.environ.get("RANK", 0)),
                                     "seconds": time.perf_counter() - started,
-                                    **details(result)}) + "\n")
+                                    **details(args, result)}) + "\n")
             return result
 
         setattr(ckpt.Checkpointer, name, timed)
@@ -72,20 +72,26 @@ def timed_main():
     wrap("save")
     wrap("load")
     if hasattr(ckpt.Checkpointer, "start_save"):  # --async-save: the step loop's share
-        wrap("start_save")
+        # Each save's calls by its iteration: its start, its commit's stages in the step loop
+        # (``advance``, where this revision has it), and ``finish_save`` where it was
+        # committed at once (a synchronous save, or one drained: the next save was due).
+        wrap("start_save", lambda args, result: {"iteration": args[1], **result.timings})
         original_finish = ckpt.Checkpointer.finish_save
 
-        def finish(self, *args, **kwargs):
+        def finish(self, pending, *args, **kwargs):
             started = time.perf_counter()
-            result = original_finish(self, *args, **kwargs)
-            t = self.timings
+            result = original_finish(self, pending, *args, **kwargs)
             with open(out, "a") as f:
                 f.write(json.dumps({
                     "op": "finish_save", "rank": int(os.environ.get("RANK", 0)),
-                    "seconds": time.perf_counter() - started, **t}) + "\n")
+                    "iteration": pending.iteration,
+                    "seconds": time.perf_counter() - started, **self.timings}) + "\n")
             return result
 
         ckpt.Checkpointer.finish_save = finish
+        if hasattr(ckpt.Checkpointer, "advance"):
+            wrap("advance", lambda args, result: {"iteration": args[0].iteration,
+                                                  "write": args[0].write.seconds["write"]})
     sys.argv = ["pretrain_gpt.py", *sys.argv[2:]]
     import runpy
 
@@ -145,16 +151,18 @@ def best(samples):
 
 
 def measure_async(name, out):
-    """--async-save: nine steps, a save after every third (the host buffer the tensors are
+    """--async-save: 36 steps, a save after every twelfth (the host buffer the tensors are
     copied to is made, and the save planned, beside the second step, as in a run whose first
-    save comes later still; three steps give a save's files time to be written before the
-    next save is due, as in a run that saves every few hundred steps). The first two saves
-    count, committed in the step loop (the last one's commit waits for its files at the end
-    of training). The step loop's share of each save: its start (collect, copy out, plan)
-    and its commit, less the time the commit waited for this rank's files; and that less
-    the wait for the other worker at the save's first collective across workers (``waits``).
-    The same schedule without --async-save, measured the same way, shows those waits at a
-    synchronous save too: the workers' steps drift apart between synchronisations, with or
+    save comes later still; twelve steps give a save's commit time to go a stage a step,
+    from the flags every rank reads after the same step, as in a run that saves every few
+    hundred steps). The first two saves count (the last one's commit waits for its files at
+    the end of training). The step loop's share of each save, the slowest rank's: its start
+    (collect, copy out, plan), its commit's stages in the loop (``advance``), and a commit
+    at once (``finish_save``, if the next save came first), less the time that waited for
+    this rank's files; and that less the wait for the other worker at the commit's first
+    collective across workers (``waits``; none where the commit went by the flags). The
+    same schedule without --async-save, measured the same way, shows those waits at a
+    synchronous save: the workers' steps drift apart between synchronisations, with or
     without a save, and a save's first collective across workers is where the worker ahead
     waits for the other."""
     nproc, model = MODELS[name]
@@ -165,47 +173,63 @@ def measure_async(name, out):
         if os.path.exists(timing):
             os.remove(timing)
         subprocess.run(["rm", "-rf", ckpt])
-        launch(repo, nproc, [*model, *COMMON, "--train-iters", "9", "--save", ckpt,
-                             "--save-interval", "3", *(["--async-save"] if async_save else [])],
-               timing)
-        by_rank = {}
+        launch(repo, nproc, [*model, *COMMON, "--train-iters", "36", "--save", ckpt,
+                             "--save-interval", "12",
+                             *(["--async-save"] if async_save else [])], timing)
+        by_rank = {}  # rank -> [each save's {"start", "advance", "finish"}, in order]
         for r in (json.loads(line) for line in open(timing)):
-            # per rank, in order: start_save, finish_save of each save
-            by_rank.setdefault(r["rank"], {}).setdefault(r["op"], []).append(r)
-        return by_rank.values()
+            if r["op"] not in ("start_save", "advance", "finish_save"):
+                continue
+            rank = by_rank.setdefault(r["rank"], {})
+            calls = rank.setdefault(r["iteration"], {"advance": 0.0, "finish": None})
+            if r["op"] == "start_save":
+                calls["start"] = r["seconds"]
+            elif r["op"] == "advance":
+                calls["advance"] += r["seconds"]
+                calls["write"] = r["write"]
+            else:
+                calls["finish"] = r
+                calls["write"] = r["write"]
+        return [[calls for _, calls in sorted(rank.items())] for rank in by_rank.values()]
 
-    synchronous = list(saves(False))
-    ranks = list(saves(True))
+    synchronous = saves(False)
+    ranks = saves(True)
 
-    def waits(runs, ops, i):
-        """How long this rank waited for the other worker in save ``i``: at the save's first
-        collective across workers (the gather of every worker's files at its commit), its
+    def waits(runs, calls, i):
+        """How long this rank waited for the other worker in save ``i``'s commit at once:
+        at its first collective across workers (the gather of every worker's part), its
         time there less the least any rank spent there (the last to arrive waits for no
         one)."""
-        return ops["finish_save"][i]["gather"] - min(o["finish_save"][i]["gather"]
-                                                     for o in runs)
+        if calls[i]["finish"] is None:
+            return 0.0
+        return calls[i]["finish"]["gather"] - min(c[i]["finish"]["gather"] for c in runs)
 
     def blocked(runs, i, less_waits=False):
-        """The step loop's share of save ``i``, the slowest rank's: its start and its commit,
-        less this rank's wait for its own files (and, ``less_waits``, for the other
-        worker)."""
-        return max(ops["start_save"][i]["seconds"] + ops["finish_save"][i]["seconds"]
-                   - ops["finish_save"][i]["waited"]
-                   - (waits(runs, ops, i) if less_waits else 0.0) for ops in runs)
+        """The step loop's share of save ``i``, the slowest rank's."""
+        def share(calls):
+            finish = calls[i]["finish"]
+            at_once = finish["seconds"] - finish["waited"] if finish else 0.0
+            return calls[i]["start"] + calls[i]["advance"] + at_once - (
+                waits(runs, calls, i) if less_waits else 0.0)
+
+        return max(share(calls) for calls in runs)
 
     return {"async_blocked_seconds": blocked(ranks, 0),
             "async_blocked_later_seconds": blocked(ranks, 1),
             "async_blocked_less_waits_seconds": blocked(ranks, 0, True),
             "async_blocked_later_less_waits_seconds": blocked(ranks, 1, True),
-            "async_waits_seconds": [max(waits(ranks, ops, i) for ops in ranks)
-                                    for i in (0, 1)],
-            "sync_waits_seconds": [max(waits(synchronous, ops, i) for ops in synchronous)
+            # whether each save was committed by the flags, in the loop's own stride
+            "async_committed_in_the_background": [all(c[i]["finish"] is None
+                                                      for c in ranks) for i in (0, 1)],
+            "async_advance_seconds": [max(c[i]["advance"] for c in ranks) for i in (0, 1)],
+            "async_waits_seconds": [max(waits(ranks, c, i) for c in ranks) for i in (0, 1)],
+            "sync_waits_seconds": [max(waits(synchronous, c, i) for c in synchronous)
                                    for i in (0, 1)],
             # the same schedule's synchronous saves, with and without the waits
             "sync_same_schedule_seconds": [blocked(synchronous, i) for i in (0, 1)],
             "sync_same_schedule_less_waits_seconds": [blocked(synchronous, i, True)
                                                       for i in (0, 1)],
-            "async_write_seconds": max(ops["finish_save"][0]["write"] for ops in ranks)}
+            "async_write_seconds": max(c[0]["write"] for c in ranks)}
 
 
 def main():

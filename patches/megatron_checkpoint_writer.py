@@ -1,5 +1,5 @@
 """Adapter: megatron-core's torch_dist writer, its files written and hashed in the saving
-process, its results left in that process (megatron-core 0.16.1).
+process, its results returned there (megatron-core 0.16.1).
 
 ``FileSystemWriterAsync`` (``dist_checkpointing.strategies.filesystem_async``) writes a rank's
 files in processes it forks, and the function that waits for them puts their results into a
@@ -9,15 +9,20 @@ callers can put into it from another process. The Manager's server then unpickle
 (torch's ``WriteResult``s), which imports torch in that server: 5.5 s of a rank's first save
 on CPU, and a process that lives as long as the rank.
 
-Here the writer's waiting function runs in the saving process itself (the step loop, or a
-thread with ``--async-save``: ``megatron_streaming.checkpoint.background``), never in another
-process, so ``in_process_results`` sets that queue to an in-process ``queue.Queue`` once,
-before the first save plans its write. Megatron-core's ``AsyncCallsQueue`` (a forked or
-persistent caller process) would not see it; nothing here uses those.
+Here the files are written in the saving process itself (the step loop, or a thread with
+``--async-save``: ``megatron_streaming.checkpoint.background``), never in another process, and
+the results are returned, not queued; the queue is still made when a save is planned
+(``get_save_function_and_args``), so ``in_process_results`` sets it to an in-process
+``queue.Queue`` once, before the first save plans its write. Megatron-core's
+``AsyncCallsQueue`` (a forked or persistent caller process) and its finalisation would not
+see the results; nothing here uses those.
 
 ``write_files`` does the writer's part of a planned save (``FileSystemWriterAsync``'s write
 buckets: each a file name, its storage key and the items in it) itself, through torch's
-``_write_item``, which is what megatron-core's writer processes call for each item.
+``_write_item``, which is what megatron-core's writer processes call for each item, and
+returns the write results (what torch's ``.metadata`` index records of each item: its file,
+offset and length) to its caller, which carries them to the worker's first rank
+(``megatron_save_plan.SavePlans.finish``), in memory or as JSON (``results_to_json``).
 """
 
 import queue
@@ -29,7 +34,7 @@ PACKAGE, VERSION = "megatron-core", "0.16.1"
 
 
 def in_process_results() -> None:
-    """Write results go through a queue of this process (idempotent)."""
+    """The queue of write results a save's plan makes is one of this process (idempotent)."""
     require_version_once(PACKAGE, VERSION, NAME)
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
@@ -37,17 +42,16 @@ def in_process_results() -> None:
         filesystem_async._results_queue = queue.Queue()
 
 
-def write_files(request, digest) -> dict:
+def write_files(request, digest) -> tuple:
     """The files of a planned torch_dist save (the request ``dist_checkpointing.save(...,
     async_sharded_save=True)`` returns) written by this process, one thread per file instead
     of megatron-core's forked writer processes (forking a rank of many GiB costs seconds, and
     the results would come back through a queue), each file hashed with ``digest()`` as its
     bytes are written instead of being read back afterwards. Every record's bytes are covered
     by that hash, so torch's own per-record CRC-32 is left out meanwhile (``torch.load``
-    reads such files; a zip tool warns). The write results go to the queue the finalisation
-    reads (``in_process_results``), only when every file was written: a failed write raises
-    it here and leaves the queue empty. Returns {file name: (size, hex digest)}, names
-    relative to the checkpoint directory."""
+    reads such files; a zip tool warns). A failed write raises here. Returns ({file name:
+    (size, hex digest)}, names relative to the checkpoint directory; this rank's write
+    results)."""
     require_version_once(PACKAGE, VERSION, NAME)
     import concurrent.futures
     import os
@@ -58,7 +62,7 @@ def write_files(request, digest) -> dict:
     transform_list, use_msc = request.async_fn.args
     if use_msc:
         raise NotImplementedError("multi-storage client checkpoints are not supported")
-    _, buckets, results_queue = request.async_fn_args
+    _, buckets, _ = request.async_fn_args
 
     def write(bucket):
         file_name, storage_key, (bytes_data, tensor_data) = bucket
@@ -78,8 +82,34 @@ def write_files(request, digest) -> dict:
             done = list(pool.map(write, buckets))
     finally:
         torch.serialization.set_crc32_options(crc)
-    results_queue.put({i: results for i, (results, _, _) in enumerate(done)})
-    return {name: info for _, name, info in done}
+    return ({name: info for _, name, info in done},
+            [result for results, _, _ in done for result in results])
+
+
+def results_to_json(results) -> list:
+    """Write results (torch's ``WriteResult``: an item's index, its file, offset and length)
+    as JSON values, for ``results_from_json`` on another rank."""
+    out = []
+    for r in results:
+        s, i = r.storage_data, r.index
+        out.append({"fqn": i.fqn, "offset": None if i.offset is None else list(i.offset),
+                    "index": i.index, "size": r.size_in_bytes, "path": s.relative_path,
+                    "at": s.offset, "length": s.length,
+                    "transforms": None if s.transform_descriptors is None
+                    else list(s.transform_descriptors)})
+    return out
+
+
+def results_from_json(items: list) -> list:
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.storage import WriteResult
+
+    return [WriteResult(index=MetadataIndex(d["fqn"], d["offset"], d["index"]),
+                        size_in_bytes=d["size"],
+                        storage_data=_StorageInfo(d["path"], d["at"], d["length"],
+                                                  d["transforms"]))
+            for d in items]
 
 
 class _Hashed:

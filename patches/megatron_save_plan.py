@@ -53,12 +53,13 @@ def _strategy_class():
 
     class Strategy(TorchDistSaveShardedStrategy):
         """The strategy, keeping the global metadata of its latest plan (the coordinator's;
-        None elsewhere)."""
+        None elsewhere) and the writer of its latest request (its directory)."""
 
         planned_metadata = None
+        planned_writer = None
 
         def _get_save_and_finalize_callbacks(self, writer, save_state_dict_ret):
-            self.planned_metadata = save_state_dict_ret[1]
+            self.planned_writer, self.planned_metadata = save_state_dict_ret[:2]
             return super()._get_save_and_finalize_callbacks(writer, save_state_dict_ret)
 
     return Strategy
@@ -124,6 +125,25 @@ class SavePlans:
             strategy.cached_global_metadata = strategy.planned_metadata
             self.planned_for = structure(sharded)
         return result
+
+    def finish(self, results: list) -> None:
+        """The latest request's finalisation, on the worker's first rank (the coordinator,
+        which holds the global metadata), from every rank's write results (``results``, in
+        rank order): torch's ``.metadata`` index and megatron-core's ``metadata.json``, in
+        the request's directory. megatron-core's own (the request's ``finalize_fns``) gathers
+        the results and then broadcasts and waits for every rank of the worker; the caller
+        carries them instead, with nothing to wait for on the other ranks."""
+        require_version_once(PACKAGE, VERSION, NAME)
+        from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
+
+        strategy = self._strategy
+        if strategy is None or strategy.planned_metadata is None:
+            raise RuntimeError("a save's finalisation was asked for on a rank that did not "
+                               "coordinate its plan")
+        writer = strategy.planned_writer
+        writer.finish(strategy.planned_metadata, results)
+        save_config(CheckpointingConfig(strategy.backend, strategy.version),
+                    writer.checkpoint_id)
 
     def forget(self) -> None:
         self._strategy, self.planned_for = None, None

@@ -167,6 +167,92 @@ def test_async_save_commits_once_written_and_holds_the_state_of_its_step(
     assert torch.equal(loaded.model.weight, at_save)
 
 
+def test_async_commit_goes_a_stage_per_flag_without_a_collective(tmp_path, monkeypatch,
+                                                                   megatron_world):
+    """--async-save's commit in the step loop (``advance``): each stage (every rank's files
+    written, the worker's part finalised, the job's checkpoint committed) begins once every
+    rank's flags say the one before is done, on a thread, with no collective within the worker
+    or across workers; what it commits is what ``finish_save`` commits. A failure flagged by
+    a rank fails the save on every rank at the next ``advance``, the previous checkpoint
+    kept."""
+    from megatron_streaming.checkpoint import background
+
+    calls = []
+
+    def counted(name, result):
+        def call(obj):
+            calls.append(name)
+            return result(obj)
+        return call
+
+    ckpt = checkpoint.Checkpointer(0, failed_ranks=counted("agreed", lambda f: [0] if f else []),
+                                   gather=counted("gathered", lambda obj: [obj]),
+                                   gather_workers=counted("across", lambda obj: [obj]))
+    state = LinearState(0)
+    root = str(tmp_path / "ckpt")
+    ckpt.reserve_staging(state)
+    ckpt.save(root, 1, state, {"iteration": 1})  # through ``finish_save``, to compare
+    synchronous = checkpoint.find_checkpoint(root)[1]
+
+    with torch.no_grad():
+        state.model.weight.add_(1.0)
+    at_save = state.model.weight.detach().clone()
+    calls.clear()
+    pending = ckpt.start_save(root, 2, state, {"iteration": 1}, background=True)
+    assert calls == ["gathered"]  # the start's, within the worker
+    with torch.no_grad():
+        state.model.weight.mul_(-3.0)  # the next steps
+    pending.write.wait()
+    stages, flags = [], []
+    while True:  # one rank is the whole job: its flags are everyone's
+        flags.append(ckpt.progress(pending))
+        path = ckpt.advance(pending, flags[-1])
+        stages.append(pending.stage)
+        if path is not None:
+            break
+        if pending.task is not None:
+            pending.task.wait()
+    assert calls == ["gathered"]  # nothing since: no collective
+    assert flags == [[2, 0, 0, 0], [2, 2, 0, 0], [2, 2, 2, 0]]
+    assert stages == [background.FINALISING, background.COMMITTING, background.DONE]
+    assert path == os.path.join(root, "iter_0000002")
+    directory, meta = checkpoint.find_checkpoint(root)
+    assert meta["iteration"] == 2
+    assert sorted(os.listdir(directory)) == ["checkpoint.json", "worker0"]  # no .commit
+    # The synchronous save's document, but for the iteration and the files' hashes.
+    assert sorted(meta["files"]) == sorted(synchronous["files"])
+
+    def rest(m):
+        return {k: v for k, v in m.items() if k not in ("files", "size_bytes", "iteration")}
+
+    assert rest(meta) == rest(synchronous)
+    loaded = LinearState(1)
+    assert ckpt.load(root, loaded, WORKER_0) == {"iteration": 1}
+    assert torch.equal(loaded.model.weight, at_save)
+
+    # A write that fails: the rank's flag says so, and the next ``advance`` fails the save on
+    # every rank (collective: each learns where and why).
+    from patches import megatron_checkpoint_writer
+
+    def full(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(megatron_checkpoint_writer, "write_files", full)
+    calls.clear()
+    pending = ckpt.start_save(root, 3, state, {"iteration": 3}, background=True)
+    pending.write.wait()
+    assert ckpt.progress(pending) == [0, 0, 0, 3]
+    with pytest.raises(checkpoint.CheckpointWriteError) as failure:
+        ckpt.advance(pending, ckpt.progress(pending))
+    assert str(failure.value) == (
+        f"--save {root}: writing the checkpoint of iteration 3 failed on rank(s) [0]: "
+        f"[Errno 28] No space left on device; the latest checkpoint is still "
+        f"{root}/iter_0000002")
+    assert calls == ["gathered", "gathered", "across"]
+    assert sorted(os.listdir(root)) == ["iter_0000001", "iter_0000002",
+                                        "latest_checkpointed_iteration.txt"]
+
+
 def test_saves_of_one_structure_are_planned_once(tmp_path, monkeypatch, megatron_world):
     """The plan of a save (megatron-core's check that every shard is written once, every
     rank's plan gathered for the global metadata) is made once, ahead of the first

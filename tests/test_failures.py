@@ -63,23 +63,24 @@ def _tracker(ckpt) -> int:
 @pytest.mark.timeout(420)
 @pytest.mark.usefixtures("ranks_under_their_launcher")
 def test_killed_rank_is_named_and_the_job_resumes_from_the_last_checkpoint(tmp_path):
-    """Saved with --async-save --keep-last 1; the rank is killed while the checkpoint of
-    iteration 12 is being written: the job resumes from the one of iteration 8."""
+    """Saved with --async-save --keep-last 1, each checkpoint committed in the background
+    while training goes on; the rank is killed while the checkpoint of iteration 30 is being
+    written: the job resumes from the one of iteration 20."""
     ckpt = tmp_path / "ckpt"
     port = free_port()
     common = [*STREAMING, "--tensor-model-parallel-size", "2", "--train-iters", "400",
-              "--save", str(ckpt), "--save-interval", "4", "--diloco-timeout", "120",
+              "--save", str(ckpt), "--save-interval", "10", "--diloco-timeout", "120",
               "--async-save", "--keep-last", "1",
               "--master-addr", "127.0.0.1", "--master-port", str(port)]
     logs = [tmp_path / "worker0.log", tmp_path / "worker1.log"]
-    slow_write = {**SLOW, "MEGATRON_STREAMING_SLOW_WRITE": "12:600"}
+    slow_write = {**SLOW, "MEGATRON_STREAMING_SLOW_WRITE": "30:600"}
     workers = [start(2, [*common, "--diloco-worker-index", str(w)], logs[w], slow_write,
                      FAULTS) for w in range(2)]
     try:
-        wait_for_line(logs[0], r"checkpoint of iteration 12: writing in the background",
+        wait_for_line(logs[0], r"checkpoint of iteration 30: writing in the background",
                       workers[0])
         assert sorted(p.name for p in ckpt.iterdir()) == [
-            "iter_0000008", "iter_0000012.partial", "latest_checkpointed_iteration.txt"]
+            "iter_0000020", "iter_0000030.partial", "latest_checkpointed_iteration.txt"]
         victim = _rank_of(workers[1], local_rank=1)  # global rank 3: worker 1, tp 1
         victim.send_signal(signal.SIGKILL)
         killed = time.monotonic()
@@ -93,7 +94,12 @@ def test_killed_rank_is_named_and_the_job_resumes_from_the_last_checkpoint(tmp_p
     print(f"all ranks gone {detected:.1f} s after the kill")
     assert codes[0] != 0 and codes[1] != 0
     last = _tracker(ckpt)
-    assert last == 8  # not the one being written when the rank died
+    assert last == 20  # not the one being written when the rank died
+    # Committed by the step loop's flags, a stage a step, before the next save was due (the
+    # steps of worker 0 take 0.2 s here; a commit takes a few).
+    assert re.search(r"saved checkpoint \S+/iter_0000010 at iteration 1\d \(written and "
+                     r"hashed in the background in [0-9.]+ s, committed in the background",
+                     out0), out0[-3000:]
     # Both survivors of worker 0 name the lost rank and the checkpoint to resume from.
     assert out0.count("pretrain_gpt.py: error: lost rank 3 (worker 1, tp 1).") == 2, out0[-3000:]
     assert (f"Last good checkpoint: {ckpt}/iter_{last:07d} (iteration {last}); resume with "

@@ -15,10 +15,11 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Sequence
 
 from ..errors import JobFailure, first_line
-from .background import FileWrite, PendingSave, Staging, in_place, shared_files
+from .background import (COMMITTING, DONE, FINALISING, WRITING, FileWrite, PendingSave,
+                         Staging, Task, in_place, read_json, shared_files, write_json)
 from .meta import document
 from .resume import FORMAT_VERSION, CheckpointError
 from .store import (TRACKER, check_files, check_safe, check_writable, commit, file_table,
@@ -55,12 +56,14 @@ class Checkpointer:
     ``describe()``; ``failed_ranks(flag)`` is a collective over every rank of every worker that
     returns the ranks whose flag is set (``CrossWorker.ranks_reporting``); ``gather(obj)`` every
     rank of this worker's object, in rank order; ``gather_workers(obj)`` every worker's, in
-    worker order (a collective of every rank; each worker's first rank's object counts)."""
+    worker order (a collective of every rank; each worker's first rank's object counts);
+    ``members()`` the job's workers now (their indices)."""
 
     def __init__(self, rank: int, failed_ranks: Callable[[bool], List[int]],
                  gather: Callable[[object], list], world: int = 1, worker: int = 0,
                  gather_workers: Callable[[object], list] = lambda obj: [obj],
-                 leads: Optional[Callable[[], bool]] = None, local: Optional[int] = None):
+                 leads: Optional[Callable[[], bool]] = None, local: Optional[int] = None,
+                 members: Optional[Callable[[], Sequence[int]]] = None):
         from patches.megatron_save_plan import SavePlans
 
         self.rank = rank  # global
@@ -73,6 +76,7 @@ class Checkpointer:
         # Whether this rank commits for the job: global rank 0, or the first rank of the
         # lowest live worker once workers were lost (``elastic``).
         self.leads = leads or (lambda: rank == 0)
+        self.members = members or (lambda: (worker,))
         self.staging = Staging()  # --async-save's copy of the tensors, kept between saves
         self.plans = SavePlans()  # the latest save's plan, for the next of its structure
 
@@ -165,7 +169,8 @@ class Checkpointer:
         # Any failure so far is learnt by every rank at the commit: a worker that plans
         # afresh and one that does not run the same collectives across workers.
         # On a GPU the device tensors are copied to host memory here.
-        write = FileWrite(request[0] if request else None, mine, self.local)
+        report = _report(partial, part, self.local) if background and error is None else None
+        write = FileWrite(request[0] if request else None, mine, self.local, report)
         t3 = time.perf_counter()
         pending = PendingSave(root, iteration, partial, final, part, infos, write,
                               {"collect": t1 - t0,
@@ -177,76 +182,192 @@ class Checkpointer:
             write.run()
         return pending
 
+    # ---- the commit ----------------------------------------------------------------------
+    # A save's commit has three stages after its start: every rank's files written, each
+    # worker's part finalised by its first rank (torch's index and megatron-core's
+    # metadata.json, from every rank's write results), the job's checkpoint committed by the
+    # leading rank. ``finish_save`` runs them at once, with a collective between stages;
+    # ``advance`` (--async-save) one at a time, on threads, each begun once every rank's flags
+    # (``progress``, read by every rank after the same step: ``StopAgreement.saves``) say the
+    # one before is done everywhere, the write results and each part's files going from
+    # rank to rank through the partial directory (``.commit/``). The step loop then never
+    # waits for another worker, nor for another rank of its own.
+
+    def progress(self, pending: PendingSave) -> List[int]:
+        """This rank's flags for ``pending``: the iteration (else 0) where its files are
+        written, where its part of the worker's finalisation is done, where the job's commit
+        is done (the leading rank), and where it failed (a rank that failed learns the rest
+        at ``advance``). The first two count as their minimum over the job, the others as
+        their maximum."""
+        p, it = pending, pending.iteration
+        error = p.error
+        if error is None and p.write.done():
+            error = p.write.error
+        ran = p.task is not None and p.task.done()
+        if error is None and ran:
+            error = p.task.wait()  # an OSError (anything else is raised here)
+        if error is not None:
+            return [0, 0, 0, it]
+        written = it if p.write.done() else 0
+        finalised = written if self.local != 0 else \
+            it if p.stage in (COMMITTING, DONE) or (p.stage == FINALISING and ran) else 0
+        committed = it if p.stage == COMMITTING and ran and p.task is not None else 0
+        return [written, finalised, committed, 0]
+
+    def advance(self, pending: PendingSave, everywhere: Sequence[int],
+                keep_last: int = 0) -> Optional[str]:
+        """The next stage of ``pending``'s commit once ``everywhere`` (every rank's
+        ``progress``, reduced over the job, the same on every rank) says the one before is done;
+        returns the committed checkpoint's path when it is. Call it on every rank after the
+        same steps. A failure on any rank fails the save on every rank, as ``finish_save``
+        does (collective then)."""
+        p, it = pending, pending.iteration
+        t0 = time.perf_counter()
+        try:
+            written, finalised, committed, failed = everywhere
+            if failed >= it:
+                self._fail(p)
+            if p.stage == WRITING and written >= it:
+                p.stage = FINALISING
+                if self.local == 0:
+                    p.task = Task(lambda: _attempt(lambda: self._finalise_from_reports(p)),
+                                  "checkpoint-finalise")
+            elif p.stage == FINALISING and finalised >= it:
+                p.stage, p.task = COMMITTING, None
+                if self.leads():
+                    p.task = Task(lambda: _attempt(lambda: self._commit_from_parts(
+                        p, keep_last)), "checkpoint-commit")
+            elif p.stage == COMMITTING and committed >= it:
+                p.stage = DONE
+                self.timings = {**p.timings, "write": p.write.seconds["write"]}
+                return p.final
+            return None
+        finally:
+            p.timings["advance"] = p.timings.get("advance", 0.0) + time.perf_counter() - t0
+
     def finish_save(self, pending: PendingSave, keep_last: int = 0) -> str:
         """Wait for this rank's files of ``pending``, learn whether every rank's were written,
-        finalise, and commit on the leading rank (every rank of every worker takes part);
-        with ``keep_last`` the leading rank then deletes the older checkpoints beyond it. A
-        failure on any rank (of the write, its plan, or the finalisation) fails the save on
-        every rank with ``CheckpointWriteError``; the previous checkpoint stays the latest."""
+        finalise, and commit on the leading rank (every rank of every worker takes part),
+        from whatever stage ``advance`` left it in; with ``keep_last`` the leading rank then
+        deletes the older checkpoints beyond it. A failure on any rank (of the write, its
+        plan, the finalisation or the commit) fails the save on every rank with
+        ``CheckpointWriteError``; the previous checkpoint stays the latest."""
         p, write = pending, pending.write
         t0 = time.perf_counter()
         table = write.wait()
-        error = p.error
-        if error is None and write.error is not None:
-            error = _os_error(write.error)
-            if error is None:
-                raise write.error
         t1 = time.perf_counter()
-        # Over the worker: every rank's failure (None, or its text) and its files.
-        reports = self.gather((self.rank, _text(error), table))
-        failures = [(rank, text) for rank, text, _ in reports if text is not None]
-        if not failures:
-            try:
-                write.finalize()  # torch's index; fails on every rank of the worker or none
-            except _ERRORS as e:
-                found = _os_error(e)
-                if found is None:
-                    raise
-                failures = [(rank, str(found)) for rank, _, _ in reports]
+        if p.stage == WRITING:
+            error = p.error
+            if error is None and write.error is not None:
+                error = _os_error(write.error)
+                if error is None:
+                    raise write.error
+            # Over the worker: every rank's failure (None, or its text), files and results.
+            reports = self.gather((self.rank, _text(error), table, write.results))
+            failures = [(rank, text) for rank, text, _, _ in reports if text is not None]
+            error = None
+            if not failures and self.local == 0:
+                error = _attempt(lambda: self._finalise(p, [(t, r) for _, _, t, r in reports]))
+            p.stage = FINALISING
+        else:
+            failures = []
+            error = p.task.wait() if p.stage != DONE and p.task is not None else None
         finalized = time.perf_counter()
-        mine = os.path.join(p.partial, p.part)
-        files = {}
-        if self.local == 0 and not failures:
-            tables = [t for _, _, t in reports]
-            tables[0] = {**tables[0], **file_table(mine, shared_files(mine))}  # the worker's
-            files = {f"{p.part}/{k}": v for t in tables for k, v in sorted(t.items())}
-        # Across workers: every worker's files (from its first rank) and failures (from each
-        # rank, the same on every rank of a worker).
-        gathered = self.gather_workers(((p.infos, files) if self.local == 0 else None,
-                                        failures))
-        every = {}
-        for _, fs in gathered:
-            for rank, text in fs:
-                every.setdefault(rank, text)
-        failures = sorted(every.items())
-        if failures:
-            if self.leads():
-                shutil.rmtree(p.partial, ignore_errors=True)  # give back the space it took
-            raise CheckpointWriteError(_write_error_message(
-                p.root, p.iteration, [rank for rank, _ in failures], failures[0][1]))
-        parts = [x for x, _ in gathered if x is not None]
-        t2 = time.perf_counter()
-        leads = self.leads()
-        meta = None
-        if leads:
-            every_rank = [i for x in parts for i in x[0]]
-            meta = document(p.iteration, p.run_state, p.describe(every_rank),
-                            {k: v for x in parts for k, v in sorted(x[1].items())})
-
-        def commit_and_prune():
-            commit(p.root, p.partial, p.final, meta)
-            if keep_last:
-                prune(p.root, keep_last)
-
-        self._agree(p.root, p.iteration, p.partial, commit_and_prune if leads else None)
+        if p.stage == FINALISING:
+            if not failures:  # the worker's first rank's finalisation: every rank learns it
+                failures = [(rank, text) for rank, text in self.gather((self.rank, _text(
+                    error))) if text is not None]
+            # Across workers: every worker's part (from its first rank) and failures (the
+            # same on every rank of a worker).
+            gathered = self.gather_workers((p.summary if self.local == 0 else None,
+                                            failures))
+            every = {}
+            for _, fs in gathered:
+                for rank, text in fs:
+                    every.setdefault(rank, text)
+            failures = sorted(every.items())
+            if failures:
+                if self.leads():
+                    shutil.rmtree(p.partial, ignore_errors=True)  # give back the space
+                raise CheckpointWriteError(_write_error_message(
+                    p.root, p.iteration, [rank for rank, _ in failures], failures[0][1]))
+            parts = [x for x, _ in gathered if x is not None]
+            t2 = time.perf_counter()
+            self._agree(p.root, p.iteration, p.partial,
+                        (lambda: self._commit(p, parts, keep_last)) if self.leads() else None)
+        else:  # the leading rank's commit began in ``advance``: every rank learns how it went
+            t2 = time.perf_counter()
+            self._fail_together(p.root, p.iteration, p.partial, error)
+        p.stage = DONE
         # In the step loop's time: collect, describe, plan, waited (for this rank's files:
-        # all of a synchronous write), finalize (every rank's files over the worker, torch's
-        # index), gather (every worker's, across workers: where the worker ahead waits for
-        # the others) and commit.
+        # all of a synchronous write), finalize (every rank's files and results over the
+        # worker, torch's index), gather (every worker's part, across workers: where the
+        # worker ahead waits for the others) and commit.
         self.timings = {**p.timings, "write": write.seconds["write"],
                         "waited": t1 - t0, "finalize": finalized - t1,
                         "gather": t2 - finalized, "commit": time.perf_counter() - t2}
         return p.final
+
+    def _finalise(self, p: PendingSave, reports: list) -> dict:
+        """The worker's first rank: its part finalised from every rank's (table, write
+        results), in rank order (``SavePlans.finish``); returns the part, its ranks' facts
+        and its files, kept in ``p.summary``."""
+        self.plans.finish([results for _, results in reports])
+        mine = os.path.join(p.partial, p.part)
+        tables = [table for table, _ in reports]
+        tables[0] = {**tables[0], **file_table(mine, shared_files(mine))}  # the worker's
+        p.summary = {"infos": p.infos,
+                     "files": {f"{p.part}/{k}": v for t in tables for k, v in sorted(t.items())}}
+        return p.summary
+
+    def _finalise_from_reports(self, p: PendingSave) -> None:
+        """``_finalise`` from the reports each rank wrote beside its files, then the part
+        written for the leading rank (``advance``)."""
+        from patches.megatron_checkpoint_writer import results_from_json
+
+        reports = [(p.write.table, p.write.results)]
+        for local in range(1, self.world):
+            report = read_json(_report(p.partial, p.part, local))
+            reports.append((report["table"], results_from_json(report["results"])))
+        write_json(_report(p.partial, p.part), self._finalise(p, reports))
+
+    def _commit_from_parts(self, p: PendingSave, keep_last: int) -> None:
+        """The leading rank: the commit of every member worker's part (``advance``)."""
+        self._commit(p, [read_json(_report(p.partial, f"worker{w}"))
+                         for w in self.members()], keep_last)
+
+    def _commit(self, p: PendingSave, parts: list, keep_last: int) -> None:
+        every_rank = [i for x in parts for i in x["infos"]]
+        meta = document(p.iteration, p.run_state, p.describe(every_rank),
+                        {k: v for x in parts for k, v in sorted(x["files"].items())})
+        commit(p.root, p.partial, p.final, meta)
+        if keep_last:
+            prune(p.root, keep_last)
+
+    def _fail(self, p: PendingSave) -> None:
+        """A save that failed on some rank (``advance``): every rank learns where and why,
+        and raises ``CheckpointWriteError`` (collective)."""
+        error = p.error
+        p.write.wait()
+        if error is None and p.write.error is not None:
+            error = _os_error(p.write.error)
+            if error is None:
+                raise p.write.error
+        if error is None and p.task is not None:
+            error = p.task.wait()
+        mine = [(rank, text) for rank, text in self.gather((self.rank, _text(error)))
+                if text is not None]
+        every = {}
+        for fs in self.gather_workers(mine):
+            for rank, text in fs:
+                every.setdefault(rank, text)
+        failures = sorted(every.items())
+        p.stage = DONE
+        if self.leads():
+            shutil.rmtree(p.partial, ignore_errors=True)  # give back the space it took
+        raise CheckpointWriteError(_write_error_message(
+            p.root, p.iteration, [rank for rank, _ in failures] or "unknown",
+            failures[0][1] if failures else None))
 
     def _fail_together(self, root: str, iteration: int, partial: str, error) -> None:
         """Every rank learns whether ``error`` (an OSError or None) happened on any rank;
@@ -324,6 +445,13 @@ def _attempt(action) -> Optional[OSError]:
             raise
         return error
     return None
+
+
+def _report(partial: str, part: str, local: Optional[int] = None) -> str:
+    """Where a rank's write report (``local``), or a worker's finalised part, waits for the
+    rank that reads it (``Checkpointer.advance``); the commit removes them (unlisted)."""
+    name = part if local is None else f"{part}.rank{local}"
+    return os.path.join(partial, ".commit", name + ".json")
 
 
 def _text(error: Optional[OSError]) -> Optional[str]:

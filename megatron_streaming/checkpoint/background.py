@@ -125,12 +125,17 @@ def _aligned(n: int) -> int:
 
 class FileWrite:
     """This rank's files of one checkpoint being written: ``run`` writes them at once,
-    ``start`` on a thread. ``wait`` returns the table (path -> size, SHA-256) of the files it
-    wrote, or raises what the write raised; ``error`` is the OSError of a failed write."""
+    ``start`` on a thread. ``wait`` returns the table (path -> size, hash) of the files it
+    wrote, or raises what the write raised; ``results`` are its write results (for torch's
+    index); ``error`` is the OSError of a failed write. With ``report`` (a path) the table
+    and results are also written there as JSON once the files are, for the worker's first
+    rank to read (``Checkpointer.advance``)."""
 
-    def __init__(self, request, directory: str, local: int):
+    def __init__(self, request, directory: str, local: int, report: Optional[str] = None):
         self.request, self.directory, self.local = request, directory, local
+        self.report = report
         self.table: dict = {}
+        self.results: list = []
         self.error: Optional[BaseException] = None
         self.seconds = {"write": 0.0}  # hashed as written: the time of both
         self._thread: Optional[threading.Thread] = None
@@ -141,14 +146,18 @@ class FileWrite:
             self.request = request._replace(async_fn_args=tuple(args))
 
     def run(self) -> "FileWrite":
-        from patches.megatron_checkpoint_writer import write_files
+        from patches.megatron_checkpoint_writer import results_to_json, write_files
 
         try:
             started = time.perf_counter()
             r = self.request
             if r is not None and r.async_fn is not None:
-                self.table = {name: {"size": size, HASH: digest} for name, (size, digest)
-                              in write_files(r, new_hash).items()}
+                written, self.results = write_files(r, new_hash)
+                self.table = {name: {"size": size, HASH: digest}
+                              for name, (size, digest) in written.items()}
+            if self.report is not None:
+                write_json(self.report, {"table": self.table,
+                                         "results": results_to_json(self.results)})
             self.seconds = {"write": time.perf_counter() - started}
         except BaseException as e:  # reported by ``wait``, in the step loop's thread
             self.error = e
@@ -173,14 +182,64 @@ class FileWrite:
             self._thread.join()
         return self.table
 
-    def finalize(self) -> None:
-        """megatron-core's finalisation (collective within the worker: ``.metadata``)."""
-        for fn in self.request.finalize_fns if self.request is not None else ():
-            fn()
+
+def write_json(path: str, value) -> None:
+    """``value`` as JSON at ``path`` (its folder made), for another rank to read once told."""
+    import json
+    import os
+
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(value, f)
+
+
+def read_json(path: str):
+    import json
+
+    with open(path) as f:
+        return json.load(f)
+
+
+class Task:
+    """One action of a save's commit (the worker's finalisation, the job's commit) on a thread
+    beside training: ``done`` once it ran; ``wait`` returns what it returned, or raises what
+    it raised."""
+
+    def __init__(self, action, name: str):
+        self._result, self._raised = None, None
+        self._done = threading.Event()
+
+        def run():
+            try:
+                self._result = action()
+            except BaseException as e:  # raised by ``wait``, in the step loop's thread
+                self._raised = e
+            finally:
+                self._done.set()
+
+        self._thread = threading.Thread(target=run, name=name, daemon=True)
+        self._thread.start()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self):
+        self._thread.join()
+        if self._raised is not None:
+            raise self._raised
+        return self._result
+
+
+# A save after its start: its files being written (every rank), the worker's part being
+# finalised (torch's index, megatron-core's metadata.json: the worker's first rank), the job's
+# checkpoint being committed (the leading rank), then done.
+WRITING, FINALISING, COMMITTING, DONE = "writing", "finalising", "committing", "done"
 
 
 class PendingSave:
-    """A checkpoint whose files are being written; ``Checkpointer.finish_save`` commits it."""
+    """A checkpoint whose files are being written; ``Checkpointer.advance`` (a step at a
+    time, from the flags every rank reads after the same step) or ``finish_save`` (at once)
+    commits it."""
 
     def __init__(self, root: str, iteration: int, partial: str, final: str, part: str,
                  infos: list, write: FileWrite, timings: dict, run_state: dict, describe,
@@ -190,7 +249,10 @@ class PendingSave:
         # What the checkpoint's JSON records: the run's state, the job's description
         # (``JobState.describe``, called on the leading rank at the commit).
         self.run_state, self.describe = run_state, describe
-        self.error = error  # this rank's failure before the write (its plan, the free space)
+        self.error = error  # this rank's failure (before the write, or of a later stage)
+        self.stage = WRITING
+        self.task: Optional[Task] = None  # this rank's finalisation or commit, on a thread
+        self.summary: Optional[dict] = None  # the worker's part (its first rank's)
         self.started = time.perf_counter()
 
     def written(self) -> bool:
@@ -198,4 +260,5 @@ class PendingSave:
         return self.write.done()
 
 
-__all__ = ["FileWrite", "PendingSave", "Staging", "exact", "in_place", "shared_files"]
+__all__ = ["COMMITTING", "DONE", "FINALISING", "FileWrite", "PendingSave", "Staging", "Task",
+           "WRITING", "exact", "in_place", "read_json", "shared_files", "write_json"]

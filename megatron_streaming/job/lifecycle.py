@@ -30,7 +30,7 @@ import os
 import signal
 import threading
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -92,13 +92,13 @@ class StopAgreement:
         self._in_worker: Optional[_HostRead] = None  # the worker's MAX posted a step ago
         self.carries_join = False  # elastic runs: the flag also says "a worker asks to join"
         self.join_agreed = False  # the flag just read asks every live worker to admit one
-        # --async-save: the flag also carries, negated (so MAX is the minimum), the iteration
-        # of the latest checkpoint whose files this rank has written (``written``, 0 while
-        # one is being written); ``written_everywhere`` is that minimum over every rank of
-        # every worker, as of the flag just read: a checkpoint of iteration >= its value is
-        # written everywhere, and every rank learns it after the same step.
-        self.written: Optional[Callable[[], int]] = None
-        self.written_everywhere = 0
+        # --async-save: the flag also carries the checkpoint being committed's progress on
+        # this rank (``saves``: ``Checkpointer.progress``, four iterations), the first two
+        # negated (so MAX is the minimum); ``saves_everywhere`` is what every rank of every
+        # worker reported, as of the flag just read: every rank reads the same after the same
+        # step (``Checkpointer.advance``).
+        self.saves: Optional[Callable[[], Sequence[int]]] = None
+        self.saves_everywhere = (0, 0, 0, 0)
 
     def release(self) -> None:
         """Drop the reductions posted on the control group of the epoch that ends."""
@@ -118,8 +118,9 @@ class StopAgreement:
         values = [self.request.received or 0]
         if self.carries_join:
             values.append(int(self.request.join_pending))
-        if self.written is not None:
-            values.append(-self.written())
+        if self.saves is not None:
+            written, finalised, committed, failed = self.saves()
+            values += [-written, -finalised, committed, failed]
         flag = torch.tensor(values, dtype=torch.int32, device=self.device)
         posted = _HostRead(dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.worker_group,
                                            async_op=True), flag)
@@ -129,7 +130,7 @@ class StopAgreement:
         # one with nothing asked: nothing was posted a step before it.
         flag = previous.read() if previous is not None else torch.zeros_like(flag, device="cpu")
         if self.workers == 1:
-            self._read_written(flag)
+            self._read_saves(flag)
             return _signal_name(int(flag[0]))
         try:
             work, posted = self.cross.all_reduce_control(flag, dist.ReduceOp.MAX,
@@ -150,12 +151,13 @@ class StopAgreement:
             self.cross.failed(e)
             return None
         self.join_agreed = self.carries_join and bool(posted[1].item())
-        self._read_written(posted)
+        self._read_saves(posted)
         return _signal_name(int(posted[0].item()))
 
-    def _read_written(self, flag: torch.Tensor) -> None:
-        if self.written is not None:
-            self.written_everywhere = -int(flag[-1].item())
+    def _read_saves(self, flag: torch.Tensor) -> None:
+        if self.saves is not None:
+            written, finalised, committed, failed = (int(v) for v in flag[-4:].tolist())
+            self.saves_everywhere = (-written, -finalised, committed, failed)
 
     def close(self) -> None:
         """Completes the reductions still in flight (every rank issued the same ones)."""

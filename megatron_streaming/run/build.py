@@ -74,7 +74,7 @@ def build_checkpointing(cfg: Config, topology, model, engine, sync, vocab_size: 
     checkpointer = Checkpointer(
         topology.rank, topology.cross.ranks_reporting, lambda obj: _gather_objects(obj, topology),
         topology.layout.ranks_per_worker, topology.worker, topology.cross.gather_control,
-        topology.leads_job, local=topology.coords["local"])
+        topology.leads_job, local=topology.coords["local"], members=lambda: topology.members)
     return checkpointer, JobState(cfg, topology, model, engine, sync, vocab_size)
 
 

@@ -66,7 +66,7 @@ class Run:
                                   cfg.streaming.diloco_control_lag)
         self.saving = None  # --async-save: the checkpoint being written (``PendingSave``)
         if cfg.checkpoint.async_save:
-            self.stop.written = self._written
+            self.stop.saves = self._save_progress
         self.reports = self.topology.is_logging_rank()  # progress lines, the writers
         setup_logging(self.reports)
         say_at_start(cfg, started)
@@ -253,9 +253,8 @@ class Run:
                 break
             self._check_duration()
             self.stopped_by = self.stop.should_stop()
-            if self.saving is not None and \
-                    self.stop.written_everywhere >= self.saving.iteration:
-                self.finish_saving()  # every rank's files are written: commit it
+            if self.saving is not None:  # its commit's next stage, where due
+                self._advance_saving()
             if self.stopped_by:
                 log.info("stopping after iteration %d: %s", self.iteration, self.stopped_by)
                 break
@@ -306,11 +305,33 @@ class Run:
             return
         self._commit(pending)
 
-    def _written(self) -> int:
-        """The iteration of the checkpoint being written when this rank's files of it are all
-        written, else 0 (``StopAgreement.written``)."""
+    def _save_progress(self) -> list:
+        """The checkpoint being written's progress on this rank, for the stop flag
+        (``StopAgreement.saves``)."""
+        if self.saving is None:
+            return [0, 0, 0, 0]
+        return self.checkpointer.progress(self.saving)
+
+    def _advance_saving(self) -> None:
+        """The commit of the checkpoint being written, a stage further where every rank's
+        flags say so (``Checkpointer.advance``): no wait for another rank."""
         pending = self.saving
-        return pending.iteration if pending is not None and pending.written() else 0
+        try:
+            path = self.checkpointer.advance(pending, self.stop.saves_everywhere,
+                                             self.cfg.checkpoint.keep_last)
+        except Exception as e:
+            self.saving = None
+            self._save_failed(e, pending.iteration)
+            return
+        if path is not None:
+            self.saving = None
+            self.last_saved = pending.iteration
+            t = self.checkpointer.timings
+            log.info("saved checkpoint %s at iteration %d (written and hashed in the "
+                     "background in %.2f s, committed in the background, %d steps after "
+                     "the save; the step loop waited %.2f s at the start and %.2f s since)",
+                     path, self.iteration, t["write"], self.iteration - pending.iteration,
+                     t["collect"] + t["describe"] + t["plan"], t["advance"])
 
     def finish_saving(self, why: Optional[str] = None) -> None:
         """Commit the checkpoint being written, if any (waiting for its files; ``why``: the
