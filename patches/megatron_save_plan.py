@@ -21,7 +21,6 @@ when the caller says every rank of the worker still has the structure it was pla
 
 from __future__ import annotations
 
-import hashlib
 from typing import Optional
 
 from ._pinning import require_version_once
@@ -35,17 +34,18 @@ _FIELDS = ("key", "dtype", "local_shape", "global_shape", "global_offset",
            "allow_shape_mismatch")
 
 
-def structure(sharded: dict) -> str:
-    """A digest of what the plan of a save of ``sharded`` depends on: each value's key, type,
-    dtype, shapes, offsets and replica (not its data)."""
-    h = hashlib.sha256()
+def structure(sharded: dict) -> tuple:
+    """What the plan of a save of ``sharded`` depends on, to compare with ``==``: each value's
+    key, type, dtype, shapes, offsets and replica (not its data). The fields are plain values
+    (strings, tuples, dtypes, slices)."""
+    out = []
     for name in sorted(sharded):
         value = sharded[name]
         data = getattr(value, "data", None)
         shape = tuple(data.shape) if hasattr(data, "shape") else None
-        h.update(repr((name, type(value).__name__, shape,
-                       tuple(repr(getattr(value, f, None)) for f in _FIELDS))).encode())
-    return h.hexdigest()
+        out.append((name, type(value).__name__, shape,
+                    tuple(getattr(value, f, None) for f in _FIELDS)))
+    return tuple(out)
 
 
 def _strategy_class():
@@ -72,7 +72,7 @@ class SavePlans:
 
     def __init__(self):
         self._strategy = None
-        self.planned_for: Optional[str] = None  # the ``structure`` the kept plan is for
+        self.planned_for: Optional[tuple] = None  # the ``structure`` the kept plan is for
 
     def matches(self, sharded: dict) -> bool:
         """Whether the kept plan was made for ``sharded``'s structure."""

@@ -167,6 +167,37 @@ def test_async_save_commits_once_written_and_holds_the_state_of_its_step(
     assert torch.equal(loaded.model.weight, at_save)
 
 
+def test_staging_copies_each_save_into_the_same_memory_until_the_layout_changes():
+    """--async-save's copies: a save's host tensors are copied into the staging buffer, each
+    over memory of exactly its bytes (written in place by the writer); the next save of the
+    same dtypes and shapes copies its own values into the same memory; another shape lays the
+    buffer out again."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    from megatron_streaming.checkpoint.background import Staging
+
+    def sharded(*tensors):
+        return {f"t{i}": ShardedTensor.from_rank_offsets(f"t{i}", t, replica_id=0)
+                for i, t in enumerate(tensors)}
+
+    staging = Staging()
+    live = [torch.arange(6.0).view(2, 3), torch.ones(5, dtype=torch.bfloat16)]
+    first = staging.snapshot(sharded(*live))
+    copies = [first[k].data for k in ("t0", "t1")]
+    for copy, t in zip(copies, live):
+        assert torch.equal(copy, t) and copy.data_ptr() != t.data_ptr()
+        assert copy.untyped_storage().nbytes() == t.numel() * t.element_size()
+    live[0].mul_(-1.0)  # the steps after the save: its copy keeps the values it had
+    assert torch.equal(copies[0], torch.arange(6.0).view(2, 3))
+    second = staging.snapshot(sharded(*live))
+    assert [second[k].data.data_ptr() for k in ("t0", "t1")] == [c.data_ptr() for c in copies]
+    assert torch.equal(second["t0"].data, live[0])
+    wider = staging.snapshot(sharded(torch.full((3, 3), 2.0), live[1]))
+    assert wider["t0"].data.shape == (3, 3) and torch.equal(wider["t0"].data,
+                                                           torch.full((3, 3), 2.0))
+    assert torch.equal(wider["t1"].data, live[1])
+
+
 def test_async_commit_goes_a_stage_per_flag_without_a_collective(tmp_path, monkeypatch,
                                                                    megatron_world):
     """--async-save's commit in the step loop (``advance``): each stage (every rank's files

@@ -71,13 +71,16 @@ class Staging:
     """A host buffer that a background save copies this rank's host tensors into, so the
     next steps may change them while the files are written. Kept for the next save, which
     copies into memory already mapped (a fresh allocation costs a page fault per 4 KiB, most
-    of a copy's time); reallocated only when the save needs more. ``reserve`` makes it ahead
+    of a copy's time); reallocated only when the save needs more. The views of its slices that
+    the writer writes from are kept too while the saves' dtypes and shapes stay the same. ``reserve`` makes it ahead
     of the first save, on a thread beside training, so that the first save only copies too.
     Used by one save at a time (a save waits for the write before it)."""
 
     def __init__(self):
         self.buffer = torch.empty(0, dtype=torch.uint8)
         self._reserving: Optional[threading.Thread] = None
+        self._layout: Optional[tuple] = None  # the dtypes and shapes ``_views`` are for
+        self._views: list = []
 
     @staticmethod
     def _sizes(values) -> list:
@@ -91,7 +94,7 @@ class Staging:
         def make():
             buffer = torch.empty(need, dtype=torch.uint8)
             buffer.fill_(0)  # every page faulted in here, not in the first save's copy
-            self.buffer = buffer
+            self.buffer, self._layout = buffer, None
 
         if need > self.buffer.numel():
             self._reserving = threading.Thread(target=make, name="checkpoint-staging",
@@ -104,18 +107,23 @@ class Staging:
             self._reserving.join()
             self._reserving = None
         values = _written_on_host(sharded)
-        sizes = self._sizes(values)
-        if sum(sizes) > self.buffer.numel():
-            self.buffer = torch.empty(0, dtype=torch.uint8)  # the old one freed first
-            self.buffer = torch.empty(sum(sizes), dtype=torch.uint8)
-        offset = 0
-        for value, size in zip(values, sizes):
-            t = value.data
-            n = t.numel() * t.element_size()
-            copy = self.buffer[offset:offset + n].view(t.dtype).view(t.shape)
-            copy.copy_(t)
-            value.data = exact(copy)
-            offset += size
+        layout = tuple((v.data.dtype, tuple(v.data.shape)) for v in values)
+        if layout != self._layout:  # the views into the buffer, kept while it holds
+            sizes = self._sizes(values)
+            if sum(sizes) > self.buffer.numel():
+                self.buffer = torch.empty(0, dtype=torch.uint8)  # the old one freed first
+                self.buffer = torch.empty(sum(sizes), dtype=torch.uint8)
+            self._views, offset = [], 0
+            for value, size in zip(values, sizes):
+                t = value.data
+                n = t.numel() * t.element_size()
+                self._views.append(exact(self.buffer[offset:offset + n].view(t.dtype)
+                                         .view(t.shape)))
+                offset += size
+            self._layout = layout
+        for value, view in zip(values, self._views):
+            view.copy_(value.data)
+            value.data = view
         return sharded
 
 

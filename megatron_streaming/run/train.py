@@ -258,6 +258,8 @@ class Run:
             if self.stopped_by:
                 log.info("stopping after iteration %d: %s", self.iteration, self.stopped_by)
                 break
+            if self.stop.join_agreed:  # a save in flight is committed before a worker joins
+                self.finish_saving("a worker joins")  # (it has no part in it)
             self.elastic.after_stop_flag(self.iteration)  # a restarted worker comes in
         return loss
 
