@@ -261,6 +261,20 @@ def test_async_commit_goes_a_stage_per_flag_without_a_collective(tmp_path, monke
     assert ckpt.load(root, loaded, WORKER_0) == {"iteration": 1}
     assert torch.equal(loaded.model.weight, at_save)
 
+    # A save in flight finished at once (the next is due, training ends) from either stage
+    # ``advance`` left it in: the worker's part being finalised, the job's commit begun.
+    for iteration, stage in ((3, background.FINALISING), (4, background.COMMITTING)):
+        pending = ckpt.start_save(root, iteration, state, {"iteration": iteration},
+                                  background=True)
+        pending.write.wait()
+        while pending.stage != stage:
+            ckpt.advance(pending, ckpt.progress(pending))
+        calls.clear()
+        assert ckpt.finish_save(pending) == os.path.join(root, f"iter_{iteration:07d}")
+        assert calls == (["gathered", "across", "agreed"] if stage == background.FINALISING
+                         else ["agreed"])
+        assert checkpoint.find_checkpoint(root)[1]["iteration"] == iteration
+
     # A write that fails: the rank's flag says so, and the next ``advance`` fails the save on
     # every rank (collective: each learns where and why).
     from patches import megatron_checkpoint_writer
@@ -270,18 +284,18 @@ def test_async_commit_goes_a_stage_per_flag_without_a_collective(tmp_path, monke
 
     monkeypatch.setattr(megatron_checkpoint_writer, "write_files", full)
     calls.clear()
-    pending = ckpt.start_save(root, 3, state, {"iteration": 3}, background=True)
+    pending = ckpt.start_save(root, 5, state, {"iteration": 5}, background=True)
     pending.write.wait()
-    assert ckpt.progress(pending) == [0, 0, 0, 3]
+    assert ckpt.progress(pending) == [0, 0, 0, 5]
     with pytest.raises(checkpoint.CheckpointWriteError) as failure:
         ckpt.advance(pending, ckpt.progress(pending))
     assert str(failure.value) == (
-        f"--save {root}: writing the checkpoint of iteration 3 failed on rank(s) [0]: "
+        f"--save {root}: writing the checkpoint of iteration 5 failed on rank(s) [0]: "
         f"[Errno 28] No space left on device; the latest checkpoint is still "
-        f"{root}/iter_0000002")
+        f"{root}/iter_0000004")
     assert calls == ["gathered", "gathered", "across"]
-    assert sorted(os.listdir(root)) == ["iter_0000001", "iter_0000002",
-                                        "latest_checkpointed_iteration.txt"]
+    assert sorted(os.listdir(root)) == ["iter_0000001", "iter_0000002", "iter_0000003",
+                                        "iter_0000004", "latest_checkpointed_iteration.txt"]
 
 
 def test_saves_of_one_structure_are_planned_once(tmp_path, monkeypatch, megatron_world):
