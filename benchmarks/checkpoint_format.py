@@ -11,11 +11,12 @@ each count (the disk's speed varies from one run to the next; every sample is ke
 time of ``Checkpointer.save`` and ``Checkpointer.load`` is measured inside each rank (this
 script wraps them and re-runs pretrain_gpt.py), the slowest rank counts. Size: the bytes of
 the iteration directory. With ``--async-save`` (this revision only): the time the step loop
-was blocked by a save (its start and its commit, less any wait for its own files) against
-the synchronous save's time, for the first save and a later one, each also less the time a
-rank waited for the other worker at the save's first collective across workers (the two
-workers' steps drift apart by that much on shared cores; not the save's own cost: the same
-schedule's synchronous saves wait as long, ``sync_waits_seconds``), and against the same
+was blocked by a save (its start, its commit's stages in the loop, and any commit at once,
+less any wait for its own files) against the synchronous save's time, for the first save
+and a later one, each also less the time a rank waited for the other worker at a commit's
+first collective across workers (the two workers' steps drift apart by that much on shared
+cores; not the save's own cost: the same schedule's synchronous saves wait as long,
+``sync_waits_seconds``; none where the commit went by the stop flag), and against the same
 schedule's synchronous saves, the waits in both or in neither. The baseline revision is
 checked out as a git worktree under ``--out``. Reported as ratios ours / baseline, measured
 in one run.

@@ -282,6 +282,7 @@ def test_async_commit_goes_a_stage_per_flag_without_a_collective(tmp_path, monke
     def full(*args):
         raise OSError(28, "No space left on device")
 
+    real_write = megatron_checkpoint_writer.write_files
     monkeypatch.setattr(megatron_checkpoint_writer, "write_files", full)
     calls.clear()
     pending = ckpt.start_save(root, 5, state, {"iteration": 5}, background=True)
@@ -296,6 +297,29 @@ def test_async_commit_goes_a_stage_per_flag_without_a_collective(tmp_path, monke
     assert calls == ["gathered", "gathered", "across"]
     assert sorted(os.listdir(root)) == ["iter_0000001", "iter_0000002", "iter_0000003",
                                         "iter_0000004", "latest_checkpointed_iteration.txt"]
+
+    # The worker's first rank failing to write torch's index fails the save the same way,
+    # whether its commit goes by the flags or at once (every rank of the worker learns it:
+    # megatron-core's own finalisation left the other ranks in its broadcast).
+    monkeypatch.setattr(megatron_checkpoint_writer, "write_files", real_write)
+
+    def unwritable(results):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(ckpt.plans, "finish", unwritable)
+    pending = ckpt.start_save(root, 6, state, {"iteration": 6}, background=True)
+    pending.write.wait()
+    ckpt.advance(pending, ckpt.progress(pending))
+    pending.task.wait()
+    assert pending.stage == background.FINALISING and ckpt.progress(pending) == [0, 0, 0, 6]
+    with pytest.raises(checkpoint.CheckpointWriteError, match=r"iteration 6 failed on rank\(s\)"
+                       r" \[0\]: \[Errno 5\] Input/output error; the latest checkpoint is "
+                       r"still \S+/iter_0000004"):
+        ckpt.advance(pending, ckpt.progress(pending))
+    with pytest.raises(checkpoint.CheckpointWriteError, match=r"iteration 7 failed on rank\(s\)"
+                       r" \[0\]: \[Errno 5\] Input/output error"):
+        ckpt.save(root, 7, state, {"iteration": 7})
+    assert checkpoint.find_checkpoint(root)[1]["iteration"] == 4
 
 
 def test_saves_of_one_structure_are_planned_once(tmp_path, monkeypatch, megatron_world):

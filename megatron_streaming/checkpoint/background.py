@@ -2,12 +2,14 @@
 
 megatron-core's torch_dist save comes in three parts (``dist_checkpointing.save`` with
 ``async_sharded_save``): planning (collective: the write plan and ``common.pt``), the write of
-this rank's ``__<rank>_<n>.distcp`` files (no collective), and finalisation (collective: every
-rank's write results go to the worker's first rank, which writes torch's ``.metadata`` index
-and megatron-core's ``metadata.json``). ``Checkpointer`` plans and finalises in the step loop;
-the write runs here (``patches.megatron_checkpoint_writer.write_files``: a thread per file,
-each hashed as it is written, ``store.HASH``): at once (a synchronous save) or on a thread while
-training goes on.
+this rank's ``__<rank>_<n>.distcp`` files (no collective), and finalisation (every rank's
+write results go to the worker's first rank, which writes torch's ``.metadata`` index and
+megatron-core's ``metadata.json``). ``Checkpointer`` plans in the step loop and carries the
+results itself (``patches.megatron_save_plan.SavePlans.finish``); the write runs here
+(``patches.megatron_checkpoint_writer.write_files``: a thread per file, each hashed as it is
+written, ``store.HASH``): at once (a synchronous save) or on a thread while training goes on,
+which then leaves the rank's results beside the files for the worker's first rank (``report``).
+The stages of a background save's commit run on threads too (``Task``).
 
 What is written is never copied for a synchronous save: nothing changes the tensors while the
 step loop waits, so a view of a larger buffer (a parameter in ZeRO's flat buffer, a master in
