@@ -211,7 +211,7 @@ class Checkpointer:
         written = it if p.write.done() else 0
         finalised = written if self.local != 0 else \
             it if p.stage in (COMMITTING, DONE) or (p.stage == FINALISING and ran) else 0
-        committed = it if p.stage == COMMITTING and ran and p.task is not None else 0
+        committed = it if p.stage == COMMITTING and ran else 0
         return [written, finalised, committed, 0]
 
     def advance(self, pending: PendingSave, everywhere: Sequence[int],
@@ -271,7 +271,7 @@ class Checkpointer:
             p.stage = FINALISING
         else:
             failures = []
-            error = p.task.wait() if p.stage != DONE and p.task is not None else None
+            error = p.task.wait() if p.task is not None else None
         finalized = time.perf_counter()
         if p.stage == FINALISING:
             if not failures:  # the worker's first rank's finalisation: every rank learns it
@@ -281,16 +281,10 @@ class Checkpointer:
             # same on every rank of a worker).
             gathered = self.gather_workers((p.summary if self.local == 0 else None,
                                             failures))
-            every = {}
-            for _, fs in gathered:
-                for rank, text in fs:
-                    every.setdefault(rank, text)
-            failures = sorted(every.items())
+            failures = _merged(fs for _, fs in gathered)
             if failures:
-                if self.leads():
-                    shutil.rmtree(p.partial, ignore_errors=True)  # give back the space
-                raise CheckpointWriteError(_write_error_message(
-                    p.root, p.iteration, [rank for rank, _ in failures], failures[0][1]))
+                self._failed(p.root, p.iteration, p.partial, [rank for rank, _ in failures],
+                             failures[0][1])
             parts = [x for x, _ in gathered if x is not None]
             t2 = time.perf_counter()
             self._agree(p.root, p.iteration, p.partial,
@@ -357,27 +351,24 @@ class Checkpointer:
             error = p.task.wait()
         mine = [(rank, text) for rank, text in self.gather((self.rank, _text(error)))
                 if text is not None]
-        every = {}
-        for fs in self.gather_workers(mine):
-            for rank, text in fs:
-                every.setdefault(rank, text)
-        failures = sorted(every.items())
+        failures = _merged(self.gather_workers(mine))
         p.stage = DONE
-        if self.leads():
-            shutil.rmtree(p.partial, ignore_errors=True)  # give back the space it took
-        raise CheckpointWriteError(_write_error_message(
-            p.root, p.iteration, [rank for rank, _ in failures] or "unknown",
-            failures[0][1] if failures else None))
+        self._failed(p.root, p.iteration, p.partial, [rank for rank, _ in failures],
+                     failures[0][1] if failures else None)
 
     def _fail_together(self, root: str, iteration: int, partial: str, error) -> None:
         """Every rank learns whether ``error`` (an OSError or None) happened on any rank;
         then every rank raises ``CheckpointWriteError`` or none does (collective)."""
         failed = self.failed_ranks(error is not None)
-        if not failed:
-            return
+        if failed:
+            self._failed(root, iteration, partial, failed, error)
+
+    def _failed(self, root: str, iteration: int, partial: str, ranks: list, error) -> None:
+        """The save failed on ``ranks`` (``error``: the first one's, or this rank's): the
+        leading rank gives back the space it took; every rank raises the same way."""
         if self.leads():
-            shutil.rmtree(partial, ignore_errors=True)  # give back the space it took
-        raise CheckpointWriteError(_write_error_message(root, iteration, failed, error))
+            shutil.rmtree(partial, ignore_errors=True)
+        raise CheckpointWriteError(_write_error_message(root, iteration, ranks, error))
 
     def _agree(self, root: str, iteration: int, partial: str, action) -> None:
         """Run ``action`` (None: nothing) and learn whether it failed on any rank; the
@@ -452,6 +443,16 @@ def _report(partial: str, part: str, local: Optional[int] = None) -> str:
     rank that reads it (``Checkpointer.advance``); the commit removes them (unlisted)."""
     name = part if local is None else f"{part}.rank{local}"
     return os.path.join(partial, ".commit", name + ".json")
+
+
+def _merged(failure_lists) -> list:
+    """(rank, text) of every failure in ``failure_lists`` (each a list of them), once per
+    rank, in rank order."""
+    every = {}
+    for failures in failure_lists:
+        for rank, text in failures:
+            every.setdefault(rank, text)
+    return sorted(every.items())
 
 
 def _text(error: Optional[OSError]) -> Optional[str]:
