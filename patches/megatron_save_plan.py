@@ -17,6 +17,12 @@ structure to be constant. ``SavePlans`` instead fills the strategy's cache from 
 keeps only on reuse: ``_get_save_and_finalize_callbacks`` is where it passes) and reuses it
 when the caller says every rank of the worker still has the structure it was planned for
 (``structure``): the plan is then this rank's alone, with no collective and no validation.
+
+After the write, megatron-core's finalisation (the request's ``finalize_fns``) gathers every
+rank's write results to the coordinator, which writes ``.metadata``, then broadcasts whether
+that failed and waits for every rank. ``SavePlans.finish`` does the coordinator's part from
+results the caller carries (``megatron_streaming.checkpoint``: over its own in-worker gather,
+or as files beside the checkpoint's): the other ranks take no part.
 """
 
 from __future__ import annotations
