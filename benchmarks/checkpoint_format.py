@@ -56,7 +56,7 @@ def timed_main():
 
     out = os.environ["CKPT_TIMING_OUT"]
 
-    def wrap(name, details=lambda args, result: {}):
+    def wrap(name, details=lambda self, args, result: {}):
         original = getattr(ckpt.Checkpointer, name)
 
         def timed(self, *args, **kwargs):
@@ -65,7 +65,7 @@ def timed_main():
             with open(out, "a") as f:
                 f.write(json.dumps({"op": name, "rank": int(os.environ.get("RANK", 0)),
                                     "seconds": time.perf_counter() - started,
-                                    **details(args, result)}) + "\n")
+                                    **details(self, args, result)}) + "\n")
             return result
 
         setattr(ckpt.Checkpointer, name, timed)
@@ -76,23 +76,12 @@ def timed_main():
         # Each save's calls by its iteration: its start, its commit's stages in the step loop
         # (``advance``, where this revision has it), and ``finish_save`` where it was
         # committed at once (a synchronous save, or one drained: the next save was due).
-        wrap("start_save", lambda args, result: {"iteration": args[1], **result.timings})
-        original_finish = ckpt.Checkpointer.finish_save
-
-        def finish(self, pending, *args, **kwargs):
-            started = time.perf_counter()
-            result = original_finish(self, pending, *args, **kwargs)
-            with open(out, "a") as f:
-                f.write(json.dumps({
-                    "op": "finish_save", "rank": int(os.environ.get("RANK", 0)),
-                    "iteration": pending.iteration,
-                    "seconds": time.perf_counter() - started, **self.timings}) + "\n")
-            return result
-
-        ckpt.Checkpointer.finish_save = finish
+        wrap("start_save", lambda self, args, result: {"iteration": args[1], **result.timings})
+        wrap("finish_save", lambda self, args, result: {"iteration": args[0].iteration,
+                                                        **self.timings})
         if hasattr(ckpt.Checkpointer, "advance"):
-            wrap("advance", lambda args, result: {"iteration": args[0].iteration,
-                                                  "write": args[0].write.seconds["write"]})
+            wrap("advance", lambda self, args, result: {
+                "iteration": args[0].iteration, "write": args[0].write.seconds["write"]})
     sys.argv = ["pretrain_gpt.py", *sys.argv[2:]]
     import runpy
 

@@ -170,7 +170,7 @@ class Checkpointer:
         # afresh and one that does not run the same collectives across workers.
         # On a GPU the device tensors are copied to host memory here.
         report = _report(partial, part, self.local) if background and error is None else None
-        write = FileWrite(request[0] if request else None, mine, self.local, report)
+        write = FileWrite(request[0] if request else None, mine, report)
         t3 = time.perf_counter()
         pending = PendingSave(root, iteration, partial, final, part, infos, write,
                               {"collect": t1 - t0,
@@ -200,14 +200,9 @@ class Checkpointer:
         at ``advance``). The first two count as their minimum over the job, the others as
         their maximum."""
         p, it = pending, pending.iteration
-        error = p.error
-        if error is None and p.write.done():
-            error = p.write.error
-        ran = p.task is not None and p.task.done()
-        if error is None and ran:
-            error = p.task.wait()  # an OSError (anything else is raised here)
-        if error is not None:
+        if _own_error(p) is not None:
             return [0, 0, 0, it]
+        ran = p.task is not None and p.task.done()
         written = it if p.write.done() else 0
         finalised = written if self.local != 0 else \
             it if p.stage in (COMMITTING, DONE) or (p.stage == FINALISING and ran) else 0
@@ -257,11 +252,7 @@ class Checkpointer:
         table = write.wait()
         t1 = time.perf_counter()
         if p.stage == WRITING:
-            error = p.error
-            if error is None and write.error is not None:
-                error = _os_error(write.error)
-                if error is None:
-                    raise write.error
+            error = _own_error(p)
             # Over the worker: every rank's failure (None, or its text), files and results.
             reports = self.gather((self.rank, _text(error), table, write.results))
             failures = [(rank, text) for rank, text, _, _ in reports if text is not None]
@@ -341,14 +332,10 @@ class Checkpointer:
     def _fail(self, p: PendingSave) -> None:
         """A save that failed on some rank (``advance``): every rank learns where and why,
         and raises ``CheckpointWriteError`` (collective)."""
-        error = p.error
         p.write.wait()
-        if error is None and p.write.error is not None:
-            error = _os_error(p.write.error)
-            if error is None:
-                raise p.write.error
-        if error is None and p.task is not None:
-            error = p.task.wait()
+        if p.task is not None:
+            p.task.wait()  # (what it raised, anything but an OSError, is raised here)
+        error = _own_error(p)
         mine = [(rank, text) for rank, text in self.gather((self.rank, _text(error)))
                 if text is not None]
         failures = _merged(self.gather_workers(mine))
@@ -443,6 +430,22 @@ def _report(partial: str, part: str, local: Optional[int] = None) -> str:
     rank that reads it (``Checkpointer.advance``); the commit removes them (unlisted)."""
     name = part if local is None else f"{part}.rank{local}"
     return os.path.join(partial, ".commit", name + ".json")
+
+
+def _own_error(p: PendingSave) -> Optional[OSError]:
+    """This rank's failure of ``p`` so far: before its write (the plan, the free space), of
+    its write, or of its stage's task (waiting for none of them); anything but an OSError is
+    raised."""
+    if p.error is not None:
+        return p.error
+    if p.write.done() and p.write.error is not None:
+        error = _os_error(p.write.error)
+        if error is None:
+            raise p.write.error
+        return error
+    if p.task is not None and p.task.done():
+        return p.task.wait()
+    return None
 
 
 def _merged(failure_lists) -> list:

@@ -141,8 +141,8 @@ class FileWrite:
     and results are also written there as JSON once the files are, for the worker's first
     rank to read (``Checkpointer.advance``)."""
 
-    def __init__(self, request, directory: str, local: int, report: Optional[str] = None):
-        self.request, self.directory, self.local = request, directory, local
+    def __init__(self, request, directory: str, report: Optional[str] = None):
+        self.request, self.directory = request, directory
         self.report = report
         self.table: dict = {}
         self.results: list = []
