@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -167,18 +168,20 @@ def test_async_save_commits_once_written_and_holds_the_state_of_its_step(
     assert torch.equal(loaded.model.weight, at_save)
 
 
+def sharded(*tensors) -> dict:
+    """A sharded state dict of ``tensors``, each whole (``t0``, ``t1``...), this rank's."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    return {f"t{i}": ShardedTensor.from_rank_offsets(f"t{i}", t, replica_id=0)
+            for i, t in enumerate(tensors)}
+
+
 def test_staging_copies_each_save_into_the_same_memory_until_the_layout_changes():
     """--async-save's copies: a save's host tensors are copied into the staging buffer, each
     over memory of exactly its bytes (written in place by the writer); the next save of the
     same dtypes and shapes copies its own values into the same memory; another shape lays the
     buffer out again."""
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
-
     from megatron_streaming.checkpoint.background import Staging
-
-    def sharded(*tensors):
-        return {f"t{i}": ShardedTensor.from_rank_offsets(f"t{i}", t, replica_id=0)
-                for i, t in enumerate(tensors)}
 
     staging = Staging()
     live = [torch.arange(6.0).view(2, 3), torch.ones(5, dtype=torch.bfloat16)]
@@ -229,6 +232,11 @@ def test_async_commit_goes_a_stage_per_flag_without_a_collective(tmp_path, monke
         state.model.weight.add_(1.0)
     at_save = state.model.weight.detach().clone()
     calls.clear()
+    # A save of the kept plan's structure makes its request (megatron-core's) on the write's
+    # thread, which is kept from one save to the next.
+    threads, request = [], ckpt.plans.request
+    monkeypatch.setattr(ckpt.plans, "request", lambda *args: threads.append(
+        threading.current_thread()) or request(*args))
     pending = ckpt.start_save(root, 2, state, {"iteration": 1}, background=True)
     assert calls == ["gathered"]  # the start's, within the worker
     with torch.no_grad():
@@ -274,6 +282,8 @@ def test_async_commit_goes_a_stage_per_flag_without_a_collective(tmp_path, monke
         assert calls == (["gathered", "across", "agreed"] if stage == background.FINALISING
                          else ["agreed"])
         assert checkpoint.find_checkpoint(root)[1]["iteration"] == iteration
+    assert len(threads) == 3 and threads[0] is not threading.main_thread()
+    assert all(t is threads[0] for t in threads)
 
     # A write that fails: the rank's flag says so, and the next ``advance`` fails the save on
     # every rank (collective: each learns where and why).
@@ -319,6 +329,20 @@ def test_async_commit_goes_a_stage_per_flag_without_a_collective(tmp_path, monke
     with pytest.raises(checkpoint.CheckpointWriteError, match=r"iteration 7 failed on rank\(s\)"
                        r" \[0\]: \[Errno 5\] Input/output error"):
         ckpt.save(root, 7, state, {"iteration": 7})
+
+    # The free space, checked on the write's thread, is flagged as a failed write is.
+    def no_space(directory, tensor_bytes):
+        raise OSError(28, f"No space left on device: {tensor_bytes} bytes")
+
+    monkeypatch.setattr(checkpoint, "_check_space", no_space)
+    pending = ckpt.start_save(root, 8, state, {"iteration": 8}, background=True)
+    pending.write.wait()
+    assert pending.error is None and isinstance(pending.write.error, OSError)  # the thread's
+    assert ckpt.progress(pending) == [0, 0, 0, 8]
+    with pytest.raises(checkpoint.CheckpointWriteError, match=r"iteration 8 failed on rank\(s\)"
+                       r" \[0\]: \[Errno 28\] No space left on device: \d+ bytes; the latest"):
+        ckpt.advance(pending, ckpt.progress(pending))
+    assert checkpoint.find_checkpoint(root)[1]["iteration"] == 4
     assert checkpoint.find_checkpoint(root)[1]["iteration"] == 4
 
 

@@ -20,7 +20,7 @@ import torch
 
 from harness import TINY, run
 from test_checkpoint import (STREAMING, resumes_async_save_in_flight_exactly,
-                             resumes_in_flight_exactly)
+                             resumes_in_flight_exactly, sharded)
 from test_streaming import BASE, matches_reference
 
 pytestmark = [pytest.mark.cuda,
@@ -74,8 +74,31 @@ def test_cuda_resume_with_a_fragment_in_flight_continues_exactly(tmp_path):
 
 @pytest.mark.timeout(600)
 def test_cuda_async_save_resumes_exactly(tmp_path):
-    """--async-save on a GPU: the tensors copied to host memory before the background write."""
+    """--async-save on a GPU: the tensors copied into pinned host memory before the background
+    write."""
     resumes_async_save_in_flight_exactly(tmp_path, [*STREAMING, *GPU], extra_env=DETERMINISTIC)
+
+
+def test_cuda_staging_copies_device_tensors_into_pinned_memory():
+    """--async-save's copy out of the GPU: a save's device tensors (and the host ones beside
+    them) are in the kept host buffer, pinned, when ``snapshot`` returns; the next save copies
+    into the same memory."""
+    from megatron_streaming.checkpoint.background import Staging
+
+    live = [torch.arange(6.0, device="cuda").view(2, 3), torch.ones(5, dtype=torch.bfloat16)]
+    staging = Staging()
+    staging.reserve(sharded(*live))
+    first = staging.snapshot(sharded(*live))
+    assert staging.buffer.is_pinned()
+    copies = [first[k].data for k in ("t0", "t1")]
+    assert [c.device.type for c in copies] == ["cpu", "cpu"]
+    assert torch.equal(copies[0], live[0].cpu()) and torch.equal(copies[1], live[1])
+    live[0].mul_(-1.0)  # the steps after the save
+    torch.cuda.synchronize()
+    assert torch.equal(copies[0], torch.arange(6.0).view(2, 3))
+    second = staging.snapshot(sharded(*live))
+    assert [second[k].data.data_ptr() for k in ("t0", "t1")] == [c.data_ptr() for c in copies]
+    assert torch.equal(second["t0"].data, live[0].cpu())
 
 
 @pytest.mark.parametrize("codec", ["fp4", "int8", "bf16"])

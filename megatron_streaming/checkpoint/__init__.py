@@ -19,7 +19,7 @@ from typing import Callable, List, Optional, Sequence
 
 from ..errors import JobFailure, first_line
 from .background import (COMMITTING, DONE, FINALISING, WRITING, FileWrite, PendingSave,
-                         Staging, Task, in_place, read_json, shared_files, write_json)
+                         Runner, Staging, Task, in_place, read_json, shared_files, write_json)
 from .meta import document
 from .resume import FORMAT_VERSION, CheckpointError
 from .store import (TRACKER, check_files, check_safe, check_writable, commit, file_table,
@@ -78,13 +78,15 @@ class Checkpointer:
         self.leads = leads or (lambda: rank == 0)
         self.members = members or (lambda: (worker,))
         self.staging = Staging()  # --async-save's copy of the tensors, kept between saves
+        self.runner = Runner()  # --async-save's thread: the writes, the commits' stages
         self.plans = SavePlans()  # the latest save's plan, for the next of its structure
 
     def reserve_staging(self, state) -> int:
         """--async-save: make the host buffer the saves copy into now, beside training,
-        instead of in the first save, and plan the saves (``plan_ahead``); returns the
-        buffer's bytes. Collective within the worker, as ``state.sharded_state_dict`` is."""
+        instead of in the first save, start the thread they write on, and plan the saves
+        (``plan_ahead``); returns the buffer's bytes. Collective within the worker, as ``state.sharded_state_dict`` is."""
         sharded = state.sharded_state_dict()
+        self.runner.start()
         staged = self.staging.reserve(sharded)
         self.plan_ahead(sharded)
         return staged
@@ -125,7 +127,8 @@ class Checkpointer:
         every rank of the worker (megatron-core's validation and global metadata), once the
         worker's first rank has checked the free space and told the others; one of the
         structure of the kept plan (``SavePlans``; ``plan_ahead``) plans, checks the space
-        and writes on each rank alone. Either way a failure is learnt by every rank at the
+        and writes on each rank alone (in the background all three on the write's thread,
+        after the copy). Either way a failure is learnt by every rank at the
         commit; nothing here crosses between workers."""
         final = iteration_dir(root, iteration)
         partial = final + ".partial"
@@ -154,7 +157,12 @@ class Checkpointer:
         def plan():
             request.append(self.plans.request(sharded, mine, reuse))
 
-        if reuse:  # this rank's own plan: no collective until the commit
+        if reuse and background:
+            # The rest is this rank's alone, its tensors copied out: on the write's thread
+            # (a failure there is flagged, as a failed write is).
+            error, t2 = None, time.perf_counter()
+            request.append(lambda: (make_part(), self.plans.request(sharded, mine, True))[1])
+        elif reuse:  # this rank's own plan: no collective until the commit
             error = _attempt(make_part)
             t2 = time.perf_counter()
             error = error or _attempt(plan)
@@ -177,7 +185,7 @@ class Checkpointer:
                                "describe": t2 - t1, "plan": t3 - t2},
                               run_state, state.describe, error)
         if background and error is None:
-            write.start()
+            write.start(self.runner)
         else:
             write.run()
         return pending
@@ -226,12 +234,12 @@ class Checkpointer:
                 p.stage = FINALISING
                 if self.local == 0:
                     p.task = Task(lambda: _attempt(lambda: self._finalise_from_reports(p)),
-                                  "checkpoint-finalise")
+                                  self.runner)
             elif p.stage == FINALISING and finalised >= it:
                 p.stage, p.task = COMMITTING, None
                 if self.leads():
                     p.task = Task(lambda: _attempt(lambda: self._commit_from_parts(
-                        p, keep_last)), "checkpoint-commit")
+                        p, keep_last)), self.runner)
             elif p.stage == COMMITTING and committed >= it:
                 p.stage = DONE
                 self.timings = {**p.timings, "write": p.write.seconds["write"]}

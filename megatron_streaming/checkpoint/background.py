@@ -4,7 +4,8 @@ megatron-core's torch_dist save comes in three parts (``dist_checkpointing.save`
 ``async_sharded_save``): planning (collective: the write plan and ``common.pt``), the write of
 this rank's ``__<rank>_<n>.distcp`` files (no collective), and finalisation (every rank's
 write results go to the worker's first rank, which writes torch's ``.metadata`` index and
-megatron-core's ``metadata.json``). ``Checkpointer`` plans in the step loop and carries the
+megatron-core's ``metadata.json``). ``Checkpointer`` plans in the step loop (a save that
+plans afresh) or on the write's thread (one that reuses the kept plan) and carries the
 results itself (``patches.megatron_save_plan.SavePlans.finish``); the write runs here
 (``patches.megatron_checkpoint_writer.write_files``: a thread per file, each hashed as it is
 written, ``store.HASH``): at once (a synchronous save) or on a thread while training goes on,
@@ -16,12 +17,15 @@ step loop waits, so a view of a larger buffer (a parameter in ZeRO's flat buffer
 its partition) is handed to the writer as a tensor over the same memory whose storage is
 exactly its bytes (``exact``; megatron-core would otherwise clone it, since ``torch.save``
 writes a tensor's whole storage). Before a background write the host tensors are copied out
-into a staging buffer kept from one save to the next (``Staging``: the first save allocates
-it, later ones only copy); ``preload_fn`` copies device tensors to host memory.
+(and the device tensors out of the device) into a staging buffer kept from one save to the
+next (``Staging``: made beside training before the first save, every save only copies; pinned
+on a GPU); a synchronous save's device tensors go to host memory by megatron-core's
+``preload_fn``.
 """
 
 from __future__ import annotations
 
+import queue
 import re
 import threading
 import time
@@ -42,13 +46,14 @@ def shared_files(directory: str) -> list:
     return [f for f in checkpoint_files(directory) if not _RANK_FILE.match(f)]
 
 
-def _written_on_host(sharded: dict):
-    """The host tensors of ``sharded`` that this rank writes (its main replicas)."""
+def _written(sharded: dict, host_only: bool = True):
+    """The tensors of ``sharded`` that this rank writes (its main replicas), those in host
+    memory only unless not ``host_only``."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, is_main_replica
 
     return [v for v in sharded.values()
             if isinstance(v, ShardedTensor) and v.data is not None and
-            v.data.device.type == "cpu" and is_main_replica(v.replica_id)]
+            (v.data.device.type == "cpu" or not host_only) and is_main_replica(v.replica_id)]
 
 
 def exact(t: torch.Tensor) -> torch.Tensor:
@@ -64,18 +69,20 @@ def exact(t: torch.Tensor) -> torch.Tensor:
 
 def in_place(sharded: dict) -> dict:
     """A synchronous save: this rank's host tensors written from where they are."""
-    for value in _written_on_host(sharded):
+    for value in _written(sharded):
         value.data = exact(value.data)
     return sharded
 
 
 class Staging:
-    """A host buffer that a background save copies this rank's host tensors into, so the
-    next steps may change them while the files are written. Kept for the next save, which
-    copies into memory already mapped (a fresh allocation costs a page fault per 4 KiB, most
-    of a copy's time); reallocated only when the save needs more. The views of its slices that
-    the writer writes from are kept too while the saves' dtypes and shapes stay the same. ``reserve`` makes it ahead
-    of the first save, on a thread beside training, so that the first save only copies too.
+    """A host buffer that a background save copies this rank's tensors into (from host or
+    device memory), so the next steps may change them while the files are written. Kept for
+    the next save, which copies into memory already mapped (a fresh allocation costs a page
+    fault per 4 KiB, most of a copy's time); reallocated only when the save needs more. The
+    views of its slices that the writer writes from are kept too while the saves' dtypes and
+    shapes stay the same. ``reserve`` makes it ahead of the first save, on a thread beside
+    training, so that the first save only copies too. Where a save has device tensors and
+    CUDA is available the buffer is pinned and the copies asynchronous, waited for once.
     Used by one save at a time (a save waits for the write before it)."""
 
     def __init__(self):
@@ -88,15 +95,26 @@ class Staging:
     def _sizes(values) -> list:
         return [_aligned(v.data.numel() * v.data.element_size()) for v in values]
 
+    @staticmethod
+    def _pinned(values) -> bool:
+        return torch.cuda.is_available() and any(v.data.is_cuda for v in values)
+
+    @staticmethod
+    def _make(need: int, pinned: bool) -> torch.Tensor:
+        if pinned:  # resident already
+            return torch.empty(need, dtype=torch.uint8, pin_memory=True)
+        buffer = torch.empty(need, dtype=torch.uint8)
+        buffer.fill_(0)  # every page faulted in here, not in a save's copy
+        return buffer
+
     def reserve(self, sharded: dict) -> int:
         """Start making (and touching) the buffer a save of ``sharded`` needs, on a thread;
         returns its bytes."""
-        need = sum(self._sizes(_written_on_host(sharded)))
+        values = _written(sharded, host_only=False)
+        need, pinned = sum(self._sizes(values)), self._pinned(values)
 
         def make():
-            buffer = torch.empty(need, dtype=torch.uint8)
-            buffer.fill_(0)  # every page faulted in here, not in the first save's copy
-            self.buffer, self._layout = buffer, None
+            self.buffer, self._layout = self._make(need, pinned), None
 
         if need > self.buffer.numel():
             self._reserving = threading.Thread(target=make, name="checkpoint-staging",
@@ -108,13 +126,13 @@ class Staging:
         if self._reserving is not None:
             self._reserving.join()
             self._reserving = None
-        values = _written_on_host(sharded)
+        values = _written(sharded, host_only=False)
         layout = tuple((v.data.dtype, tuple(v.data.shape)) for v in values)
         if layout != self._layout:  # the views into the buffer, kept while it holds
             sizes = self._sizes(values)
             if sum(sizes) > self.buffer.numel():
                 self.buffer = torch.empty(0, dtype=torch.uint8)  # the old one freed first
-                self.buffer = torch.empty(sum(sizes), dtype=torch.uint8)
+                self.buffer = self._make(sum(sizes), self._pinned(values))
             self._views, offset = [], 0
             for value, size in zip(values, sizes):
                 t = value.data
@@ -123,9 +141,12 @@ class Staging:
                                          .view(t.shape)))
                 offset += size
             self._layout = layout
+        asynchronous = any(v.data.is_cuda for v in values) and self.buffer.is_pinned()
         for value, view in zip(values, self._views):
-            view.copy_(value.data)
+            view.copy_(value.data, non_blocking=asynchronous)
             value.data = view
+        if asynchronous:
+            torch.cuda.synchronize()  # the copies landed before the writer reads them
         return sharded
 
 
@@ -139,7 +160,9 @@ class FileWrite:
     wrote, or raises what the write raised; ``results`` are its write results (for torch's
     index); ``error`` is the OSError of a failed write. With ``report`` (a path) the table
     and results are also written there as JSON once the files are, for the worker's first
-    rank to read (``Checkpointer.advance``)."""
+    rank to read (``Checkpointer.advance``). ``request`` is megatron-core's write request, or
+    a function that makes it (on the write's thread: the rest of a start that needs neither
+    the step loop nor another rank; the tensors it writes already copied out)."""
 
     def __init__(self, request, directory: str, report: Optional[str] = None):
         self.request, self.directory = request, directory
@@ -148,18 +171,18 @@ class FileWrite:
         self.results: list = []
         self.error: Optional[BaseException] = None
         self.seconds = {"write": 0.0}  # hashed as written: the time of both
-        self._thread: Optional[threading.Thread] = None
+        self._background = False
         self._done = threading.Event()
-        if request is not None and request.preload_fn is not None:  # device -> host, here
-            args = list(request.async_fn_args)
-            args[1] = request.preload_fn()
-            self.request = request._replace(async_fn_args=tuple(args))
+        if not callable(request):
+            self.request = _preloaded(request)  # device -> host, here
 
     def run(self) -> "FileWrite":
         from patches.megatron_checkpoint_writer import results_to_json, write_files
 
         try:
             started = time.perf_counter()
+            if callable(self.request):
+                self.request = _preloaded(self.request())
             r = self.request
             if r is not None and r.async_fn is not None:
                 written, self.results = write_files(r, new_hash)
@@ -175,22 +198,30 @@ class FileWrite:
             self._done.set()
         return self
 
-    def start(self) -> "FileWrite":
-        self._thread = threading.Thread(target=self.run, name="checkpoint-write", daemon=True)
-        self._thread.start()
+    def start(self, runner: "Runner") -> "FileWrite":
+        self._background = True
+        runner.submit(self.run)
         return self
 
     def is_background(self) -> bool:
-        return self._thread is not None
+        return self._background
 
     def done(self) -> bool:
         return self._done.is_set()
 
     def wait(self) -> dict:
         self._done.wait()
-        if self._thread is not None:
-            self._thread.join()
         return self.table
+
+
+def _preloaded(request):
+    """``request`` with its tensors in host memory (megatron-core's ``preload_fn``: a copy of
+    each device tensor; host tensors are taken as they are)."""
+    if request is None or request.preload_fn is None:
+        return request
+    args = list(request.async_fn_args)
+    args[1] = request.preload_fn()
+    return request._replace(async_fn_args=tuple(args))
 
 
 def write_json(path: str, value) -> None:
@@ -210,12 +241,38 @@ def read_json(path: str):
         return json.load(f)
 
 
-class Task:
-    """One action of a save's commit (the worker's finalisation, the job's commit) on a thread
-    beside training: ``done`` once it ran; ``wait`` returns what it returned, or raises what
-    it raised."""
+class Runner:
+    """The thread of a rank's background work (a save's write, then its commit's stages),
+    kept from one save to the next, running what it is given in turn. Handing it an action
+    costs the step loop no thread start (on shared cores a new thread waited up to 0.04 s
+    for a CPU before ``Thread.start`` returned)."""
 
-    def __init__(self, action, name: str):
+    def __init__(self, name: str = "checkpoint-background"):
+        self.name = name
+        self._actions: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._thread: Optional[threading.Thread] = None
+
+    def start(self) -> "Runner":
+        """The thread, started now unless it runs (else at the first ``submit``)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+            self._thread.start()
+        return self
+
+    def submit(self, action) -> None:
+        self.start()._actions.put(action)
+
+    def _run(self) -> None:
+        while True:
+            self._actions.get()()  # each catches what it raises (FileWrite, Task)
+
+
+class Task:
+    """One action of a save's commit (the worker's finalisation, the job's commit) on the
+    background thread (``Runner``) beside training: ``done`` once it ran; ``wait``
+    returns what it returned, or raises what it raised."""
+
+    def __init__(self, action, runner: Runner):
         self._result, self._raised = None, None
         self._done = threading.Event()
 
@@ -227,14 +284,13 @@ class Task:
             finally:
                 self._done.set()
 
-        self._thread = threading.Thread(target=run, name=name, daemon=True)
-        self._thread.start()
+        runner.submit(run)
 
     def done(self) -> bool:
         return self._done.is_set()
 
     def wait(self):
-        self._thread.join()
+        self._done.wait()
         if self._raised is not None:
             raise self._raised
         return self._result
@@ -270,5 +326,6 @@ class PendingSave:
         return self.write.done()
 
 
-__all__ = ["COMMITTING", "DONE", "FINALISING", "FileWrite", "PendingSave", "Staging", "Task",
+__all__ = ["COMMITTING", "DONE", "FINALISING", "FileWrite", "PendingSave", "Runner", "Staging",
+           "Task",
            "WRITING", "exact", "in_place", "read_json", "shared_files", "write_json"]

@@ -610,8 +610,8 @@ def _validate_checkpoint(cfg: Config) -> None:
     _require(not c.keep_last or c.save, f"--keep-last {c.keep_last} needs --save DIR")
     _require(not c.async_save or c.save, "--async-save needs --save DIR")
     if c.async_save and torch.cuda.is_available():
-        cfg.warnings.append("--async-save: the copy of device tensors to host memory before "
-                            "the background write has not run in this project's tests "
+        cfg.warnings.append("--async-save: the copy of device tensors into pinned host memory "
+                            "before the background write has not run in this project's tests "
                             "(docs/limits.md, Checkpoints)")
     if c.load is not None and c.load != c.save:
         _require(os.path.isdir(c.load), f"--load {c.load}: no such directory")
