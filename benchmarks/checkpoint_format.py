@@ -2,6 +2,12 @@
 
     .venv/bin/python benchmarks/checkpoint_format.py [--baseline 7c2292b] [--out runs/ckpt]
                                                      [--repeats 2] [--models quickstart 100M]
+    python3 benchmarks/checkpoint_format.py --device-check cuda --models 1B --out OUT
+
+The second is the device check's (``launch/device_check.sh`` with ``STAGES=checkpoint``, one
+GPU): --async-save's blocked time against a synchronous save of a ~1B model (one worker of one
+rank), the tensors copied out of the GPU into pinned host memory; ``--device-check cpu
+--models quickstart`` rehearses it here.
 
 For two models, the quick-start one (4 layers, hidden 128, 2 workers x TP2, 4 ranks) and one
 of about 100M parameters (12 layers, hidden 768, vocabulary 32000, 2 workers of one rank, bf16,
@@ -38,6 +44,12 @@ MODELS = {
                        "--num-layers", "4", "--hidden-size", "128", "--num-attention-heads",
                        "4", "--seq-length", "128", "--micro-batch-size", "4",
                        "--global-batch-size", "8"]),
+    # The device check's (``--device-check``, one GPU): one worker of one rank, ~0.94B
+    # parameters (16 x 12 x 2048^2 + 2 x 32000 x 2048), about 12 GiB a checkpoint.
+    "1B": (1, ["--mock-data", "--vocab-size", "32000", "--num-layers", "16", "--hidden-size",
+               "2048", "--num-attention-heads", "16", "--seq-length", "512",
+               "--micro-batch-size", "1", "--global-batch-size", "1", "--bf16",
+               "--zero-stage", "1"]),
     "100M": (2, ["--mock-data", "--vocab-size", "32000", "--diloco-workers", "2",
                  "--diloco-inner-steps", "20", "--diloco-fragments", "2", "--num-layers", "12",
                  "--hidden-size", "768", "--num-attention-heads", "12", "--seq-length", "64",
@@ -111,22 +123,24 @@ def paths(repo, name, out):
     return ckpt, ckpt + ".jsonl"
 
 
-def measure(repo, name, out):
+def measure(repo, name, out, extra=(), load=True):
     """One synchronous save (after one step) and one load of revision ``repo``."""
     nproc, model = MODELS[name]
     ckpt, timing = paths(repo, name, out)
     if os.path.exists(timing):
         os.remove(timing)
     subprocess.run(["rm", "-rf", ckpt])
-    launch(repo, nproc, [*model, *COMMON, "--save", ckpt], timing)
-    launch(repo, nproc, [*model, *COMMON, "--train-iters", "2", "--load", ckpt], timing)
+    launch(repo, nproc, [*model, *COMMON, *extra, "--save", ckpt], timing)
+    if load:
+        launch(repo, nproc, [*model, *COMMON, *extra, "--train-iters", "2", "--load", ckpt],
+               timing)
     records = [json.loads(line) for line in open(timing)]
     # Before start_save / finish_save a save was one call; now the loop makes the two.
     saves = [r["seconds"] for r in records if r["op"] == "save"] or \
         [sum(r["seconds"] for r in records if r["rank"] == rank and
              r["op"] in ("start_save", "finish_save")) for rank in {r["rank"] for r in records}]
     loads = [r["seconds"] for r in records if r["op"] == "load"]
-    return {"save_seconds": max(saves), "load_seconds": max(loads),
+    return {"save_seconds": max(saves), "load_seconds": max(loads, default=None),
             "bytes": dir_size(os.path.join(ckpt, "iter_0000001"))}
 
 
@@ -140,7 +154,7 @@ def best(samples):
             "load_samples": [r["load_seconds"] for r in samples]}
 
 
-def measure_async(name, out):
+def measure_async(name, out, extra=(), same_schedule=True):
     """--async-save: 36 steps, a save after every twelfth (the host buffer the tensors are
     copied to is made, and the save planned, beside the second step, as in a run whose first
     save comes later still; twelve steps give a save's commit time to go a stage a step,
@@ -154,7 +168,8 @@ def measure_async(name, out):
     same schedule without --async-save, measured the same way, shows those waits at a
     synchronous save: the workers' steps drift apart between synchronisations, with or
     without a save, and a save's first collective across workers is where the worker ahead
-    waits for the other."""
+    waits for the other. Without ``same_schedule`` (the device check) only the --async-save
+    run, keeping its last checkpoint (``--keep-last 1``: the device's disk)."""
     nproc, model = MODELS[name]
     repo = REPO
     ckpt, timing = paths(repo, name, out)
@@ -163,8 +178,9 @@ def measure_async(name, out):
         if os.path.exists(timing):
             os.remove(timing)
         subprocess.run(["rm", "-rf", ckpt])
-        launch(repo, nproc, [*model, *COMMON, "--train-iters", "36", "--save", ckpt,
+        launch(repo, nproc, [*model, *COMMON, *extra, "--train-iters", "36", "--save", ckpt,
                              "--save-interval", "12",
+                             *([] if same_schedule else ["--keep-last", "1"]),
                              *(["--async-save"] if async_save else [])], timing)
         by_rank = {}  # rank -> [each save's {"start", "advance", "finish"}, in order]
         for r in (json.loads(line) for line in open(timing)):
@@ -182,7 +198,7 @@ def measure_async(name, out):
                 calls["write"] = r["write"]
         return [[calls for _, calls in sorted(rank.items())] for rank in by_rank.values()]
 
-    synchronous = saves(False)
+    synchronous = saves(False) if same_schedule else None
     ranks = saves(True)
 
     def waits(runs, calls, i):
@@ -204,22 +220,25 @@ def measure_async(name, out):
 
         return max(share(calls) for calls in runs)
 
-    return {"async_blocked_seconds": blocked(ranks, 0),
+    ours = {"async_blocked_seconds": blocked(ranks, 0),
             "async_blocked_later_seconds": blocked(ranks, 1),
-            "async_blocked_less_waits_seconds": blocked(ranks, 0, True),
-            "async_blocked_later_less_waits_seconds": blocked(ranks, 1, True),
             # whether each save was committed by the flags, in the loop's own stride
             "async_committed_in_the_background": [all(c[i]["finish"] is None
                                                       for c in ranks) for i in (0, 1)],
             "async_advance_seconds": [max(c[i]["advance"] for c in ranks) for i in (0, 1)],
+            "async_write_seconds": max(c[0]["write"] for c in ranks)}
+    if synchronous is None:
+        return ours
+    return {**ours,
+            "async_blocked_less_waits_seconds": blocked(ranks, 0, True),
+            "async_blocked_later_less_waits_seconds": blocked(ranks, 1, True),
             "async_waits_seconds": [max(waits(ranks, c, i) for c in ranks) for i in (0, 1)],
             "sync_waits_seconds": [max(waits(synchronous, c, i) for c in synchronous)
                                    for i in (0, 1)],
             # the same schedule's synchronous saves, with and without the waits
             "sync_same_schedule_seconds": [blocked(synchronous, i) for i in (0, 1)],
             "sync_same_schedule_less_waits_seconds": [blocked(synchronous, i, True)
-                                                      for i in (0, 1)],
-            "async_write_seconds": max(c[0]["write"] for c in ranks)}
+                                                      for i in (0, 1)]}
 
 
 def main():
@@ -228,13 +247,20 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--baseline", default="7c2292b")
     parser.add_argument("--out", default="runs/ckpt")
-    parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
+    parser.add_argument("--models", nargs="+", choices=list(MODELS),
+                        default=["quickstart", "100M"])
     parser.add_argument("--repeats", type=int, default=2,
                         help="synchronous save and load runs per revision, alternating; the "
                         "fastest of each counts")
+    parser.add_argument("--device-check", choices=("cuda", "cpu"),
+                        help="the device check (launch/device_check.sh, STAGES=checkpoint; "
+                        "cpu to rehearse it): this revision only, on the GPU with cuda: one "
+                        "synchronous save after one step, and the --async-save schedule")
     args = parser.parse_args()
     out = os.path.abspath(args.out)
     os.makedirs(out, exist_ok=True)
+    if args.device_check:
+        return device_check(args, out)
     base = os.path.join(out, "baseline")
     if not os.path.isdir(base):
         subprocess.run(["git", "worktree", "add", "--detach", base, args.baseline], cwd=REPO,
@@ -266,6 +292,25 @@ def main():
     with open(os.path.join(out, "checkpoint_format.json"), "w") as f:
         json.dump({"baseline": args.baseline, "repeats": args.repeats, "results": results},
                   f, indent=1)
+
+
+def device_check(args, out):
+    """--async-save's blocked time against a synchronous save, this revision only (with
+    ``cuda``: the tensors copied out of the GPU into pinned host memory)."""
+    extra = ["--distributed-backend", "nccl", "--diloco-backend", "gloo"] \
+        if args.device_check == "cuda" else []
+    results = {}
+    for name in args.models:
+        ours = measure(REPO, name, out, extra, load=False)
+        ours.update(measure_async(name, out, extra, same_schedule=False))
+        ratio = {f"async_blocked{which}_over_sync_save":
+                 ours[f"async_blocked{which}_seconds"] / ours["save_seconds"]
+                 for which in ("", "_later")}
+        results[name] = {"ours": ours, "ratio": ratio}
+        print(name, json.dumps(results[name]), flush=True)
+        subprocess.run(["rm", "-rf", paths(REPO, name, out)[0]])  # the device's disk
+    with open(os.path.join(out, "checkpoint_device.json"), "w") as f:
+        json.dump({"device": args.device_check, "results": results}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,9 @@
 # STAGES="environment": what docs/gpu_clusters.md says is untested on a GPU: the fused attention
 # against the unfused one (bf16, 2k-8k), the sync's device memory around a send, each rank's
 # GPUs while two workers train (nvidia-smi), then the `-m cuda` tests; about 6 minutes.
+# STAGES="checkpoint": --async-save's blocked time against a synchronous save of a ~1B model
+# (benchmarks/checkpoint_format.py --device-check: two launches, about 12 GiB a checkpoint on
+# the device's disk, at most two at once), its JSON and log into $OUT.
 # REHEARSE=1: the same sequence on a CPU machine (tiny model, codec on the CPU), to try it out.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -109,6 +112,14 @@ if has plan; then
   timeout $(( $(left) - 10 )) python3 benchmarks/plan_device.py $tiny --out "$OUT" \
     > "$OUT/plan_device.log" 2>&1
   grep -v -i warn "$OUT/plan_device.log" | tail -12
+fi
+if has checkpoint; then
+  echo "== --async-save against a synchronous save ($(left) s left)"
+  models=1B; [[ $device == cpu ]] && models=quickstart
+  timeout $(( $(left) - 10 )) python3 benchmarks/checkpoint_format.py --device-check $device \
+    --models $models --out "$W/checkpoint" > "$OUT/checkpoint.log" 2>&1
+  tail -c 3000 "$OUT/checkpoint.log"
+  cp "$W/checkpoint/checkpoint_device.json" "$OUT/" 2>/dev/null
 fi
 cp "$W/quality/quality.json" "$W/timeline/timeline.json" "$W/micro_codec.json" "$OUT/" \
   2>/dev/null
