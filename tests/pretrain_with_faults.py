@@ -12,8 +12,9 @@ variables, through the library's step-hook extensions (nothing in the library re
   shared with other workers lets those go on): a loss at a known point, for the exactness
   test of elastic workers.
 * ``MEGATRON_STREAMING_SLOW_WRITE=ITERATION:SECONDS``: the background write of every
-  checkpoint of iteration ITERATION or later (``--async-save``) sleeps SECONDS before writing,
-  so a test can act while it is in flight.
+  checkpoint of iteration ITERATION or later (``--async-save``) sleeps SECONDS before writing
+  its files (its part of the partial directory made), so a test can act while it is in
+  flight.
 
 Launch it as ``pretrain_gpt.py`` is launched (torchrun, the deepspeed launcher, python).
 """
@@ -77,18 +78,25 @@ class Faults:
 
 def _slow_writes() -> None:
     import re
+    import threading
 
     from megatron_streaming.checkpoint.background import FileWrite
+    from patches import megatron_checkpoint_writer as writer
 
     iteration, seconds = _parse(SLOW_WRITE)
-    real_run = FileWrite.run
+    real_run, real_write = FileWrite.run, writer.write_files
+    due = threading.local()  # whether the write on this thread is of a slowed checkpoint
 
     def run(self):
-        if int(re.search(r"iter_(\d+)", self.directory).group(1)) >= iteration:
-            time.sleep(seconds)
+        due.slow = int(re.search(r"iter_(\d+)", self.directory).group(1)) >= iteration
         return real_run(self)
 
-    FileWrite.run = run
+    def write_files(*args):  # its part of the partial directory made, its request planned
+        if getattr(due, "slow", False):
+            time.sleep(seconds)
+        return real_write(*args)
+
+    FileWrite.run, writer.write_files = run, write_files
 
 
 if __name__ == "__main__":

@@ -145,9 +145,11 @@ def test_async_save_commits_once_written_and_holds_the_state_of_its_step(
     at_save = state.model.weight.detach().clone()
     from patches import megatron_checkpoint_writer
 
-    release, real_write = threading.Event(), megatron_checkpoint_writer.write_files
+    release, writing = threading.Event(), threading.Event()
+    real_write = megatron_checkpoint_writer.write_files
 
     def held_write(*args):  # the write blocks until the test lets it go
+        writing.set()
         release.wait(60)
         return real_write(*args)
 
@@ -156,6 +158,7 @@ def test_async_save_commits_once_written_and_holds_the_state_of_its_step(
     with torch.no_grad():
         state.model.weight.mul_(-3.0)  # the next steps, while the files are written
     assert not pending.written()
+    assert writing.wait(60)  # its part of the partial directory made on the write's thread
     assert checkpoint.find_checkpoint(root)[1]["iteration"] == 1
     assert os.path.isdir(os.path.join(root, "iter_0000002.partial"))
     release.set()

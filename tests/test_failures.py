@@ -79,6 +79,9 @@ def test_killed_rank_is_named_and_the_job_resumes_from_the_last_checkpoint(tmp_p
     try:
         wait_for_line(logs[0], r"checkpoint of iteration 30: writing in the background",
                       workers[0])
+        deadline = time.monotonic() + 60  # its part made on the write's thread, then held
+        while not (ckpt / "iter_0000030.partial").is_dir() and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert sorted(p.name for p in ckpt.iterdir()) == [
             "iter_0000020", "iter_0000030.partial", "latest_checkpointed_iteration.txt"]
         victim = _rank_of(workers[1], local_rank=1)  # global rank 3: worker 1, tp 1

@@ -84,7 +84,8 @@ class Checkpointer:
     def reserve_staging(self, state) -> int:
         """--async-save: make the host buffer the saves copy into now, beside training,
         instead of in the first save, start the thread they write on, and plan the saves
-        (``plan_ahead``); returns the buffer's bytes. Collective within the worker, as ``state.sharded_state_dict`` is."""
+        (``plan_ahead``); returns the buffer's bytes. Collective within the worker, as
+        ``state.sharded_state_dict`` is."""
         sharded = state.sharded_state_dict()
         self.runner.start()
         staged = self.staging.reserve(sharded)
