@@ -107,6 +107,8 @@ def main():
         met = stores(run)
         run.sync.events = []  # what the sync did, step by step (off by default)
         run.train()
+        if run.cfg.checkpoint.save:
+            run.finish_saving("training ends")  # a save in flight (--async-save)
         run.stop.close()
         run.sync.close()
         sync_bytes = run.report.cross_worker_bytes()

@@ -232,7 +232,10 @@ class Run:
                 if merged:
                     log.info("merged %d fragment exchange(s) still in flight after the last "
                              "step", merged)
+            members = self.topology.members
             self.elastic.end_of_step(self.iteration)  # a lost worker: the others go on
+            if self.saving is not None and set(self.topology.members) < set(members):
+                self._abandon_saving()
             if self.elastic.catching_up:  # up to the step the other survivors reached: no
                 continue  # save, no stop flag (they are past this step's)
             if self.elastic.stopping:  # too few workers alive: a checkpoint, then out
@@ -364,6 +367,25 @@ class Run:
             log.info("saved checkpoint %s in %.2f s (gather %.2f s, write and hash %.2f s)",
                      path, sum(t.values()), t["collect"] + t["describe"],
                      t["plan"] + t["write"])
+
+    def _abandon_saving(self) -> None:
+        """A worker was lost while a checkpoint was being written in the background: not
+        committed, as a synchronous save that loses a worker is not (its part and the
+        exchanges in flight went with it); training goes on. This rank's files and its
+        stage of the commit are let finish first; the partial directory stays, as after a
+        synchronous save's loss. A commit already begun (every part finalised) goes on."""
+        from ..checkpoint.background import COMMITTING
+
+        pending = self.saving
+        if pending.stage == COMMITTING:
+            return
+        self.saving = None
+        pending.write.wait()
+        if pending.task is not None:
+            pending.task.wait()
+        log.warning("the checkpoint of iteration %d was not written: a worker was lost while "
+                    "it was being written in the background; training goes on",
+                    pending.iteration)
 
     def _save_failed(self, error: Exception, iteration: int) -> None:
         # A worker lost during the save: not committed; elastic runs go on (anything else,
