@@ -158,11 +158,15 @@ class Checkpointer:
         def plan():
             request.append(self.plans.request(sharded, mine, reuse))
 
+        def part_and_plan():
+            make_part()
+            return self.plans.request(sharded, mine, True)
+
         if reuse and background:
             # The rest is this rank's alone, its tensors copied out: on the write's thread
             # (a failure there is flagged, as a failed write is).
             error, t2 = None, time.perf_counter()
-            request.append(lambda: (make_part(), self.plans.request(sharded, mine, True))[1])
+            request.append(part_and_plan)
         elif reuse:  # this rank's own plan: no collective until the commit
             error = _attempt(make_part)
             t2 = time.perf_counter()
@@ -177,7 +181,8 @@ class Checkpointer:
                 error = _attempt(plan)
         # Any failure so far is learnt by every rank at the commit: a worker that plans
         # afresh and one that does not run the same collectives across workers.
-        # On a GPU the device tensors are copied to host memory here.
+        # On a GPU a synchronous save's device tensors are copied to host memory by its
+        # write, in the step loop; a background save's were copied out above.
         report = _report(partial, part, self.local) if background and error is None else None
         write = FileWrite(request[0] if request else None, mine, report)
         t3 = time.perf_counter()

@@ -173,17 +173,14 @@ class FileWrite:
         self.seconds = {"write": 0.0}  # hashed as written: the time of both
         self._background = False
         self._done = threading.Event()
-        if not callable(request):
-            self.request = _preloaded(request)  # device -> host, here
 
     def run(self) -> "FileWrite":
         from patches.megatron_checkpoint_writer import results_to_json, write_files
 
         try:
             started = time.perf_counter()
-            if callable(self.request):
-                self.request = _preloaded(self.request())
-            r = self.request
+            r = self.request() if callable(self.request) else self.request
+            r = self.request = _preloaded(r)  # a synchronous save's device tensors
             if r is not None and r.async_fn is not None:
                 written, self.results = write_files(r, new_hash)
                 self.table = {name: {"size": size, HASH: digest}
@@ -253,7 +250,7 @@ class Runner:
         self._thread: Optional[threading.Thread] = None
 
     def start(self) -> "Runner":
-        """The thread, started now unless it runs (else at the first ``submit``)."""
+        """Start the thread unless it runs (``submit`` starts it too)."""
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
             self._thread.start()
@@ -327,5 +324,4 @@ class PendingSave:
 
 
 __all__ = ["COMMITTING", "DONE", "FINALISING", "FileWrite", "PendingSave", "Runner", "Staging",
-           "Task",
-           "WRITING", "exact", "in_place", "read_json", "shared_files", "write_json"]
+           "Task", "WRITING", "exact", "in_place", "read_json", "shared_files", "write_json"]
