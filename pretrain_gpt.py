@@ -45,10 +45,12 @@ def main(argv=None, extensions=()) -> int:
     from megatron_streaming.cli.arguments import parse_args
     from megatron_streaming.errors import JobFailure, UsageError
     from megatron_streaming.run.train import pretrain
+    from patches import UpstreamVersionError
 
     try:
         pretrain(parse_args(argv), extensions)
-    except UsageError as e:  # bad input: a line per problem; bugs keep their traceback
+    except (UsageError, UpstreamVersionError) as e:  # bad input or an unsupported torch (one
+        # line per problem, before any training); bugs keep their traceback
         for line in str(e).splitlines():
             print(f"pretrain_gpt.py: error: {line}", file=sys.stderr, flush=True)
         return 2

@@ -17,7 +17,9 @@ class Patch:
     package: str
     """Distribution name of the patched package (``importlib.metadata`` spelling)."""
     version: Union[str, Tuple[str, ...]]
-    """The exact upstream version (or versions) the patch was written and verified against."""
+    """The upstream versions the patch was verified on: a release (``"0.16.1"``) or the
+    release series of ``_pinning.TORCH_VERSIONS``, each with its pre-release and local builds
+    (``_pinning.require_version``)."""
     is_needed: Callable[[], bool]
     """True when this process would hit the upstream problem (e.g. no CUDA)."""
     install: Callable[[], None]

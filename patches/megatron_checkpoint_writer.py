@@ -1,5 +1,6 @@
 """Adapter: megatron-core's torch_dist writer, its files written and hashed in the saving
-process, its results returned there (megatron-core 0.16.1).
+process, its results returned there (megatron-core 0.16.1; torch's private ``_write_item`` and
+``_StorageInfo``: the torch series of ``_pinning.TORCH_VERSIONS``).
 
 ``FileSystemWriterAsync`` (``dist_checkpointing.strategies.filesystem_async``) writes a rank's
 files in processes it forks, and the function that waits for them puts their results into a
@@ -27,10 +28,14 @@ offset and length) to its caller, which carries them to the worker's first rank
 
 import queue
 
-from ._pinning import require_version_once
+from ._pinning import TORCH_VERSIONS, require_version_once
 
 NAME = "megatron_checkpoint_writer"
 PACKAGE, VERSION = "megatron-core", "0.16.1"
+
+
+def _check_torch() -> None:
+    require_version_once("torch", TORCH_VERSIONS, NAME)
 
 
 def in_process_results() -> None:
@@ -53,6 +58,7 @@ def write_files(request, digest) -> tuple:
     (size, hex digest)}, names relative to the checkpoint directory; this rank's write
     results)."""
     require_version_once(PACKAGE, VERSION, NAME)
+    _check_torch()
     import concurrent.futures
     import os
 
@@ -101,6 +107,7 @@ def results_to_json(results) -> list:
 
 
 def results_from_json(items: list) -> list:
+    _check_torch()
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import MetadataIndex
     from torch.distributed.checkpoint.storage import WriteResult

@@ -1,4 +1,5 @@
-"""Checkpoint metadata is read without running code from the file (torch 2.13.0 and 2.11.0).
+"""Checkpoint metadata is read without running code from the file (the torch series of
+``_pinning.TORCH_VERSIONS``).
 
 Why: ``torch.distributed.checkpoint.FileSystemReader.read_metadata`` reads the ``.metadata``
 file of a checkpoint with a bare ``pickle.load``, so a replaced ``.metadata`` could run any
@@ -16,6 +17,7 @@ import pickle
 import types
 
 from ._patch import Patch, is_marked, mark
+from ._pinning import TORCH_VERSIONS
 
 NAME = "torch_dcp_safe_metadata"
 
@@ -67,7 +69,7 @@ def install() -> None:
 PATCH = Patch(
     name=NAME,
     package="torch",
-    version=("2.13.0", "2.11.0"),
+    version=TORCH_VERSIONS,
     is_needed=lambda: True,
     install=install,
 )

@@ -1,5 +1,5 @@
-"""Adapter: a gloo (or NCCL) process group made on a store, outside the default (world) group (torch
-2.13.0, also verified on 2.11.0; not a patch, nothing upstream is changed).
+"""Adapter: a gloo (or NCCL) process group made on a store, outside the default (world) group (the
+torch series of ``_pinning.TORCH_VERSIONS``; not a patch, nothing upstream is changed).
 
 ``torch.distributed.new_group`` only makes subgroups of the world: every rank of the world
 takes part in creating each one, and a lost rank breaks the world for good. The cross-worker
@@ -19,10 +19,10 @@ other).
 
 import datetime
 
-from ._pinning import require_version
+from ._pinning import TORCH_VERSIONS, require_version
 
 NAME = "torch_process_group"
-PACKAGE, VERSIONS = "torch", ("2.13.0", "2.11.0")
+PACKAGE, VERSIONS = "torch", TORCH_VERSIONS
 
 
 def _check() -> None:  # cheap (groups are made a few times per run): no caching

@@ -9,8 +9,9 @@ interpreter. Each scenario prints one line, ``RESULT_PREFIX`` + JSON, for the te
   faked present or blocked (``FAKE_APEX=present|blocked``; TE is always blocked).
 * ``two_ranks``: a tiny GPTModel (local spec) trained through megatron's schedules on 2 gloo
   ranks (env RANK, WORLD_SIZE, MASTER_*): TP=2 with sequence parallelism and megatron DDP,
-  then PP=2 with shared embeddings, attention dropout and full activation recompute; and the
-  adapter ``megatron_row_parallel`` against ``RowParallelLinear`` at TP=2.
+  then PP=2 with shared embeddings, attention dropout and full activation recompute; the
+  adapter ``megatron_row_parallel`` against ``RowParallelLinear`` at TP=2; and the adapter
+  ``torch_process_group``: a group made on the store, used, dropped.
 
 Models use ``cross_entropy_fusion_impl="native"``: the unfused loss reads parallel_state's global
 TP group, the native one the model's own ``pg_collection.tp``. Its jit_fuser is torch.compile
@@ -678,6 +679,31 @@ def _row_parallel_partial_sum():
             "gradients_equal": all(torch.equal(a, b) for a, b in zip(got, expected))}
 
 
+def _standalone_group():
+    """The adapter ``torch_process_group`` on 2 ranks, as the cross-worker groups use it: a
+    gloo group on a prefix of the world's store, entered in the world's registry (a
+    collective on it, its backend and ranks answered) and dropped from it again."""
+    import torch
+    import torch.distributed as dist
+
+    from patches import torch_process_group as pg
+
+    rank = dist.get_rank()
+    store = dist.PrefixStore("standalone/", pg.default_store())
+    group = pg.standalone_group("gloo", store, 1 - rank, 2, datetime.timedelta(seconds=60),
+                                {rank: 1 - rank}, "standalone")  # group ranks reversed
+    total = torch.tensor([float(rank + 1)])
+    dist.all_reduce(total, group=group)
+    gathered = [torch.zeros(1) for _ in range(2)]
+    dist.all_gather(gathered, torch.tensor([float(rank)]), group=group)
+    answers = {"sum": float(total), "gathered": [float(t) for t in gathered],
+               "backend": pg.backend_of(group), "rank_in_group": dist.get_rank(group),
+               "registered": dist.get_backend(group) == "gloo"}
+    pg.drop(group)
+    answers["dropped"] = group not in dist.distributed_c10d._world.pg_map
+    return answers
+
+
 def _scenario_two_ranks():
     # apply() before any megatron import: the other order from single_rank.
     import patches
@@ -691,7 +717,8 @@ def _scenario_two_ranks():
     _ensure_global_memory_buffer()
     result = {"applied": applied, "tp2_sp_ddp": _run_tp2_sp(),
               "pp2_shared_embedding": _run_pp2_shared_embedding(),
-              "row_parallel_partial_sum": _row_parallel_partial_sum()}
+              "row_parallel_partial_sum": _row_parallel_partial_sum(),
+              "standalone_group": _standalone_group()}
     dist.destroy_process_group()
     _emit(result)
 

@@ -8,7 +8,15 @@ fixture since imports dominate their run time:
   must fail exactly when a patch it needs is skipped, so each patch is shown necessary,
   sufficient for its call sites, and independent of the others;
 * ``selection`` with CUDA faked on and apex faked present or blocked;
-* ``two_ranks``: a tiny GPT trained on 2 gloo ranks with TP=2 + SP, then PP=2.
+* ``two_ranks``: a tiny GPT trained on 2 gloo ranks with TP=2 + SP, then PP=2, and a group
+  made on the store (``torch_process_group``).
+
+The version pins are checked in-process against faked installed versions (the torch builds of
+NVIDIA's containers pass, other torch releases are refused in one line), and end to end by a
+one-rank run whose torch metadata reads a container's version, or an unsupported one.
+
+Run with another torch's Python (a venv holding that torch), this file is the check that
+verifies the call sites on that torch (docs/gpu_clusters.md, "Supported torch").
 """
 
 import importlib.util
@@ -139,16 +147,25 @@ def workers(tmp_path_factory):
 # --------------------------------------------------------------------------------------------
 
 
-# What a check reports when a patch it needs is skipped: the upstream failure that patch fixes.
+# Upstream code reaching for CUDA on a host without it, as each torch build says so.
+_NO_CUDA = (
+    "Torch not compiled with CUDA enabled",  # a CPU build
+    "Found no NVIDIA driver",  # a CUDA build (PyPI's) on a host without a GPU
+    # the same, in a process forked (from the tests' zygote) after torch looked for a GPU
+    "Cannot re-initialize CUDA in forked subprocess",
+)
+
+# What a check reports when a patch it needs is skipped: the upstream failure that patch fixes
+# (one of these texts).
 _EXPECTED_FAILURE = {
-    "megatron_rng": "Torch not compiled with CUDA enabled",
-    "megatron_devices": "Torch not compiled with CUDA enabled",
-    "megatron_embedding": "Torch not compiled with CUDA enabled",
-    "megatron_norm": "not supported by torch LayerNorm",  # sequence parallel, zero-centred
-    "deepspeed_shm": "shm op build requested",
-    "deepspeed_cpu_fp16": "Type fp16 is not supported",
-    "torch_dcp_safe_metadata": "reading .metadata ran code from the file",
-    "megatron_moe": "name 'te_general_gemm' is not defined",
+    "megatron_rng": _NO_CUDA,
+    "megatron_devices": _NO_CUDA,
+    "megatron_embedding": _NO_CUDA,
+    "megatron_norm": ("not supported by torch LayerNorm",),  # sequence parallel, zero-centred
+    "deepspeed_shm": ("shm op build requested",),
+    "deepspeed_cpu_fp16": ("Type fp16 is not supported",),
+    "torch_dcp_safe_metadata": ("reading .metadata ran code from the file",),
+    "megatron_moe": ("name 'te_general_gemm' is not defined",),
 }
 
 
@@ -168,7 +185,8 @@ def test_each_patch_is_needed_and_independent(workers, skipped):
     needing = {name for name, needs in worker.CHECK_NEEDS.items() if skipped in needs}
     assert broken == needing, result
     for name in broken:  # failed for the reason the patch addresses, not something else
-        assert _EXPECTED_FAILURE[skipped] in result["checks"][name], result
+        assert any(text in result["checks"][name] for text in _EXPECTED_FAILURE[skipped]), \
+            result
 
 
 @pytest.mark.timeout(240)
@@ -206,20 +224,129 @@ def test_selection_cuda_untouched_and_norm_fallback(workers):
 
 @pytest.mark.parametrize("package, found, skip", [
     ("megatron-core", "0.17.0", ["deepspeed_shm"]),  # skip: keeps deepspeed out of pytest
+    ("megatron-core", "0.16.2rc0+ab12cd", ["deepspeed_shm"]),
     ("deepspeed", "0.20.0", []),
+    ("deepspeed", "0.19.7", []),
 ])
 def test_version_refusal_names_package_found_and_expected(monkeypatch, package, found, skip):
     import patches
     from patches import _pinning
 
-    versions = {"megatron-core": "0.16.1", "deepspeed": "0.19.8"}
+    versions = {"megatron-core": "0.16.1", "deepspeed": "0.19.8", "torch": "2.13.0+cpu"}
     expected = versions[package]
     monkeypatch.setattr(_pinning, "installed_version", {**versions, package: found}.get)
     monkeypatch.setattr(patches, "_APPLIED", [])  # as in a fresh process
     with pytest.raises(patches.UpstreamVersionError) as err:
         patches.apply(skip=skip)
-    assert f"{package}=={expected}" in str(err.value) and f"{package}=={found}" in str(err.value)
+    message = str(err.value)
+    assert message.startswith(f"{package} {found} is not supported: patch "), message
+    assert f"supports {package} {expected} and its pre-release" in message, message
+    assert "\n" not in message
     assert patches.applied() == []  # refused before installing anything
+
+
+# torch as NVIDIA's PyTorch containers report it (26.10-like, 26.08, 25.12), and releases.
+CONTAINER_TORCH = ("2.13.0a0+4f3e2b1.nv26.10", "2.14.0a0+4fdf77b940.nv26.8.63802676",
+                   "2.10.0a0+b4e4ee81d3", "2.11.0a0+eb65b36914.nv26.02",
+                   "2.12.0a0+0291f960b6.nv26.04.48445190")
+RELEASED_TORCH = ("2.10.0", "2.11.0+cu130", "2.12.0", "2.13.0+cpu", "2.14.1", "2.15.0",
+                  "2.13.1rc1", "2.15.0a0+x")
+REFUSED_TORCH = ("2.9.1", "2.16.0", "2.16.0a0+x", "2.9.0a0+b4e4ee81d3.nv25.10", "3.0.0")
+SUPPORTED_TORCH_TEXT = "2.10.x, 2.11.x, 2.12.x, 2.13.x, 2.14.x, 2.15.x"
+
+
+# The modules that reach torch's private names (a patch, two adapters).
+TORCH_PINNED = ("torch_dcp_safe_metadata", "torch_process_group", "megatron_checkpoint_writer")
+
+
+def test_every_torch_pin_is_the_one_supported_list():
+    """No torch version is written in patches/ but in _pinning's list, which every module
+    that reaches torch's private names holds."""
+    import re
+
+    from patches import _pinning
+
+    for path in (REPO / "patches").glob("*.py"):
+        if path.name != "_pinning.py":
+            assert not re.search(r"[\"']2\.\d+(\.\d+)?[\"']", path.read_text()), path
+    for name in TORCH_PINNED:
+        module = importlib.import_module(f"patches.{name}")
+        assert any(value is _pinning.TORCH_VERSIONS for value in vars(module).values()), name
+    assert _pinning.described(_pinning.TORCH_VERSIONS) == SUPPORTED_TORCH_TEXT
+
+
+@pytest.mark.parametrize("found", CONTAINER_TORCH + RELEASED_TORCH)
+def test_container_and_released_torch_pass_every_torch_pin(monkeypatch, found):
+    from patches import _pinning
+
+    monkeypatch.setattr(_pinning, "installed_version", {"torch": found}.get)
+    for name in TORCH_PINNED:
+        _pinning.require_version("torch", _pinning.TORCH_VERSIONS, name)  # raises if refused
+
+
+@pytest.mark.parametrize("found", REFUSED_TORCH)
+def test_other_torch_is_refused_in_one_line_naming_the_supported_versions(monkeypatch, found):
+    from types import SimpleNamespace
+
+    import patches
+    from patches import _pinning, megatron_checkpoint_writer, torch_process_group
+
+    monkeypatch.setattr(_pinning, "installed_version",
+                        {"megatron-core": "0.16.1", "deepspeed": "0.19.8", "torch": found}.get)
+    monkeypatch.setattr(patches, "_APPLIED", [])  # as in a fresh process
+    _pinning.require_version_once.cache_clear()
+    others = [name for name in ALL_PATCHES if name != "torch_dcp_safe_metadata"]
+    refusals = []
+    for name, call in (
+            # the others would install upstream changes in pytest
+            ("torch_dcp_safe_metadata", lambda: patches.apply(skip=others)),
+            ("torch_process_group",
+             lambda: torch_process_group.standalone_group("gloo", None, 0, 1, None)),
+            ("megatron_checkpoint_writer",
+             lambda: megatron_checkpoint_writer.write_files(SimpleNamespace(), None)),
+            ("megatron_checkpoint_writer",
+             lambda: megatron_checkpoint_writer.results_from_json([]))):
+        with pytest.raises(patches.UpstreamVersionError) as err:
+            call()
+        refusals.append((err, name))
+    for error, name in refusals:
+        message = str(error.value)
+        assert message == (
+            f"torch {found} is not supported: patch {name!r} supports torch "
+            f"{SUPPORTED_TORCH_TEXT} and their pre-release and local builds; install one of "
+            f"those, or re-verify the call sites of patches/{name}.py (tests/test_patches.py) "
+            f"and extend its pin"), message
+    assert patches.applied() == []
+
+
+def test_offline_tools_refuse_an_unsupported_torch_as_a_checkpoint_error(monkeypatch, tmp_path):
+    """``python -m megatron_streaming.checkpoint`` prints a CheckpointError as one line."""
+    import patches
+    from megatron_streaming.checkpoint import megatron_export, offline
+    from megatron_streaming.checkpoint.resume import CheckpointError
+    from patches import _pinning
+
+    monkeypatch.setattr(_pinning, "installed_version",
+                        {"megatron-core": "0.16.1", "deepspeed": "0.19.8", "torch": "2.16.0"}.get)
+    monkeypatch.setattr(patches, "_APPLIED", [])
+    for call in (lambda: offline.read_tensors(str(tmp_path), []),
+                 lambda: megatron_export.build_filled_model(None, {})):
+        with pytest.raises(CheckpointError, match=r"^torch 2\.16\.0 is not supported: "):
+            call()
+    assert patches.applied() == []
+
+
+def test_megatron_and_deepspeed_pins_admit_builds_of_their_release(monkeypatch):
+    """The exact pins take a release's pre-release and local builds (a container's), not a
+    neighbouring release."""
+    from patches import _pinning
+
+    for found in ("0.16.1", "0.16.1rc0+2f1e0a9", "0.16.1+nv26.10", "0.16.1.post1"):
+        assert _pinning.admits("0.16.1", found), found
+    for found in ("0.16.0", "0.16.2", "0.16.10", "0.16", "0.17.0rc0", "not-a-version"):
+        assert not _pinning.admits("0.16.1", found), found
+    assert _pinning.admits("2.13", "2.13.0a0+4f3e2b1.nv26.10")
+    assert not _pinning.admits("2.1", "2.13.0")  # numbers, not characters
 
 
 def test_adapters_refuse_another_version_before_touching_anything(monkeypatch):
@@ -232,31 +359,34 @@ def test_adapters_refuse_another_version_before_touching_anything(monkeypatch):
 
     monkeypatch.setattr(_pinning, "installed_version",
                         {"megatron-core": "0.17.0", "deepspeed": "0.20.0",
-                         "torch": "2.12.0+cpu"}.get)
+                         "torch": "2.16.0+cpu"}.get)
     _pinning.require_version_once.cache_clear()  # as in a fresh process
     optimizer = SimpleNamespace(single_partition_of_fp32_groups=[])
     with pytest.raises(_pinning.UpstreamVersionError,
-                       match=r"'deepspeed_zero' .*deepspeed==0\.19\.8 .*deepspeed==0\.20\.0"):
+                       match=r"^deepspeed 0\.20\.0 is not supported: patch 'deepspeed_zero' "
+                             r"supports deepspeed 0\.19\.8 "):
         deepspeed_zero.is_zero(optimizer)
     with pytest.raises(_pinning.UpstreamVersionError,
-                       match=r"'megatron_parallel_state' .*megatron-core==0\.16\.1"):
+                       match=r"'megatron_parallel_state' .*supports megatron-core 0\.16\.1 "):
         megatron_parallel_state.install_groups({}, {})
     with pytest.raises(_pinning.UpstreamVersionError,
-                       match=r"'megatron_row_parallel' .*megatron-core==0\.16\.1"):
+                       match=r"'megatron_row_parallel' .*supports megatron-core 0\.16\.1 "):
         megatron_row_parallel.partial_sum(SimpleNamespace(), None)
     with pytest.raises(_pinning.UpstreamVersionError,
-                       match=r"'megatron_checkpoint_writer' .*megatron-core==0\.16\.1"):
+                       match=r"'megatron_checkpoint_writer' .*supports megatron-core 0\.16\.1 "):
         megatron_checkpoint_writer.in_process_results()
     with pytest.raises(_pinning.UpstreamVersionError,
-                       match=r"'megatron_checkpoint_writer' .*megatron-core==0\.16\.1"):
+                       match=r"'megatron_checkpoint_writer' .*supports megatron-core 0\.16\.1 "):
         megatron_checkpoint_writer.write_files(SimpleNamespace(), None)
     for plan in (lambda plans: plans.request({}, "unused", reuse=False),
                  lambda plans: plans.plan_ahead({}, "unused")):
         with pytest.raises(_pinning.UpstreamVersionError,
-                           match=r"'megatron_save_plan' .*megatron-core==0\.16\.1"):
+                           match=r"'megatron_save_plan' .*supports megatron-core 0\.16\.1 "):
             plan(megatron_save_plan.SavePlans())
     with pytest.raises(_pinning.UpstreamVersionError,
-                       match=r"'torch_process_group' .*torch==2\.13\.0 or 2\.11\.0 .*2\.12\.0"):
+                       match=r"^torch 2\.16\.0\+cpu is not supported: patch "
+                             r"'torch_process_group' supports torch 2\.10\.x, 2\.11\.x, "
+                             r"2\.12\.x, 2\.13\.x, 2\.14\.x, 2\.15\.x "):
         torch_process_group.standalone_group("gloo", None, 0, 1, None)
 
 
@@ -325,6 +455,12 @@ def test_tiny_gpt_trains_with_tp_sp_and_pp_on_two_gloo_ranks(workers):
     # Shared embedding: first and last stage hold the same weight after init and training.
     assert ranks[0]["pp2_shared_embedding"]["shared_weight_max_diff"] == 0.0
     assert ranks[1]["pp2_shared_embedding"]["last_stage_losses"]
+    # A group made on the store outside the world (patches.torch_process_group), group ranks
+    # the reverse of the world's: all-reduced, gathered in group order, dropped again.
+    for rank, result in ranks.items():
+        assert result["standalone_group"] == {
+            "sum": 3.0, "gathered": [1.0, 0.0], "backend": "gloo", "rank_in_group": 1 - rank,
+            "registered": True, "dropped": True}, rank
     # The ladder's row-parallel partial sum (patches.megatron_row_parallel): reduced over TP
     # it is megatron's output, with the same gradients, the bias handed back apart.
     for rank, result in ranks.items():
@@ -366,3 +502,62 @@ def test_compile_on_first_call_defers_the_real_compile_with_its_options():
     assert calls == []  # decorating compiles nothing
     assert (plain(1), plain(2), configured(3)) == (101, 102, 106)
     assert calls == [{}, {"dynamic": True}]  # once per function, with its options
+
+
+# --------------------------------------------------------------------------------------------
+# A run under a torch whose installed metadata says otherwise (NVIDIA's container, too new)
+# --------------------------------------------------------------------------------------------
+
+
+def _torch_metadata_reading(root: Path, version: str) -> dict:
+    """The environment in which ``importlib.metadata.version("torch")`` is ``version``: a
+    dist-info of that version first on PYTHONPATH (the torch imported stays the real one).
+    It carries the real torch's entry points: importlib.metadata reads one distribution per
+    name, and torch 2.14 registers its gloo and NCCL backends through them."""
+    from importlib import metadata
+
+    info = root / f"torch-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: torch\nVersion: {version}\n")
+    (info / "entry_points.txt").write_text(
+        metadata.distribution("torch").read_text("entry_points.txt") or "")
+    path = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p)
+    probe = subprocess.run([sys.executable, "-c", "from importlib.metadata import version; "
+                            "print(version('torch'))"], env={**os.environ, "PYTHONPATH": path},
+                           capture_output=True, text=True, check=True, timeout=60)
+    assert probe.stdout.strip() == version, probe
+    return {"PYTHONPATH": path}
+
+
+def _one_rank(tmp_path: Path, torch_version: str):
+    env = {"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0", "MASTER_PORT": str(free_port()),
+           **_torch_metadata_reading(tmp_path / "metadata", torch_version)}
+    summary = tmp_path / "summary.json"
+    args = [*harness.TINY, "--num-layers", "2", "--train-iters", "3", "--eval-iters", "0",
+            "--summary-json", str(summary)]
+    return harness.run(1, args, timeout=240, check=False, extra_env=env), summary
+
+
+@pytest.mark.timeout(300)
+def test_a_run_under_a_container_torch_trains(tmp_path):
+    """torch reporting itself as NVIDIA's containers do (a pre-release with a local label)."""
+    proc, summary = _one_rank(tmp_path, "2.13.0a0+4f3e2b1.nv26.10")
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    result = json.loads(summary.read_text())
+    assert result["iteration"] == 3 and 0 < result["train_loss"] < 20, result
+
+
+@pytest.mark.timeout(300)
+def test_a_run_under_an_unsupported_torch_stops_with_one_line(tmp_path):
+    proc, summary = _one_rank(tmp_path, "2.16.0")
+    output = f"--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-6000:]}"
+    assert proc.returncode == 2, output
+    assert "Traceback" not in proc.stderr, output
+    errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
+    assert errors == [
+        "pretrain_gpt.py: error: torch 2.16.0 is not supported: patch "
+        "'torch_dcp_safe_metadata' supports torch 2.10.x, 2.11.x, 2.12.x, 2.13.x, 2.14.x, "
+        "2.15.x and their pre-release and local builds; install one of those, or re-verify "
+        "the call sites of patches/torch_dcp_safe_metadata.py (tests/test_patches.py) and "
+        "extend its pin"], output
+    assert not summary.exists()

@@ -94,7 +94,10 @@ def build_filled_model(model_cfg, params: Dict[str, torch.Tensor]):
     from ..config import ParallelConfig
     from ..worker.model import build_model
 
-    patches.apply()
+    try:
+        patches.apply()
+    except patches.UpstreamVersionError as e:  # an unsupported torch: one line, not a traceback
+        raise CheckpointError(str(e)) from None
     # megatron-core's local layers: Transformer Engine's keys are the same (its local spec
     # maps its norms onto them), and this runs without a GPU.
     model_cfg = dataclasses.replace(model_cfg, transformer_impl="local", ladder_residual=False,

@@ -34,7 +34,10 @@ def read_tensors(directory: str, keys) -> Dict[str, torch.Tensor]:
     import patches
     import torch.distributed.checkpoint as dcp
 
-    patches.apply()
+    try:
+        patches.apply()
+    except patches.UpstreamVersionError as e:  # an unsupported torch: one line, not a traceback
+        raise CheckpointError(str(e)) from None
     reader = dcp.FileSystemReader(directory)
     index = reader.read_metadata().state_dict_metadata
     missing = [k for k in keys if k not in index]
