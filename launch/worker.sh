@@ -12,7 +12,23 @@ set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 slots=$1 devices=$2
 shift 2
-mapfile -t hosts < <(scontrol show hostnames "${SLURM_STEP_NODELIST:-$SLURM_JOB_NODELIST}")
+nodelist=${SLURM_STEP_NODELIST:-$SLURM_JOB_NODELIST}
+# SLURM's expansion of its host list where its tools are; inside a container (a step of
+# pyxis/enroot, as in NVIDIA's images) they usually are not: the package's parser of the list.
+if command -v scontrol > /dev/null; then
+  mapfile -t hosts < <(scontrol show hostnames "$nodelist")
+else
+  mapfile -t hosts < <(cd "$repo" && .venv/bin/python -c 'import sys
+from megatron_streaming.parallel.slurm import expand_hostlist
+try:
+    print(*expand_hostlist(sys.argv[1]), sep="\n")
+except ValueError as e:
+    sys.exit(f"worker.sh: {e}")' "$nodelist")
+fi
+if (( ${#hosts[@]} == 0 )); then
+  echo "worker.sh: cannot read the step's nodes from '$nodelist'" >&2
+  exit 2
+fi
 hostfile=$(mktemp "${TMPDIR:-/tmp}/hostfile.XXXXXX")
 trap 'rm -f "$hostfile"' EXIT
 node_rank=-1 include=""

@@ -74,8 +74,11 @@ QUICK_FILES = (
     "test_simulate.py", "test_topology.py", "test_quiet.py", "test_errors.py", "test_hf.py",
     "test_model.py", "test_attention.py", "test_ladder.py", "test_slurm.py", "test_launch.py",
     "test_checkpoint.py", "test_gpu_environment.py", "test_training.py", "test_moe.py",
+    "test_container.py", "test_pinned.py",
 )
 QUICK_LEFT_OUT = {
+    "test_container.py": ("test_the_container_command_keeps_the_containers_torch_and_trains",
+                          "test_the_container_command_refuses_a_python_without_torch_and_an_isolated_venv"),
     "test_checkpoint.py": ("test_resume_continues_the_uninterrupted_run_exactly",
                            "test_resume_with_a_fragment_in_flight_continues_exactly"),
     "test_errors.py": ("test_load_of_corrupt_checkpoint", "test_load_of_directory_without_checkpoint",
