@@ -217,7 +217,9 @@ SCRIPTS = [
     },
     {
         # Megatron-LM's mixture-of-experts example: its MOE_ARGS as written (grouped GEMM
-        # commented out there, so optional here).
+        # commented out there, so optional here). Its LOGGING_ARGS comment out --save and
+        # --save-interval line by line: the interval alone is accepted, as Megatron-LM accepts
+        # it, and nothing is saved (tests/test_public_scripts.py).
         "name": "mixtral_8x7b",
         "source": MEGATRON_LM_MIXTRAL, "path": "examples/mixtral/train_mixtral_8x7b_distributed.sh",
         "args": [

@@ -28,12 +28,16 @@ tolerance) and half the batch: the workers exchange by the layout-free lanes
 moment, and the state a survivor resyncs or a newcomer takes travels by lanes too.
 """
 
+import datetime
 import json
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
 
-from harness import free_port, start, wait_for_line
+from harness import REPO, TINY, free_port, start, wait_for_line
 from test_streaming import BASE, analytic_bytes, dumps, reference, relative
 
 ELASTIC = [*BASE, "--num-layers", "2", "--diloco-workers", "3", "--diloco-min-workers", "2",
@@ -141,3 +145,93 @@ def test_a_lost_worker_is_dropped_then_rejoins_and_every_step_matches_the_refere
         assert sent[admitted + 1] - sent[noticed + 1] == per_worker(two, 2), (w, sent)
         assert sent["end"] - sent[admitted + 1] == per_worker(three, 3), (w, sent)
     assert got[1]["sent"]["end"] == per_worker(three, 3)
+
+
+# ---- a relaunched worker whose job ends before it is admitted --------------------------------
+# No job trains here: the store stands in for worker 0's first rank (a rendezvous process, its
+# host), the test writes what the running job would have left in it (workers 0 and 2's door
+# claims, membership epoch 1 without worker 1), and only the relaunched worker 1 is launched.
+ENDING = [*TINY, "--diloco-workers", "3", "--diloco-min-workers", "2",
+          "--diloco-inner-steps", "4", "--diloco-fragments", "2", "--train-iters", "40",
+          "--distributed-timeout-minutes", "2"]
+
+
+def _running_job_without_worker_1(port: int):
+    """The rendezvous store at ``port`` as a job of three one-rank workers leaves it once it
+    has gone on without worker 1 (membership epoch 1: workers 0 and 2): a client of it."""
+    from megatron_streaming.cli.arguments import parse_args, validate
+    from megatron_streaming.data.inputs import load_run_tokenizer
+    from megatron_streaming.job.door import Door, fingerprint
+    from megatron_streaming.job.membership import Membership, Record
+    from megatron_streaming.job.workers import WorkerShape
+    from megatron_streaming.parallel.distributed import store_client
+    from megatron_streaming.parallel.topology import RankLayout
+
+    cfg = parse_args(ENDING)
+    validate(cfg, 3)  # as each worker's ranks do: the values the door compares
+    layout = RankLayout.of(cfg, 3)
+    mine = fingerprint(cfg, layout, load_run_tokenizer(cfg))
+    store = store_client("127.0.0.1", port, 30)
+    for w in (0, 2):
+        Door(store, w, 3, 0, datetime.timedelta(seconds=30), secret="")._claim(
+            mine, shape=WorkerShape.of(cfg, layout).settings())
+    Membership(store, 3, 2).propose(Record(0, (0, 1, 2)), [0, 2], 31, "lost worker(s) [1]")
+    return store
+
+
+@pytest.mark.timeout(240)
+def test_a_relaunched_worker_whose_job_ends_before_it_is_admitted_exits_with_one_line(
+        tmp_path):
+    """Worker 1 relaunched into a running job asks to rejoin and waits; before it is admitted
+    the job ends. Where the leading rank recorded the end (``rejoin.record_end``, as it does
+    after its last step), the worker says at which iteration and that there is nothing to
+    rejoin, and the leading rank waits for it to read that; where the store's host goes
+    without a word (it died), the worker says the store went away. One line each, status 3,
+    no traceback (the store's errors used to escape as a ``DistNetworkError`` traceback)."""
+    from megatron_streaming.job.membership import Membership
+    from megatron_streaming.job.rejoin import JOIN, record_end
+
+    hosts, stores, workers, logs = {}, {}, {}, {}
+    try:
+        for case in ("ended", "store gone"):
+            port = free_port()
+            hosts[case] = subprocess.Popen(
+                [sys.executable, "-m", "megatron_streaming.job.rendezvous", "--host",
+                 "127.0.0.1", "--port", str(port)], cwd=REPO, stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT, text=True)
+            assert "listening" in hosts[case].stdout.readline()
+            stores[case] = _running_job_without_worker_1(port)
+            logs[case] = tmp_path / f"{case.replace(' ', '_')}.log"
+            workers[case] = start(1, [*ENDING, "--diloco-worker-index", "1", "--master-addr",
+                                      "127.0.0.1", "--master-port", str(port)], logs[case])
+        for case, store in stores.items():  # both ask in, then wait to be admitted
+            deadline = time.monotonic() + 180
+            while not store.check([f"{JOIN}1"]):
+                assert workers[case].poll() is None, logs[case].read_text()[-3000:]
+                assert time.monotonic() < deadline, logs[case].read_text()[-3000:]
+                time.sleep(0.5)
+        # The job ends after iteration 40: its leading rank records it, and waits (bounded)
+        # until the worker asking in has read it before its process takes the store away.
+        epoch = Membership(stores["ended"], 3, 2).latest()
+        assert record_end(stores["ended"], 40, epoch, 3, wait_s=60) == [1]
+        hosts["ended"].kill()
+        hosts["store gone"].kill()  # worker 0's first rank dies, the store with it
+        codes = {case: p.wait(timeout=120) for case, p in workers.items()}
+    finally:
+        for p in [*hosts.values(), *workers.values()]:
+            if p.poll() is None:
+                p.kill()
+    said = {}
+    for case, log in logs.items():
+        text = log.read_text()
+        errors = [line for line in text.splitlines() if "error:" in line]
+        assert codes[case] == 3 and "Traceback" not in text and len(errors) == 1, text[-3000:]
+        said[case] = errors[0]
+    print(*said.values(), sep="\n")
+    assert said["ended"] == (
+        "pretrain_gpt.py: error: worker 1 asked to rejoin, but the job ended at iteration 40 "
+        "(membership epoch 1: workers [0, 2]): nothing to rejoin"), said
+    assert said["store gone"].startswith(
+        "pretrain_gpt.py: error: worker 1 asked to rejoin, but the rendezvous store "
+        "127.0.0.1:"), said
+    assert "went away before it was admitted" in said["store gone"], said

@@ -3,6 +3,7 @@ made by their members alone (``Topology.add_cross_worker_groups``) going on afte
 dies. No training: the processes only meet and reduce."""
 
 import datetime
+import json
 import os
 import socket
 import subprocess
@@ -148,3 +149,62 @@ def test_every_rank_of_a_launch_takes_its_first_ranks_rejoin_decision():
     Membership(store, 3, 2).propose(Record(0, (0, 1, 2)), [0, 2], 31, "worker 1 lost")
     got = [running_job(cfg, store, 1, local, 2) for local in range(2)]
     assert [(r.epoch, r.members) for r in got] == [(1, (0, 2))] * 2
+
+
+def _leading_rank_of(store, members, train_iters=40, hosted_by="rank0"):
+    """An ``Elastic`` reduced to what its last steps read: the job's leading rank (worker 0's
+    first rank) of membership ``members`` among three workers, its store ``store``."""
+    from types import SimpleNamespace
+
+    from megatron_streaming.job.elastic import Elastic
+    from megatron_streaming.parallel.distributed import StoreAddress
+
+    e = Elastic.__new__(Elastic)
+    e.enabled, e.record = True, Record(1, tuple(members), 31, "lost worker(s) [1]")
+    e.ended_at = None
+    e.cfg = SimpleNamespace(training=SimpleNamespace(train_iters=train_iters))
+    e.topology = SimpleNamespace(store=store, layout=SimpleNamespace(workers=3),
+                                 leads_job=lambda: True)
+    e.rendezvous = StoreAddress(None, None, hosted_by)  # no address: through ``store``
+    e.stop = SimpleNamespace(join_agreed=True)  # a worker asked in, as the flag said
+    e.admitted = []
+    e._admit = e.admitted.append
+    return e
+
+
+def test_the_leading_rank_records_the_end_and_waits_for_a_worker_asking_in(caplog):
+    """After the last step the job admits nobody: its leading rank records where the job ended
+    and, hosting the store, waits until the worker asking in has read it (the worker withdraws
+    its request); before the last step the request is admitted as always."""
+    from megatron_streaming.job.rejoin import ENDED, JOIN, ended
+
+    store = dist.HashStore()
+    e = _leading_rank_of(store, (0, 2))
+    e.after_stop_flag(39)
+    assert e.admitted == [39] and ended(store) is None
+    store.set(f"{JOIN}1", "1")
+
+    def newcomer():  # polls as ``Elastic._wait_for_admission`` does, then reads the end
+        while ended(store) is None:
+            threading.Event().wait(0.05)
+        said.append(ended(store))
+        store.delete_key(f"{JOIN}1")
+
+    said = []
+    thread = threading.Thread(target=newcomer)
+    thread.start()
+    with caplog.at_level("WARNING", logger="megatron_streaming"):
+        e.after_stop_flag(40)
+    thread.join(10)
+    assert e.admitted == [39] and e.ended_at == 40
+    assert said == [{"iteration": 40, "epoch": 1, "members": [0, 2]}]
+    store.set(f"{JOIN}1", "1")
+    e.end(41)  # once per run: a second call records nothing and waits for nobody
+    assert ended(store)["iteration"] == 40 and store.check([f"{JOIN}1"])
+    assert "worker(s) [1] asked to rejoin as the job ended after step 40: told there is " \
+        "nothing to rejoin" in caplog.text
+    # With the store elsewhere (a standalone rendezvous) nobody is waited for: it stays.
+    store = dist.HashStore()
+    store.set(f"{JOIN}1", "1")
+    _leading_rank_of(store, (0, 2), hosted_by="external").after_stop_flag(40)
+    assert json.loads(store.get(ENDED))["iteration"] == 40 and store.check([f"{JOIN}1"])

@@ -18,7 +18,7 @@ import re
 
 import pytest
 
-from harness import REPO, read_jsonl, train_losses
+from harness import REPO, read_jsonl, run
 from megatron_streaming.cli import megatron_flags
 from megatron_streaming.cli.arguments import ConfigError, build_parser, parse_args, validate
 from public_scripts import SCRIPTS
@@ -203,6 +203,29 @@ def _drop(args, flags):
     return out
 
 
+# Megatron-LM's ROCm Mixtral example (examples/mixtral/train_mixtral_moe.sh, as stored at
+# NVIDIA/Megatron-LM@83f0eba84e6b96a22da37ddab6caf4eb8e39148c) passes --save-interval 500 with
+# its --save commented out; Megatron-LM saves only `if args.save and args.save_interval`.
+SAVE_INTERVAL_NOTE = "--save-interval {} without --save: nothing is saved"
+
+
+def test_save_interval_without_save_is_accepted_with_one_note(paths, tmp_path):
+    """The Mixtral script with --save-interval and no --save validates: one note, said once
+    however often the config is validated, and no interval left to save at."""
+    script = BY_NAME["mixtral_8x7b"]
+    refused = {line.split(":")[0].split()[0] for line in REFUSED["mixtral_8x7b"]}
+    args = _drop(placeholders(script, scale(script["args"]), paths, tmp_path), refused)
+    cfg = parse_args([*args, "--save-interval", "500"])
+    assert cfg.checkpoint.save is None
+    validate(cfg, 2)
+    validate(cfg, 2)
+    notes = [line for line in cfg.adjustments if line.startswith("--save-interval")]
+    assert notes == [SAVE_INTERVAL_NOTE.format(500)]
+    assert cfg.checkpoint.save_interval == 0
+    with pytest.raises(ConfigError, match="--save-interval must be >= 0, got -1"):
+        validate(parse_args([*args, "--save-interval", "-1"]), 2)
+
+
 DILOCO = ["--diloco-workers", "2", "--diloco-inner-steps", "2", "--diloco-fragments", "2",
           "--diloco-quantize", "fp4"]
 
@@ -220,8 +243,9 @@ def test_four_scripts_train(paths, tmp_path):
         "llama2_ds": (4, {"--pipeline-model-parallel-size": 1}, DILOCO),
         "gpt_1.3b_rebase": (4, {}, DILOCO),
         "gpt3_175b": (2, {"--tensor-model-parallel-size": 1}, []),
-        # Megatron-LM's Mixtral example: two experts over EP=2 in each of 2 workers.
-        "mixtral_8x7b": (4, {}, DILOCO),
+        # Megatron-LM's Mixtral example: two experts over EP=2 in each of 2 workers, with
+        # --save-interval and no --save (as its ROCm example has it): nothing is saved.
+        "mixtral_8x7b": (4, {}, [*DILOCO, "--save-interval", "3"]),
     }
     for name, (nproc, layout, extra) in runs.items():
         script = BY_NAME[name]
@@ -230,8 +254,15 @@ def test_four_scripts_train(paths, tmp_path):
         argv = [*placeholders(script, args, paths, tmp_path / name), *extra,
                 "--data-cache-path", str(tmp_path / "cache")]
         argv = _drop(argv, {"--load"})
-        losses = train_losses(nproc, argv, tmp_path, name)
+        proc = run(nproc, [*argv, "--log-jsonl", str(tmp_path / f"{name}.jsonl")])
+        losses = [r["train/loss"] for r in read_jsonl(tmp_path / f"{name}.jsonl")
+                  if "train/loss" in r]
         assert len(losses) == 6, (name, losses)
+        if name == "mixtral_8x7b":  # the note once per job, no checkpoint anywhere
+            note = SAVE_INTERVAL_NOTE.format(3)
+            assert (proc.stdout + proc.stderr).count(note) == 1, proc.stderr[-4000:]
+            assert "saved checkpoint" not in proc.stdout + proc.stderr
+            assert not list((tmp_path / name).rglob("iter_*"))
         if name == "gpt3_175b":
             # --fp16 with Megatron's initial loss scale 2**32: the first steps overflow and
             # are skipped while the scale comes down; --hysteresis 2 spares the first

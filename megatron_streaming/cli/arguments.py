@@ -604,8 +604,10 @@ def _validate_checkpoint(cfg: Config) -> None:
 
     c, t = cfg.checkpoint, cfg.training
     _require(c.save_interval >= 0, f"--save-interval must be >= 0, got {c.save_interval}")
-    _require(not c.save_interval or c.save,
-             f"--save-interval {c.save_interval} needs --save DIR")
+    if c.save_interval and not c.save:  # Megatron-LM saves only `if args.save and ...`
+        cfg.adjustments.append(f"--save-interval {c.save_interval} without --save: nothing "
+                               "is saved")
+        c.save_interval = 0  # said once, however often the config is validated
     _require(c.keep_last >= 0, f"--keep-last must be >= 0, got {c.keep_last}")
     _require(not c.keep_last or c.save, f"--keep-last {c.keep_last} needs --save DIR")
     _require(not c.async_save or c.save, "--async-save needs --save DIR")

@@ -527,7 +527,8 @@ class CheckpointConfig:
     """Saving and resuming."""
 
     save: Optional[str] = arg(None, "Directory to save checkpoints to.")
-    save_interval: int = arg(0, "Save every this many iterations (0 = only at the end).")
+    save_interval: int = arg(0, "Save every this many iterations (0 = only at the end); "
+                             "without --save nothing is saved, as in Megatron-LM.")
     load: Optional[str] = arg(None, "Directory to resume from (its latest checkpoint), or a "
                               "Megatron-LM torch_dist checkpoint to start from its weights.")
     finetune: bool = arg(False, "With --load of a Megatron-LM checkpoint: start from its "

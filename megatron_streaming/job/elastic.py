@@ -28,7 +28,8 @@ epochs").
   groups with it and send it theta_g and the outer momentum (from the lowest live worker)
   and the step. The newcomer sets its weights to theta_g, starts a fresh inner optimizer,
   and goes on from that step's data and learning rate, in lockstep from then on. It never
-  brings weights of its own into the shared state.
+  brings weights of its own into the shared state. A job that ends before it is admitted
+  records its end (``rejoin.record_end``, after the last step): the newcomer exits saying so.
 
 The rendezvous store must outlive the lost worker: with the default store (hosted by global
 rank 0), losing worker 0 ends the job; ``--rendezvous-external`` keeps it elsewhere.
@@ -46,11 +47,11 @@ import torch.distributed as dist
 
 from ..errors import JobFailure, first_line
 from .lifecycle import STORE_CALL_SECONDS
+from .rejoin import JOIN, READ_END_SECONDS, STORE_ERRORS, end_message, ended, record_end, \
+    store_may_go
 from ..parallel.topology import device_of
 
 log = logging.getLogger("megatron_streaming")
-
-JOIN = "megatron_streaming/join/"  # + worker index: a restarted worker asks to rejoin
 
 
 class Elastic:
@@ -77,6 +78,7 @@ class Elastic:
         # Why the job stops (too few workers alive), once the survivors have resynced.
         self.stopping: Optional[str] = None
         self.history = []  # the membership records this rank moved to, in order
+        self.ended_at: Optional[int] = None  # the step after which ``end`` recorded the end
         if self.enabled:
             from .membership import Membership
 
@@ -106,9 +108,34 @@ class Elastic:
 
     def after_stop_flag(self, iteration: int) -> None:
         """After the step's stop flag was read (every live rank alike): admit the workers
-        that asked to rejoin, if the flag says one did."""
-        if self.enabled and self.stop.join_agreed:
+        that asked to rejoin, if the flag says one did; after the last step, tell them the
+        job ended instead."""
+        if not self.enabled:
+            return
+        if iteration >= self.cfg.training.train_iters:
+            self.end(iteration)
+        elif self.stop.join_agreed:
             self._admit(iteration)
+
+    def end(self, iteration: int) -> None:
+        """After the job's last step (``iteration``), on its leading rank: record the end for
+        the workers asking to rejoin (``rejoin.record_end``). Where the store goes with this
+        process, wait (bounded) until they have read it, so they can say where the job ended.
+        Once per run; every rank may call it."""
+        topo = self.topology
+        if not (self.enabled and topo.leads_job()) or self.ended_at is not None:
+            return
+        self.ended_at = iteration
+        wait = 0.0 if self.rendezvous.hosted_by == "external" else READ_END_SECONDS
+        try:
+            store = _connect(self.rendezvous, topo.store, STORE_CALL_SECONDS)
+            told = record_end(store, iteration, self.record, topo.layout.workers, wait)
+        except STORE_ERRORS as e:  # nobody to tell, then: a newcomer finds the store gone
+            log.debug("the job's end not recorded in the rendezvous store: %s", first_line(e))
+            return
+        if told:
+            log.warning("worker(s) %s asked to rejoin as the job ended after step %d: told "
+                        "there is nothing to rejoin", told, iteration)
 
     def _watch(self, store) -> None:
         """At each heartbeat (its thread), on the job's leading rank: a worker asking in?"""
@@ -239,33 +266,17 @@ class Elastic:
     def join(self, since: int) -> int:
         """On a restarted worker (outside membership epoch ``since``): ask in, wait until
         the live workers admit it, take the global state; returns the step to go on from."""
-        import time
-
         topo = self.topology
         store = self.membership.store
-        if topo.coords["local"] == 0:
-            store.set(f"{JOIN}{topo.worker}", str(since))
-        log.warning("worker %d asks to rejoin the running job (membership epoch %d: workers "
-                    "%s)", topo.worker, since, list(self.membership.record(since).members)
-                    if since else list(range(topo.layout.workers)))
-        deadline = time.monotonic() + 60.0 * self.cfg.parallel.distributed_timeout_minutes
-        epoch = since
-        while True:
-            following = self.membership.record(epoch + 1)
-            if following is not None:
-                epoch += 1
-                if following.stopping:
-                    raise JobFailure(f"worker {topo.worker} asked to rejoin, but the job "
-                                     f"stopped: {following.reason}")
-                if topo.worker in following.members:
-                    break
-                continue
-            if time.monotonic() > deadline:
-                raise JobFailure(f"worker {topo.worker} asked to rejoin but was not admitted "
-                                 "within --distributed-timeout-minutes (are the other workers "
-                                 "running, with --diloco-min-workers?)")
-            time.sleep(0.5)
-        record, before = following, self.membership.record(epoch - 1)
+        with store_may_go(topo.worker, self.rendezvous):  # the job may end meanwhile
+            if topo.coords["local"] == 0:
+                store.set(f"{JOIN}{topo.worker}", str(since))
+            log.warning("worker %d asks to rejoin the running job (membership epoch %d: "
+                        "workers %s)", topo.worker, since,
+                        list(self.membership.record(since).members) if since
+                        else list(range(topo.layout.workers)))
+            epoch = self._wait_for_admission(store, since)
+            record, before = self.membership.record(epoch), self.membership.record(epoch - 1)
         self._new_epoch(record)
         self._share_global_state(record.members.index(min(before.members)))
         sync = self.sync
@@ -278,6 +289,37 @@ class Elastic:
                     "weights set to the global parameters, fresh inner optimizer",
                     topo.worker, record.step, record.epoch, list(record.members))
         return record.step
+
+    def _wait_for_admission(self, store, since: int) -> int:
+        """Until a membership epoch after ``since`` holds this worker (returns it); raises
+        ``JobFailure`` when the job stops, ends (its leading rank recorded it: this worker's
+        request is withdrawn, which tells the leading rank it was read) or the wait times
+        out."""
+        import time
+
+        topo = self.topology
+        deadline = time.monotonic() + 60.0 * self.cfg.parallel.distributed_timeout_minutes
+        epoch = since
+        while True:
+            following = self.membership.record(epoch + 1)
+            if following is not None:
+                epoch += 1
+                if following.stopping:
+                    raise JobFailure(f"worker {topo.worker} asked to rejoin, but the job "
+                                     f"stopped: {following.reason}")
+                if topo.worker in following.members:
+                    return epoch
+                continue
+            end = ended(store)
+            if end is not None:
+                if topo.coords["local"] == 0:
+                    store.delete_key(f"{JOIN}{topo.worker}")
+                raise JobFailure(end_message(topo.worker, end))
+            if time.monotonic() > deadline:
+                raise JobFailure(f"worker {topo.worker} asked to rejoin but was not admitted "
+                                 "within --distributed-timeout-minutes (are the other workers "
+                                 "running, with --diloco-min-workers?)")
+            time.sleep(0.5)
 
 
 class OutsideTheJob(JobFailure):

@@ -69,7 +69,7 @@ def start_processes(cfg: Config) -> Started:
     own_processes = not distributed.is_initialized()  # else embedded: the world exists
     if own_processes:
         from ..job.door import Door, fingerprint
-        from ..job.rejoin import running_job
+        from ..job.rejoin import running_job, store_may_go
 
         store, rendezvous = distributed.rendezvous_store(p.distributed_timeout_minutes,
                                                          p.rendezvous_external)
@@ -84,10 +84,11 @@ def start_processes(cfg: Config) -> Started:
         else:
             from ..job.lifecycle import beating
 
-            first = door.first_rank(coords["worker"])  # it claims for the worker
-            shapes = door.rejoin(fingerprint(cfg, layout, tokenizer), rejoin.epoch,
-                                 rejoin.members, lambda: not beating(store, first),
-                                 shape.settings())
+            with store_may_go(coords["worker"], rendezvous):  # the job may end meanwhile
+                first = door.first_rank(coords["worker"])  # it claims for the worker
+                shapes = door.rejoin(fingerprint(cfg, layout, tokenizer), rejoin.epoch,
+                                     rejoin.members, lambda: not beating(store, first),
+                                     shape.settings())
         job = from_records(shapes)
         check(job, cfg)
         sizes = tuple(w.ranks for w in job.workers)
