@@ -1,4 +1,5 @@
-"""Run-time fixes that let megatron-core 0.16.1 and DeepSpeed 0.19.8 train on CPU with gloo.
+"""Run-time fixes that let megatron-core 0.16.1 and DeepSpeed 0.19.8 train on CPU with gloo,
+and the few this package needs on a GPU too.
 
 Nothing here edits installed files. One call applies every fix this process needs::
 
@@ -9,13 +10,19 @@ Each fix lives in its own module (``megatron_rng``, ``megatron_devices``, ``mega
 ``megatron_norm``, ``deepspeed_shm``, ``deepspeed_cpu_fp16``, ``torch_dcp_safe_metadata``,
 ``megatron_moe``) whose docstring names the upstream
 call sites it covers.
-Each is pinned to the exact upstream version it was verified on and refuses any other
-(``UpstreamVersionError``), and each applies only where needed: the CUDA-only fixes do nothing
-when ``torch.cuda.is_available()``, the norm fix only without apex, the DeepSpeed fixes only on
-DeepSpeed's CPU accelerator.
+Each is pinned to the upstream versions it was verified on and refuses any other
+(``UpstreamVersionError``), and each applies only where its ``is_needed`` says: the CPU fixes
+(``megatron_rng``, ``megatron_devices``, ``megatron_embedding``) only without CUDA, the
+DeepSpeed fixes only on DeepSpeed's CPU accelerator, ``megatron_moe`` only where Transformer
+Engine does not import, and ``megatron_norm`` and ``torch_dcp_safe_metadata`` always (with
+apex or without, some model's norms are torch's: RMSNorm ones, and LayerNorm ones without
+apex's kernel).
 
 ``apply()`` may run before or after megatron/deepspeed are imported, but must run before
-``deepspeed.init_distributed`` and before models are built. It is idempotent.
+``deepspeed.init_distributed`` and before models are built. It is idempotent. It imports
+megatron-core, and with it Transformer Engine where that is installed, which may make a CUDA
+context on the current device at import: set the process's GPU first
+(``megatron_streaming.parallel.distributed.claim_device``).
 
 Adapters (not patches: they change nothing upstream, and ``apply()`` does not list them) reach
 private upstream state through one module per package, version-pinned the same way:

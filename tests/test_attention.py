@@ -228,3 +228,53 @@ def test_gpt_step_with_fused_attention_equals_unfused(megatron_world):
         for name, grad in grads.items():
             error = (got[name] - grad).abs().max() / grad.abs().max()
             assert error < 1e-5, (flags, name, error.item())
+
+
+# ---- which SDPA kernel the configuration gets on a GPU ---------------------------------------
+
+@pytest.mark.parametrize("groups,precision,dropout,refusals,note", [
+    # flash takes it: nothing to say
+    (None, "bf16", 0.0, {"flash": None, "memory-efficient": None}, None),
+    # fp32 with dropout: the memory-efficient kernel takes it
+    (2, "fp32", 0.1, {"flash": "needs fp16 or bf16", "memory-efficient": None}, None),
+    # neither: the math kernel, said in one line with both reasons
+    (2, "bf16", 0.1, {"flash": "head size above 256", "memory-efficient": "no sm50"},
+     "--attention-backend: torch's scaled_dot_product_attention runs its math kernel on this "
+     "GPU for bfloat16, head size 8, 4 heads of 2 groups, dropout 0.1: O(s^2) memory for the "
+     "scores, as the unfused attention (flash: head size above 256; memory-efficient: no "
+     "sm50)"),
+])
+def test_the_math_kernel_on_a_gpu_is_said_at_start(megatron_world, monkeypatch, groups,
+                                                   precision, dropout, refusals, note):
+    """SDPA falls back to its math kernel (O(s^2) scores) where neither fused kernel takes
+    the inputs, without a word: torch's own checks (faked here: this machine has no GPU) are
+    asked once, with the model's dtype, head size, heads, groups and dropout, and a math
+    kernel is said."""
+    from megatron_streaming.config import PrecisionConfig
+    from megatron_streaming.worker import attention
+
+    cfg = ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=4,
+                      group_query_attention=groups is not None, num_query_groups=groups,
+                      attention_dropout=dropout, transformer_impl="local")
+    config = model.transformer_config(cfg, ParallelConfig(),
+                                      precision=PrecisionConfig(bf16=precision == "bf16"))
+    layer = attention.SDPAttention(config, layer_number=1, attn_mask_type=None,
+                                   attention_type="self")
+    container = torch.nn.Sequential(torch.nn.Linear(2, 2), layer)
+    assert attention.kernel_note(container) is None  # no GPU: the CPU's kernel, nothing said
+    # torch's checks take the probe's tensors (a CPU build refuses both, saying nothing)
+    assert set(attention._probe(torch.device("cpu"), torch.bfloat16, 4, 2, 8, 0.1, True)) == \
+        set(attention.FUSED_KERNELS)
+    asked = []
+
+    def probe(device, dtype, heads, kv_groups, head_dim, p, native_groups):
+        asked.append((device, dtype, heads, kv_groups, head_dim, p, native_groups))
+        return refusals
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(attention, "_probe", probe)
+    assert attention.kernel_note(container) == note
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    assert asked == [(torch.device("cuda", 3), dtype, 4, groups or 4, 8, dropout,
+                      groups is not None and precision == "bf16")]

@@ -217,14 +217,14 @@ def _transport_worker(rank, world, group):
     # short) carry exactly what gloo's all-to-all and all-gather carry.
     import torch.distributed as dist
 
-    from megatron_streaming.comm import transport as wire
+    from megatron_streaming.comm import wire
 
     row = (torch.arange(world * 1000) % 251 + 3 * rank).to(torch.uint8)
     saved, wire.WIRE_CHUNK = wire.WIRE_CHUNK, 7
     try:
         post = wire.Poster(group)
-        swapped, gathered = wire._all_to_all(row, post), wire._all_gather(row[:1000], post,
-                                                                           world)
+        swapped, gathered = wire.all_to_all(row, post), wire.all_gather(row[:1000], post,
+                                                                         world)
     finally:
         wire.WIRE_CHUNK = saved
     expected = torch.empty_like(row)
@@ -516,3 +516,147 @@ def test_the_exchange_thread_works_on_its_ranks_gpu_and_waits_for_its_stream_on_
     assert on_thread == [("set_device", torch.device("cuda", 3)),
                          ("enter", torch.device("cuda", 3)), ("synchronize", None),
                          ("enter", torch.device("cuda", 3)), ("synchronize", None)], on_thread
+
+
+# ---- NCCL's way: collectives from the caller's thread, nothing read on the host -----------
+
+class _Recorder:
+    """Wraps a transport's ``Poster``: notes the thread and the collective of every post, and
+    (with ``watch`` on) every read of a tensor on the host by the caller's thread after the
+    first post: a read there would wait for the collective, stalling the training loop (and,
+    with a stuck peer, keeping the exchange's own deadline from firing)."""
+
+    READS = ("item", "tolist", "__bool__", "__float__", "__int__")
+
+    def __init__(self, poster):
+        self.poster, self.posts, self.reads, self.watch = poster, [], [], False
+        self.group = poster.group
+
+    @property
+    def rank(self):
+        return self.poster.rank
+
+    def __call__(self, collective, *args, **kwargs):
+        self.posts.append((threading.current_thread().name, collective.__name__))
+        return self.poster(collective, *args, **kwargs)
+
+    def release(self):
+        self.poster.release()
+
+    def install(self):
+        for name in self.READS:
+            real = getattr(torch.Tensor, name)
+
+            def read(tensor, *args, _real=real, _name=name):
+                if self.watch and self.posts and \
+                        threading.current_thread() is threading.main_thread():
+                    self.reads.append(_name)
+                return _real(tensor, *args)
+
+            setattr(torch.Tensor, name, read)
+
+
+def _from_caller_worker(rank, world, group):
+    """The same exchanges issued the gloo way (the exchange's thread) and NCCL's way (the
+    caller's thread, ``from_caller``): a plain one, one with a NaN on rank 1, and two with
+    error feedback (its residual carried from the first to the second)."""
+    from megatron_streaming.comm.codec import ErrorFeedback
+
+    ranks, out = list(range(world)), {}
+    recorders = {}
+    for way, from_caller in (("thread", False), ("caller", True)):
+        codec = make_codec("fp4", TRANSPORT_BLOCK)
+        t = Transport(group, ranks, rank, codec, 60.0, from_caller=from_caller)
+        t.post = recorders[way] = _Recorder(t.post)
+        if from_caller:
+            t.post.install()
+        nan = _worker_input(rank) * 2
+        if rank == 1:
+            nan[3] = float("nan")
+        feedback = ErrorFeedback(codec, t.padded_numel(TRANSPORT_N), "cpu")
+        got = []
+        for step, (x, fb) in enumerate([(_worker_input(rank), None), (nan, None),
+                                        (_worker_input(rank) * 3, feedback),
+                                        (_worker_input(rank) * 4, feedback)]):
+            t.post.watch = True
+            pending = all_reduce_mean(t, x, step, f"case {step}", fb)
+            t.post.watch = False
+            r = pending.wait()
+            got.append((r.mean, r.all_finite, r.quant_error, r.bytes_sent))
+        out[way] = {"results": got, "residual": feedback.residual.clone(),
+                    "posts": sorted(set(t.post.posts)), "reads": t.post.reads}
+        t.close()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_over_nccl_the_exchange_is_launched_from_the_callers_thread_without_host_reads(
+        tmp_path):
+    """NCCL deadlocks when two communicators of one GPU (the worker's, the cross-worker one)
+    get their operations in different orders on different ranks, and must not be launched
+    from several threads at once: over NCCL the exchange launches its collectives from the
+    caller's thread (the training loop's, which launches the worker's collectives), and reads
+    nothing on the host until waited for. Run here over gloo: the same results, bit for bit,
+    as the exchange's own thread gives."""
+    results = spawn_gloo(_from_caller_worker, 2, tmp_path)
+    for rank, got in enumerate(results):
+        assert {name for name, _ in got["thread"]["posts"]} == {"cross-worker"}
+        assert {name for name, _ in got["caller"]["posts"]} == {"MainThread"}
+        assert got["caller"]["reads"] == [], got["caller"]["reads"]
+        for (a, b) in zip(got["thread"]["results"], got["caller"]["results"]):
+            assert torch.equal(a[0], b[0]) and a[1:] == b[1:], rank
+        assert [r[1] for r in got["caller"]["results"]] == [True, False, True, True]
+        errors = [r[2] for r in got["caller"]["results"]]
+        assert all(isinstance(e, float) for e in errors)
+        # rank 1 sent zeros for its NaN: no error of its own
+        assert [e > 0 for e in errors] == [True, rank == 0, True, True]
+        assert torch.equal(got["thread"]["residual"], got["caller"]["residual"])
+        assert got["caller"]["residual"].abs().sum() > 0
+
+
+class _NeverDone:
+    """A CUDA event of a collective whose peer never answers."""
+
+    def query(self):
+        return False
+
+
+@pytest.mark.timeout(60)
+def test_over_nccl_the_exchange_gives_up_at_its_deadline_from_launch_and_says_so(caplog):
+    """NCCL's watchdog counts from a collective's launch and ends the process when its (longer)
+    timeout runs out: the exchange's own deadline counts from the launch too, and its watcher
+    says which step, fragment and peers at that moment, whether or not anyone waits."""
+    import concurrent.futures
+    import logging
+
+    from megatron_streaming.comm.transport import ExchangeResult, Pending
+
+    t = Transport(None, [0], 0, make_codec("none"), 0.2, from_caller=True)
+    future = concurrent.futures.Future()
+    pending = Pending(future, 17, TIMEOUT_TAG, [0, 4], 0.2, from_launch=True)
+    with caplog.at_level(logging.ERROR, logger="megatron_streaming"):
+        t._executor.submit(t._settle, _NeverDone(), [ExchangeResult(
+            torch.zeros(4), torch.tensor(True), 0, 0, torch.tensor(0.0), 0.0)], [future],
+            pending)
+        with pytest.raises(SyncTimeout) as raised:
+            pending.wait()
+        t.close()
+    for text in ("step 17", TIMEOUT_TAG, "--diloco-timeout 0.2 s",
+                 "peer group (global ranks) [0, 4]"):
+        assert text in str(raised.value)
+    assert [r.getMessage() for r in caplog.records] == [str(raised.value)]
+    # Launched long ago and still out: the wait gives up at once, not a timeout later.
+    late = Pending(concurrent.futures.Future(), 18, TIMEOUT_TAG, [0, 4], 1000.0,
+                   started=time.perf_counter() - 2000.0, from_launch=True)
+    with pytest.raises(SyncTimeout, match="step 18"):
+        late.wait()
+
+
+def test_over_nccl_a_single_worker_returns_its_input_on_the_host():
+    t = Transport(None, [5], 5, make_codec("fp4", TRANSPORT_BLOCK), 10.0, from_caller=True)
+    x = _worker_input(0)
+    r = all_reduce_mean(t, x, 1, "solo").wait()
+    assert torch.equal(r.mean, x) and r.all_finite is True and r.quant_error == 0.0
+    x[3] = float("nan")
+    assert all_reduce_mean(t, x, 2, "solo").wait().all_finite is False
+    t.close()

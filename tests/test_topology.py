@@ -340,3 +340,84 @@ def test_topology_creates_real_groups_on_8_gloo_ranks(tmp_path, monkeypatch):
     if "OMP_NUM_THREADS" not in os.environ:  # 8 processes share 2 cores
         monkeypatch.setenv("OMP_NUM_THREADS", "1")
     mp.spawn(_check_topology_on_rank, args=(8, str(tmp_path / "store")), nprocs=8, join=True)
+
+
+# ---- the cross-worker groups' timeouts -------------------------------------------------------
+
+class _RecordedGroups:
+    """Stands in for torch's group constructors: records (kind, backend, timeout) of each
+    group ``Topology`` makes, and makes none."""
+
+    def __init__(self, monkeypatch, world_size: int):
+        import torch
+        import torch.distributed as dist
+
+        import patches.torch_process_group as adapter
+
+        self.made = []
+        monkeypatch.setattr(dist, "get_world_size", lambda group=None: world_size)
+        monkeypatch.setattr(dist, "new_group", self.new_group)
+        monkeypatch.setattr(dist, "PrefixStore", lambda prefix, store: store)
+        monkeypatch.setattr(adapter, "standalone_group", self.standalone_group)
+        monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 27, 5))
+        monkeypatch.delenv("NCCL_LAUNCH_ORDER_IMPLICIT", raising=False)
+
+    def new_group(self, ranks, timeout=None, backend=None):
+        self.made.append(("new_group", backend, timeout))
+        return object()
+
+    def standalone_group(self, backend, store, rank, size, timeout, world_ranks=None,
+                         name=""):
+        self.made.append(("standalone", backend, timeout))
+        return object()
+
+
+@pytest.mark.parametrize("world", ["per worker", "the job"])
+@pytest.mark.parametrize("backend", ["gloo", "nccl"])
+def test_nccl_cross_worker_groups_time_out_after_the_exchange_before_the_worker(
+        monkeypatch, world, backend):
+    """NCCL's watchdog ends the process when a collective outlives its group's timeout,
+    counted from the launch: made with --diloco-timeout it would fire with the exchange's own
+    deadline, and the job's message naming the step and the peers could come too late. Over
+    NCCL the cross-worker groups get --diloco-timeout plus a margin, below the in-worker
+    timeout; over gloo (a collective that runs out fails, and the exchange says so) the
+    timeout itself. Also for the groups of a later membership epoch."""
+    import datetime
+
+    from megatron_streaming.parallel.topology import NCCL_TIMEOUT_MARGIN
+
+    groups = _RecordedGroups(monkeypatch, 1 if world == "per worker" else 2)
+    in_worker, diloco = datetime.timedelta(minutes=10), datetime.timedelta(seconds=300)
+    topo = Topology.create(RankLayout(2, workers=2), 0, timeout=in_worker,
+                           cross_worker_backend=backend, cross_worker_timeout=diloco,
+                           store=object())
+    cross = diloco + NCCL_TIMEOUT_MARGIN if backend == "nccl" else diloco
+    assert diloco < cross < in_worker or backend == "gloo"
+    crossing = [(kind, t) for kind, b, t in groups.made if b == backend]
+    # NCCL in a world of the whole job: subgroups of it; else made by their members alone
+    kind = "new_group" if backend == "nccl" and world == "the job" else "standalone"
+    assert crossing == [(kind, cross)] * 2  # data and control
+    assert {t for k, b, t in groups.made if b != backend} == {in_worker}
+    if backend == "nccl":
+        import os
+
+        assert os.environ["NCCL_LAUNCH_ORDER_IMPLICIT"] == "1"
+    if kind == "standalone":  # a later epoch's groups (an elastic job's)
+        groups.made.clear()
+        topo.add_cross_worker_groups(object(), 1, [0, 1], diloco)
+        assert groups.made == [("standalone", backend, cross)] * 2
+
+
+def test_nccl_cross_worker_timeout_must_leave_the_margin_below_the_in_worker_one(
+        monkeypatch):
+    import datetime
+
+    from megatron_streaming.errors import ConfigError
+
+    _RecordedGroups(monkeypatch, 1)
+    with pytest.raises(ConfigError, match=r"--diloco-backend nccl: --diloco-timeout 590 s plus "
+                       r"60 s \(the NCCL groups' own watchdog\) must be below "
+                       r"--distributed-timeout-minutes 10 \(600 s\)"):
+        Topology.create(RankLayout(2, workers=2), 0, timeout=datetime.timedelta(minutes=10),
+                        cross_worker_backend="nccl",
+                        cross_worker_timeout=datetime.timedelta(seconds=590), store=object())

@@ -47,6 +47,9 @@ Codecs, chosen by ``--diloco-quantize`` with block size ``--diloco-quant-block``
 Blocks are consecutive runs of ``block`` elements of the flat tensor; the last may be short.
 An all-zero block has scale 0 and decodes to exact zeros. ``encode`` requires finite input and
 raises ``ValueError`` otherwise, so an inf or NaN never reaches the wire as finite garbage.
+``encode_flagged`` is the same encoding without the host's check: it returns the flag (a
+tensor on the input's device) for a caller that must not wait for the device (the exchange
+on NCCL, ``transport``), which then sends zeros and the flag instead.
 """
 
 from __future__ import annotations
@@ -91,9 +94,20 @@ class Codec(abc.ABC):
     name: str
     block: int = 1  # chunk alignment for ``chunk_bounds``; 1 for element-wise codecs
 
-    @abc.abstractmethod
     def encode(self, x: torch.Tensor) -> Encoded:
-        """Encode a flat finite fp32 tensor; raises ValueError on inf or NaN."""
+        """Encode a flat finite fp32 tensor; raises ValueError on inf or NaN (one host read
+        of the flag ``encode_flagged`` returns)."""
+        encoded, finite = self.encode_flagged(x)
+        if not bool(finite):
+            raise self._non_finite()
+        return encoded
+
+    @abc.abstractmethod
+    def encode_flagged(self, x: torch.Tensor) -> Tuple[Encoded, torch.Tensor]:
+        """Encode a flat fp32 tensor; also a 0-dim bool tensor on ``x``'s device: whether
+        what was encoded is finite (an inf or NaN in ``x``, or a value the format cannot
+        hold). Nothing is read on the host; where the flag is False the encoding is
+        garbage and must not be decoded as values."""
 
     @abc.abstractmethod
     def decode(self, e: Encoded, out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -129,11 +143,9 @@ class Fp32Codec(Codec):
 
     name = "none"
 
-    def encode(self, x: torch.Tensor) -> Encoded:
+    def encode_flagged(self, x: torch.Tensor) -> Tuple[Encoded, torch.Tensor]:
         self._check_input(x)
-        if not is_finite(x):
-            raise self._non_finite()
-        return Encoded(x.clone(), None, x.numel())
+        return Encoded(x.clone(), None, x.numel()), torch.isfinite(x).all()
 
     def decode(self, e: Encoded, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         return self._output(e, out).copy_(e.payload)
@@ -154,12 +166,10 @@ class Bf16Codec(Codec):
 
     name = "bf16"
 
-    def encode(self, x: torch.Tensor) -> Encoded:
+    def encode_flagged(self, x: torch.Tensor) -> Tuple[Encoded, torch.Tensor]:
         self._check_input(x)
         payload, finite = _kernel("bf16 encode", _bf16_rows, x.numel())(x)
-        if not bool(finite):
-            raise self._non_finite()
-        return Encoded(payload, None, x.numel())
+        return Encoded(payload, None, x.numel()), finite
 
     def decode(self, e: Encoded, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         return self._output(e, out).copy_(e.payload)
@@ -248,7 +258,7 @@ class _BlockCodec(Codec):
     def __init__(self, block: int):
         self.block = block
 
-    def encode(self, x: torch.Tensor) -> Encoded:
+    def encode_flagged(self, x: torch.Tensor) -> Tuple[Encoded, torch.Tensor]:
         self._check_input(x)
         whole = x.numel() - x.numel() % self.block
         payload, scales = _kernel(f"{self.name} encode", self._encode_rows, whole)(
@@ -260,9 +270,8 @@ class _BlockCodec(Codec):
             tail_payload, tail_scale = self._encode_rows(tail.view(1, -1))
             payload = torch.cat((payload, tail_payload.flatten()))
             scales = torch.cat((scales, tail_scale))
-        if not is_finite(scales):  # amax propagates NaN: one small check for the whole input
-            raise self._non_finite()
-        return Encoded(payload, scales, x.numel())
+        # amax propagates NaN: one small check for the whole input
+        return Encoded(payload, scales, x.numel()), torch.isfinite(scales).all()
 
     def decode(self, e: Encoded, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         out = self._output(e, out)
@@ -495,13 +504,26 @@ class ErrorFeedback:
         self.residual = torch.zeros(numel, dtype=torch.float32, device=device)
 
     def encode(self, x: torch.Tensor) -> Encoded:
-        if x.shape != self.residual.shape:
-            raise ValueError(f"ErrorFeedback: input shape {tuple(x.shape)} != residual shape "
-                             f"{tuple(self.residual.shape)}")
+        self._check(x)
         target = x + self.residual
         encoded = self.codec.encode(target)
         self.residual = target.sub_(self.codec.decode(encoded))
         return encoded
+
+    def encode_flagged(self, x: torch.Tensor) -> Tuple[Encoded, torch.Tensor]:
+        """``encode`` without the host's check (``Codec.encode_flagged``): where the flag is
+        False the residual stays as it was, as ``encode`` leaves it when it raises."""
+        self._check(x)
+        target = x + self.residual
+        encoded, finite = self.codec.encode_flagged(target)
+        self.residual = torch.where(finite, target.sub_(self.codec.decode(encoded)),
+                                    self.residual)
+        return encoded, finite
+
+    def _check(self, x: torch.Tensor) -> None:
+        if x.shape != self.residual.shape:
+            raise ValueError(f"ErrorFeedback: input shape {tuple(x.shape)} != residual shape "
+                             f"{tuple(self.residual.shape)}")
 
     def resized(self, padded: int, numel: int) -> "ErrorFeedback":
         """A residual of ``padded`` elements whose first ``numel`` are this one's (the

@@ -5,17 +5,29 @@ quantizes it, runs a quantized reduce-scatter (an all-to-all of codes, decoded a
 fp32) and a quantized all-gather of the averaged chunks over the rank's cross-worker group,
 and hands back the fp32 mean. Two collectives per exchange, whatever the link's round trip
 costs: the finiteness flag, the scales and the codes travel packed in one byte row per peer
-(over gloo as chunked point-to-point messages, all in flight at once: ``_swap``).
+(over gloo as chunked point-to-point messages, all in flight at once: ``wire.swap``).
 Each rank moves about ``2 (M-1)/M x n x bits`` and every byte it puts on the wire is counted
 here.
 
-The exchange runs asynchronously: on a background thread for gloo (collectives on the
-cross-worker group are issued only from that thread, one at a time, in submission order, so
-all workers pair their collectives up identically), and additionally on a side CUDA stream
-where it touches the GPU (NCCL, or the codec on a GPU job with gloo across workers: then only
-the packed codes cross to host memory), so the inner steps in between really overlap it.
+The exchange runs asynchronously. Over gloo its collectives are issued from a background
+thread (one at a time, in submission order, so all workers pair their collectives up
+identically), and additionally on a side CUDA stream where it touches the GPU (the codec on a
+GPU job: then only the packed codes cross to host memory), so the inner steps in between
+really overlap it. Over NCCL they are issued from the caller's thread (the training loop's,
+at the step that sends the fragment), on the side stream: the GPU runs them while the next
+steps train, and the host reads nothing until the result is waited for. NCCL can deadlock
+when operations of two communicators of one device (the worker's and the cross-worker one)
+are launched in different orders on different ranks, and it is not safe to launch them from
+several threads at once (NCCL user guide, "Using multiple NCCL communicators concurrently"
+and "Thread Safety"); from the one thread that launches the worker's collectives, every rank
+launches both in its program's order, which NCCL then follows on the device
+(``NCCL_LAUNCH_ORDER_IMPLICIT``, ``parallel.distributed.order_nccl_launches``).
+
 ``Pending.wait`` fails with a message naming the step, the fragment and the peer group when
-the peers do not answer in time.
+the peers do not answer in time. Over NCCL that time counts from the launch, as NCCL's own
+watchdog counts it, and a watcher thread says so at that moment even when nobody waits: the
+NCCL group's own timeout is longer (``parallel.topology.cross_worker_group_timeout``), so
+this message comes before NCCL's watchdog ends the process.
 
 Tests and slow-link emulation subclass it (``tests/``).
 """
@@ -23,54 +35,31 @@ Tests and slow-link emulation subclass it (``tests/``).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import dataclasses
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import List, Optional
 
 import torch
-import torch.distributed as dist
 
 from ..errors import JobFailure
 from .serial import SerialThread
-from .codec import Codec, Encoded, ErrorFeedback, is_finite
+from .codec import Codec, Encoded, ErrorFeedback
+# GroupReleased: what an exchange fails with once its group was let go (raised by ``wire``)
+from .wire import GroupReleased, Poster, all_gather, all_to_all, pack, unpack  # noqa: F401
+
+log = logging.getLogger("megatron_streaming")
+
+# How often the watcher of an exchange launched from the caller's thread asks the GPU whether
+# it is done (a CUDA event's query: no NCCL call, no wait).
+POLL_SECONDS = 0.01
 
 
 class SyncTimeout(JobFailure):
     """A cross-worker exchange did not complete in time."""
-
-
-class GroupReleased(RuntimeError):
-    """The exchange's group was let go (a membership change) before it posted this."""
-
-
-class Poster:
-    """Posts collectives on one group until the group is let go (``release``). Posting and
-    letting go exclude each other, so a group that a membership change aborts and destroys
-    (``elastic``) is never handed a new collective by the exchange's thread: gloo does not fail
-    a send posted on an aborted group, it crashes the process. A post after the release raises
-    ``GroupReleased``; waits already posted are woken by the abort. The group stays referenced
-    (by the frames still using it) until they are done."""
-
-    def __init__(self, group):
-        self.group = group
-        self._open = True
-        self._lock = threading.Lock()
-
-    @property
-    def rank(self) -> int:
-        return dist.get_rank(self.group)
-
-    def __call__(self, collective, *args, **kwargs):
-        with self._lock:
-            if not self._open:
-                raise GroupReleased("the cross-worker group was let go (membership change)")
-            return collective(*args, group=self.group, **kwargs)
-
-    def release(self) -> None:
-        """No collective is posted from now on; returns once none is being posted."""
-        with self._lock:
-            self._open = False
 
 
 @dataclass
@@ -81,6 +70,12 @@ class ExchangeResult:
     bytes_received: int
     quant_error: float       # ||decode(encode(x)) - x|| / ||x|| of this rank's own send
     seconds: float           # wall time of the exchange itself
+
+    def on_host(self, seconds: float) -> "ExchangeResult":
+        """The result as the caller reads it: the flag and the error, which the exchange keeps
+        as tensors on its device until it is done, as Python values."""
+        return dataclasses.replace(self, all_finite=bool(self.all_finite),
+                                   quant_error=float(self.quant_error), seconds=seconds)
 
 
 @dataclass
@@ -93,26 +88,36 @@ class Pending:
     group_ranks: List[int]
     timeout: float
     started: float = field(default_factory=time.perf_counter)
+    # The timeout counts from ``started`` (the launch: NCCL's watchdog counts from there),
+    # else from the call to ``wait``.
+    from_launch: bool = False
 
     def done(self) -> bool:
         return self.future.done()
 
     def wait(self) -> ExchangeResult:
+        timeout = self.timeout
+        if self.from_launch:
+            timeout = max(0.0, self.started + self.timeout - time.perf_counter())
         try:
-            result = self.future.result(timeout=self.timeout)
+            result = self.future.result(timeout=timeout)
             if result.mean.is_cuda:  # made on the side stream, now read on this one: the
                 # allocator must not hand its memory to the next exchange before that
                 result.mean.record_stream(torch.cuda.current_stream())
             return result
         except concurrent.futures.TimeoutError:
-            raise SyncTimeout(
-                f"cross-worker exchange of {self.tag} sent after step {self.step} got no answer "
-                f"within --diloco-timeout {self.timeout:g} s from peer group (global ranks) "
-                f"{self.group_ranks}") from None
+            raise SyncTimeout(self.timeout_message()) from None
+        except SyncTimeout:  # the watcher's (``Transport._settle``)
+            raise
         except Exception as e:  # the collective itself failed (e.g. gloo's own timeout)
             raise SyncTimeout(
                 f"cross-worker exchange of {self.tag} sent after step {self.step} failed in "
                 f"peer group (global ranks) {self.group_ranks}: {e}") from e
+
+    def timeout_message(self) -> str:
+        return (f"cross-worker exchange of {self.tag} sent after step {self.step} got no "
+                f"answer within --diloco-timeout {self.timeout:g} s from peer group (global "
+                f"ranks) {self.group_ranks}")
 
     @classmethod
     def completed(cls, result: ExchangeResult, step: int, tag: str) -> "Pending":
@@ -126,7 +131,7 @@ class Transport:
 
     def __init__(self, group, group_ranks: List[int], rank: int, codec: Codec,
                  timeout: float, wire_device: str = "cpu", use_cuda_stream: bool = False,
-                 codec_device: Optional[str] = None):
+                 codec_device: Optional[str] = None, from_caller: Optional[bool] = None):
         self.post = Poster(group)  # every collective on the group goes through it
         self.group_ranks = list(group_ranks)
         self.workers = len(group_ranks)
@@ -146,6 +151,11 @@ class Transport:
         # exchange's thread sets this device before anything else.
         self.cuda_device = _cuda_device(self.codec_device, self.wire_device) \
             if use_cuda_stream else None
+        # Whose thread issues the collectives: the caller's for NCCL (default: a wire on the
+        # GPU), which orders them with the worker's own NCCL collectives (module docstring);
+        # else the exchange's thread. That thread then only watches the GPU finish them.
+        self.from_caller = self.wire_device.type == "cuda" if from_caller is None \
+            else from_caller
         self.bytes_sent = 0
         self.bytes_received = 0
         self._lock = threading.Lock()
@@ -185,9 +195,13 @@ class Transport:
         if self._stream is not None:
             self._stream.wait_stream(torch.cuda.current_stream())
         futures = [concurrent.futures.Future() for _ in xs]
-        self._executor.submit(self._exchange, xs, numels, feedbacks, futures)
-        return [Pending(f, step, tag, self.group_ranks, self.timeout)
-                for f, tag in zip(futures, tags)]
+        pendings = [Pending(f, step, tag, self.group_ranks, self.timeout,
+                            from_launch=self.from_caller) for f, tag in zip(futures, tags)]
+        if self.from_caller:
+            self._launch(xs, numels, feedbacks, futures, pendings[0])
+        else:
+            self._executor.submit(self._exchange, xs, numels, feedbacks, futures)
+        return pendings
 
     def _padded_copy(self, x: torch.Tensor) -> torch.Tensor:
         padded = self.buffer(x.numel(), self.codec_device)
@@ -205,24 +219,29 @@ class Transport:
         self.post.release()
         self._executor.shutdown(wait=False)
 
-    # ---- the exchange, on the background thread ----------------------------------------
+    # ---- the exchange ---------------------------------------------------------------------
     def _set_device(self) -> None:
         if self.cuda_device is not None:
             torch.cuda.set_device(self.cuda_device)
 
+    def _on_stream(self):
+        return torch.cuda.stream(self._stream) if self._stream is not None else \
+            contextlib.nullcontext()
+
     def _exchange(self, xs, numels, feedbacks, futures) -> None:
+        """One exchange, on the exchange's thread, waited for there."""
+        started = time.perf_counter()
         try:
-            if self._stream is None:
-                results = self._exchange_on_current_stream(xs, numels, feedbacks)
-            else:
-                try:
-                    with torch.cuda.stream(self._stream):
-                        results = self._exchange_on_current_stream(xs, numels, feedbacks)
-                finally:
+            try:
+                with self._on_stream():
+                    flagged = self._exchange_on_current_stream(xs, numels, feedbacks)
+            finally:
+                if self._stream is not None:
                     # Also when it failed: ``xs`` were made on the training stream and are
-                    # freed with this frame; the allocator may hand their memory back to that
-                    # stream only once this one has stopped reading them.
+                    # freed with this frame; the allocator may hand their memory back to
+                    # that stream only once this one has stopped reading them.
                     self._stream.synchronize()
+            results = [r.on_host(time.perf_counter() - started) for r in flagged]
         except BaseException as e:  # every waiter hears of it
             for f in futures:
                 f.set_exception(e)
@@ -230,31 +249,77 @@ class Transport:
         for f, r in zip(futures, results):
             f.set_result(r)
 
+    def _launch(self, xs, numels, feedbacks, futures, pending: Pending) -> None:
+        """One exchange issued from the caller's thread, on the side stream; nothing is read
+        on the host. The exchange's thread then watches the GPU finish it (``_settle``)."""
+        try:
+            with self._on_stream():
+                flagged = self._exchange_on_current_stream(xs, numels, feedbacks)
+                done = None
+                if self._stream is not None:
+                    for x in xs:  # made on the training stream, freed by the caller while
+                        x.record_stream(self._stream)  # this stream may still read them
+                    done = torch.cuda.Event()
+                    done.record(self._stream)
+        except BaseException as e:  # every waiter hears of it
+            for f in futures:
+                f.set_exception(e)
+            return
+        self._executor.submit(self._settle, done, flagged, futures, pending)
+
+    def _settle(self, done, flagged, futures, pending: Pending) -> None:
+        """On the exchange's thread: wait for ``done`` (None: done already) until the
+        exchange's deadline from its launch, then hand over its results, or say that its
+        peers did not answer (now, whether or not anyone waits: NCCL's watchdog ends the
+        process a little later)."""
+        while done is not None and not done.query():
+            if time.perf_counter() >= pending.started + pending.timeout:
+                error = SyncTimeout(pending.timeout_message())
+                log.error("%s", error)
+                for f in futures:
+                    f.set_exception(error)
+                return
+            time.sleep(POLL_SECONDS)
+        try:
+            results = [r.on_host(time.perf_counter() - pending.started) for r in flagged]
+        except BaseException as e:
+            for f in futures:
+                f.set_exception(e)
+            return
+        for f, r in zip(futures, results):
+            f.set_result(r)
+
     def _exchange_on_current_stream(self, xs, numels, feedbacks) -> List[ExchangeResult]:
-        """``xs``: padded shards (``buffer``), ``numels`` of their elements each."""
-        started = time.perf_counter()
-        finite = [is_finite(x) for x in xs]
+        """``xs``: padded shards (``buffer``), ``numels`` of their elements each. Nothing is
+        read on the host here: the results' finiteness flags and quantization errors are
+        tensors on the codec's device (``ExchangeResult.on_host``)."""
+        finite = [_all_finite(x) for x in xs]
         if self.workers == 1:  # nothing crosses a wire: the mean is the value itself
-            return [ExchangeResult(x[:n], f, 0, 0, 0.0, time.perf_counter() - started)
+            return [ExchangeResult(x[:n], f, 0, 0, 0.0, 0.0)
                     for x, n, f in zip(xs, numels, finite)]
-        shards = []
+        shards, sent_finite = [], []
         for padded, ok, feedback in zip(xs, finite, feedbacks):
-            # A non-finite gradient is replaced by zeros on the wire; its flag tells every
-            # worker to skip this shard's outer step, so it never reaches the global
-            # parameters. (The caller's buffer is read, never written.)
-            if not ok:
-                padded = torch.zeros_like(padded)
-            encoded = feedback.encode(padded) if (feedback is not None and ok) else \
-                self.codec.encode(padded)
+            encoded, encodable = feedback.encode_flagged(padded) if feedback is not None \
+                else self.codec.encode_flagged(padded)
+            # A non-finite gradient (or one the format cannot hold) travels as zeros; its
+            # flag tells every worker to skip this shard's outer step, so it never reaches
+            # the global parameters. (The caller's buffer is read, never written; the
+            # residual of error feedback stays as it was.)
+            ok = ok & encodable
+            (encoded.scales if encoded.scales is not None else encoded.payload) \
+                .masked_fill_(~ok, 0)
             shards.append((padded, encoded))
-        reduced, b1 = self._reduce_scatter(finite, shards)
-        means, b2 = self._all_gather([self.codec.encode(chunk_mean)
+            sent_finite.append(ok)
+        reduced, b1 = self._reduce_scatter(sent_finite, shards)
+        means, b2 = self._all_gather([self.codec.encode_flagged(chunk_mean)[0]
                                       for _, chunk_mean, _ in reduced])
         with self._lock:
             self.bytes_sent += sum(b1) + sum(b2)
             self.bytes_received += sum(b1) + sum(b2)
-        seconds = time.perf_counter() - started
-        return [ExchangeResult(mean[:n], all_finite, s1 + s2, s1 + s2, quant_error, seconds)
+        # A mean the format could not hold (a sum beyond its range) is skipped everywhere
+        # too: every worker decodes the same bytes into it.
+        return [ExchangeResult(mean[:n], all_finite & _all_finite(mean), s1 + s2,
+                               s1 + s2, quant_error, 0.0)
                 for n, mean, (all_finite, _, quant_error), s1, s2
                 in zip(numels, means, reduced, b1, b2)]
 
@@ -262,8 +327,8 @@ class Transport:
         """``t`` on the wire's device. From a GPU to gloo's host memory through a pinned
         buffer (a pageable copy would stage through a driver buffer at a fraction of the
         rate), complete before the wire reads it; what comes back lands in pinned buffers
-        too (``_all_to_all``, ``_all_gather``), so the copies back run asynchronously on
-        this stream, ordered before the decoding that reads them."""
+        too (``wire.all_to_all``, ``wire.all_gather``), so the copies back run
+        asynchronously on this stream, ordered before the decoding that reads them."""
         if t.device == self.wire_device:
             return t
         if t.is_cuda and self.wire_device.type == "cpu":
@@ -277,37 +342,36 @@ class Transport:
         error measured on chunk j); and the bytes each way per shard. The error needs no
         decode of its own: chunk j's own codes are decoded for the sum anyway."""
         M, me = self.workers, self.index
-        device = shards[0][0].device
-        flags = torch.tensor([[1 if f else 0 for f in finite]] * M, dtype=torch.int32,
-                             device=device)
+        flags = torch.stack(finite).to(torch.int32).view(1, -1).expand(M, -1)
         layout = [flags]
         for _, encoded in shards:
             if encoded.scales is not None:
                 layout.append(encoded.scales.view(M, -1))
             layout.append(encoded.payload.view(M, -1))
-        rows = _pack(layout)
-        received = _all_to_all(self._to_wire(rows.view(-1)), self.post)
-        received = received.to(device, non_blocking=True).view(M, -1)
+        rows = pack(layout)
+        received = all_to_all(self._to_wire(rows.view(-1)), self.post)
+        received = received.to(rows.device, non_blocking=True).view(M, -1)
         flags_of, parts_of = [], []  # per worker: its flags; its (scales, codes) per shard
         for w in range(M):
-            flags_w, *rest = _unpack(received[w], layout)
+            flags_w, *rest = unpack(received[w], layout)
             flags_of.append(flags_w)
             parts_of.append(_per_shard(rest, [e for _, e in shards]))
         out, sizes = [], []
         for i, (padded, encoded) in enumerate(shards):
             chunk = padded.numel() // M
-            all_finite, total, part, quant_error = True, None, None, 0.0
+            total, part, quant_error = None, None, None
             for w in range(M):  # fixed order: the sum is the same on every run
-                all_finite = all_finite and bool(flags_of[w][i].item())
                 scales, codes = parts_of[w][i]
                 decoded = self.codec.decode(Encoded(codes, scales, chunk),
                                             out=None if total is None else part)
-                if w == me:
-                    quant_error = _relative_error(decoded, padded[me * chunk:(me + 1) * chunk])
+                if w == me:  # this rank's own send (0 where it sent zeros)
+                    quant_error = torch.where(finite[i], _relative_error(
+                        decoded, padded[me * chunk:(me + 1) * chunk]), 0.0)
                 if total is None:
                     total, part = decoded.clone(), torch.empty_like(decoded)
                 else:
                     total += decoded
+            all_finite = torch.stack([flags_of[w][i] for w in range(M)]).min() > 0
             out.append((all_finite, total / M, quant_error))
             sizes.append((4 + encoded.nbytes() // M) * (M - 1))
         return out, sizes
@@ -321,14 +385,14 @@ class Transport:
             if e.scales is not None:
                 layout.append(e.scales.view(1, -1))
             layout.append(e.payload.view(1, -1))
-        row = _pack(layout).view(-1)
+        row = pack(layout).view(-1)
         rows = [r.to(row.device, non_blocking=True)
-                for r in _all_gather(self._to_wire(row), self.post, M)]
+                for r in all_gather(self._to_wire(row), self.post, M)]
         means = [torch.empty(M * e.numel, dtype=torch.float32, device=row.device)
                  for e in encoded]
         for w in range(M):
             for e, mean, (scales, codes) in zip(encoded, means,
-                                                _per_shard(_unpack(rows[w], layout), encoded)):
+                                                _per_shard(unpack(rows[w], layout), encoded)):
                 self.codec.decode(Encoded(codes, scales, e.numel),
                                   out=mean[w * e.numel:(w + 1) * e.numel])
         return means, [e.nbytes() * (M - 1) for e in encoded]
@@ -359,80 +423,16 @@ def _per_shard(parts: List[torch.Tensor], encoded: List[Encoded]) -> List[tuple]
     return out
 
 
-def _pack(parts: List[torch.Tensor]) -> torch.Tensor:
-    """Rows of several tensors (each [rows, k], any dtype) side by side as one uint8 [rows, B]
-    tensor: what one collective carries."""
-    return torch.cat([p.contiguous().view(torch.uint8) for p in parts], dim=1)
+def _all_finite(t: torch.Tensor) -> torch.Tensor:
+    """Whether every element of ``t`` is finite, as a 0-dim bool tensor on its device: its
+    sum is (an inf or NaN anywhere makes it inf or NaN), and the sum holds no temporary of
+    ``t``'s size. (A sum beyond fp32's range reads as not finite: an outer gradient is
+    orders of magnitude from it.)"""
+    return torch.isfinite(t.sum())
 
 
-def _unpack(row: torch.Tensor, like: List[torch.Tensor]) -> List[torch.Tensor]:
-    """One packed row back into flat tensors with the dtypes and row widths of ``like``:
-    views into ``row``, copied only where a piece does not start on its dtype's alignment."""
-    out, offset = [], 0
-    for p in like:
-        width = p.shape[1] * p.element_size()
-        piece = row[offset:offset + width]
-        if piece.storage_offset() % p.element_size():
-            piece = piece.clone()
-        out.append(piece.view(p.dtype))
-        offset += width
-    return out
-
-
-# gloo moves one large message each way over a pair's TCP connection; with both directions
-# busy and no round trip to pace them the two take turns (all-to-all of 25 MB each way over
-# a 100 Mbit/s harness link: 48 % of the rate each way, its all-gather 63 %), where several
-# messages in flight each way keep both directions full (90 %, 91 %; its chunked ring
-# all-reduce does the same; benchmarks/wire_directions.py). So on gloo both collectives go
-# as tagged point-to-point messages of at most WIRE_CHUNK bytes, all posted at once. NCCL
-# keeps its own collectives.
-WIRE_CHUNK = 1 << 18
-
-
-def _swap(sends: List[torch.Tensor], recvs: List[torch.Tensor], post: Poster) -> None:
-    """Every peer ``j`` gets ``sends[j]`` into its ``recvs[me]``, in chunks, both ways at
-    once (``sends[me]`` is copied locally)."""
-    me = post.rank
-    recvs[me].copy_(sends[me])
-    works = []
-    for peer in range(len(sends)):
-        if peer == me:
-            continue
-        out, inp = recvs[peer].view(-1), sends[peer].view(-1)
-        step = max(1, WIRE_CHUNK // inp.element_size())
-        for tag, start in enumerate(range(0, inp.numel(), step)):
-            works.append(post(dist.isend, inp[start:start + step], group_dst=peer, tag=tag))
-            works.append(post(dist.irecv, out[start:start + step], group_src=peer, tag=tag))
-    for work in works:
-        work.wait()
-
-
-def _like(t: torch.Tensor) -> torch.Tensor:
-    """An empty tensor like ``t``, pinned where ``t`` is (a receive buffer for staged rows)."""
-    if t.device.type == "cpu" and t.is_pinned():
-        return torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    return torch.empty_like(t)
-
-
-def _all_to_all(t: torch.Tensor, post: Poster) -> torch.Tensor:
-    out = _like(t)
-    if t.device.type != "cpu":
-        post(dist.all_to_all_single, out, t)
-        return out
-    parts = dist.get_world_size(post.group)
-    _swap(list(t.view(parts, -1)), list(out.view(parts, -1)), post)
-    return out
-
-
-def _all_gather(t: torch.Tensor, post: Poster, parts: int) -> List[torch.Tensor]:
-    out = [_like(t) for _ in range(parts)]
-    if t.device.type != "cpu":
-        post(dist.all_gather, out, t)
-        return out
-    _swap([t] * parts, out, post)
-    return out
-
-
-def _relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
-    norm = exact.norm().item()
-    return (approx - exact).norm().item() / norm if norm > 0 else 0.0
+def _relative_error(approx: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
+    """||approx - exact|| / ||exact|| (0 where ``exact`` is 0), a 0-dim tensor on their
+    device (read on the host once the exchange is done)."""
+    norm = exact.norm()
+    return torch.where(norm > 0, (approx - exact).norm() / norm, 0.0)

@@ -309,16 +309,83 @@ def address_towards(master: str) -> str:
     return master if ipaddress.ip_address(mine).is_loopback else mine
 
 
-def set_device(local_rank: int) -> Optional[int]:
+def set_device(local_rank: int, in_worker_here: Optional[int] = None) -> Optional[int]:
     """This rank's GPU, for every backend (gloo on a GPU node too, or every rank would make
-    its tensors on cuda:0): the launcher's LOCAL_RANK, modulo the devices seen (more local
-    ranks than GPUs share them: two one-rank workers on one test GPU; NCCL refuses two ranks
-    of one device only within one group). None without CUDA."""
+    its tensors on cuda:0): the launcher's LOCAL_RANK, modulo the devices seen. Workers may
+    share GPUs (two one-rank workers on one test GPU: NCCL refuses two ranks of one device
+    only within one group); two ranks of one worker may not. ``in_worker_here``: this rank's
+    index among its worker's ranks on this node (``index_in_worker_here``); one beyond the
+    GPUs seen is refused (ConfigError, one line). None without CUDA."""
     if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
         return None
-    device = local_rank % torch.cuda.device_count()
+    gpus = torch.cuda.device_count()
+    if in_worker_here is not None and in_worker_here >= gpus:
+        from ..errors import ConfigError
+
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        raise ConfigError(
+            f"LOCAL_RANK {local_rank}: its worker has at least {in_worker_here + 1} ranks on "
+            f"this node, which sees {gpus} GPU{'s' if gpus > 1 else ''} (CUDA_VISIBLE_DEVICES="
+            f"{visible if visible is not None else 'unset'}): two ranks of one worker would "
+            f"share a GPU; launch at most {gpus} rank{'s' if gpus > 1 else ''} of a worker "
+            "per node")
+    device = local_rank % gpus
     torch.cuda.set_device(device)
     return device
+
+
+def index_in_worker_here(rank: int, local_rank: int, worker_first: int) -> int:
+    """A rank's index among its worker's ranks on its node: a launcher numbers a node's ranks
+    (LOCAL_RANK) in the order of the job's (RANK), and a worker is a block of consecutive
+    ranks starting at ``worker_first``, so its ranks on this node are those from the later of
+    the node's first rank and the worker's first."""
+    return rank - max(rank - local_rank, worker_first)
+
+
+def claim_device(env, workers: int) -> Optional[int]:
+    """Set this process's GPU from the launcher's variables in ``env`` (the job's RANK and
+    WORLD_SIZE, ``join_worker_launch`` done) before anything else can touch CUDA: Transformer
+    Engine, imported with megatron-core, may make a CUDA context at import, on device 0
+    unless one is set. Refuses two ranks of one worker on one GPU (``set_device``)."""
+    rank, world = int(env.get("RANK", "0")), int(env.get("WORLD_SIZE", "1"))
+    local_rank = int(env.get("LOCAL_RANK", "0"))
+    per_worker = world // workers if workers > 0 and world % workers == 0 else None
+    here = None if per_worker is None else \
+        index_in_worker_here(rank, local_rank, rank // per_worker * per_worker)
+    return set_device(local_rank, here)
+
+
+LAUNCH_ORDER = "NCCL_LAUNCH_ORDER_IMPLICIT"
+LAUNCH_ORDER_SINCE = (2, 26)  # the NCCL release that added it
+
+
+def order_nccl_launches(env) -> None:
+    """NCCL across workers: have NCCL run the operations of this GPU's communicators (the
+    worker's and the cross-worker ones) in the order this process launches them
+    (``NCCL_LAUNCH_ORDER_IMPLICIT=1`` in ``env``; the exchange launches its collectives from
+    the training loop's thread, ``comm.transport``). Without it operations of two
+    communicators of one device can deadlock unless the application orders them itself
+    (NCCL user guide, "Using multiple NCCL communicators concurrently"). Call before the
+    first NCCL communicator starts. Refuses (ConfigError) an NCCL older than 2.26 and the
+    variable set to anything but 1."""
+    from ..errors import ConfigError
+
+    value = env.get(LAUNCH_ORDER, "1")
+    if value != "1":
+        raise ConfigError(f"--diloco-backend nccl needs {LAUNCH_ORDER}=1 (NCCL then runs the "
+                          "worker's and the cross-worker collectives in the order they are "
+                          f"launched), found {value!r}: unset it")
+    try:
+        version = tuple(torch.cuda.nccl.version())
+    except Exception as e:  # a torch built without NCCL
+        raise ConfigError(f"--diloco-backend nccl: this torch has no NCCL ({e})") from None
+    if version[:2] < LAUNCH_ORDER_SINCE:
+        raise ConfigError(
+            f"--diloco-backend nccl: torch's NCCL {'.'.join(map(str, version))} cannot order "
+            "the worker's and the cross-worker collectives on one GPU ({} needs NCCL {} or "
+            "later); use --diloco-backend gloo".format(
+                LAUNCH_ORDER, ".".join(map(str, LAUNCH_ORDER_SINCE))))
+    env[LAUNCH_ORDER] = "1"
 
 
 def init_distributed(backend: str, timeout_minutes: float, store=None,
@@ -341,9 +408,12 @@ def init_distributed(backend: str, timeout_minutes: float, store=None,
         store = store if store is not None else rendezvous_store(timeout_minutes)[0]
         rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         world_rank, world_size = rank, size
+        here = None
         if layout is not None:
             world_rank, world_size = layout.coords(rank)["local"], layout.ranks_per_worker
-        set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            here = index_in_worker_here(rank, int(os.environ.get("LOCAL_RANK", "0")),
+                                        layout.offset(layout.coords(rank)["worker"]))
+        set_device(int(os.environ.get("LOCAL_RANK", "0")), here)
         dist.init_process_group(backend=backend_for(backend), store=store, rank=world_rank,
                                 world_size=world_size,
                                 timeout=datetime.timedelta(minutes=timeout_minutes))

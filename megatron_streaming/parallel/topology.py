@@ -23,6 +23,7 @@ torch.distributed groups from it, in the same order on every rank as ``new_group
 
 from __future__ import annotations
 
+import datetime
 import itertools
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
@@ -30,6 +31,36 @@ from typing import Dict, List, Optional, Tuple
 IN_WORKER_AXES = ("tp", "sp", "dp", "pp")  # fastest first; sp = Ulysses sequence parallel
 # The groups a mixture-of-experts model adds (``RankLayout._moe_groups``).
 MOE_GROUPS = ("tp_sdp", "tp_sp", "ep", "expt_tp", "expt_dp", "tp_ep")
+
+
+# NCCL across workers: the cross-worker groups' own timeout (NCCL's watchdog, which ends the
+# process) exceeds --diloco-timeout by this much, so the exchange gives up first and says which
+# step, fragment and peers it waited for (``comm.transport``).
+NCCL_TIMEOUT_MARGIN = datetime.timedelta(seconds=60)
+
+
+def cross_worker_group_timeout(backend: str, timeout: Optional[datetime.timedelta],
+                               in_worker: Optional[datetime.timedelta] = None):
+    """The timeout the cross-worker groups are made with, for ``--diloco-timeout``
+    ``timeout``. gloo: ``timeout`` (a collective that runs out fails, and the exchange reports
+    it). NCCL: ``timeout`` plus ``NCCL_TIMEOUT_MARGIN``. NCCL's watchdog counts from a
+    collective's launch, as the exchange's own deadline does, and ends the process when it
+    fires: the exchange's deadline must come first, and the in-worker groups' watchdog
+    (``in_worker``: ``--distributed-timeout-minutes``) after both, or it ends the process
+    while a worker waits at a collective behind the stuck exchange. Raises ConfigError
+    naming the flags where that order cannot hold."""
+    if backend != "nccl" or timeout is None:
+        return timeout
+    nccl = timeout + NCCL_TIMEOUT_MARGIN
+    if in_worker is not None and nccl >= in_worker:
+        from ..errors import ConfigError
+
+        raise ConfigError(
+            f"--diloco-backend nccl: --diloco-timeout {timeout.total_seconds():g} s plus "
+            f"{NCCL_TIMEOUT_MARGIN.total_seconds():g} s (the NCCL groups' own watchdog) must "
+            f"be below --distributed-timeout-minutes {in_worker.total_seconds() / 60:g} "
+            f"({in_worker.total_seconds():g} s)")
+    return nccl
 
 
 @dataclass(frozen=True)
@@ -293,6 +324,7 @@ class Topology:
     # The control groups of the coordinates beyond this worker's size that this rank stands
     # in for (``RankLayout.proxied``; none where every worker has the same size).
     proxy_groups: list = field(default_factory=list)
+    in_worker_timeout: Optional[datetime.timedelta] = None  # the in-worker groups'
 
     @classmethod
     def create(cls, layout: RankLayout, rank: int, timeout=None,
@@ -311,8 +343,17 @@ class Topology:
         import torch.distributed as dist
 
         members = list(range(layout.workers)) if cross_members is None else cross_members
-        topo = cls(layout=layout, rank=rank, members=tuple(members))
+        topo = cls(layout=layout, rank=rank, members=tuple(members), in_worker_timeout=timeout)
         topo.cross_worker_backend = cross_worker_backend
+        if cross_worker_backend == "nccl":  # before any NCCL communicator starts (torch
+            # starts each at its group's first collective)
+            import os
+
+            from .distributed import order_nccl_launches
+
+            order_nccl_launches(os.environ)
+        cross_group_timeout = cross_worker_group_timeout(
+            cross_worker_backend, cross_worker_timeout or timeout, timeout)
         per_worker = dist.get_world_size() != layout.world_size
         if per_worker and dist.get_world_size() != layout.ranks_per_worker:
             raise ValueError(f"the default group has {dist.get_world_size()} ranks: neither "
@@ -340,7 +381,7 @@ class Topology:
                     continue
                 group = dist.new_group(
                     [r + topo.world_offset for r in ranks],
-                    timeout=cross_worker_timeout if cross else timeout,
+                    timeout=cross_group_timeout if cross else timeout,
                     backend=cross_worker_backend if cross else backend)
                 if not cross:
                     made.setdefault(tuple(ranks), group)
@@ -358,13 +399,15 @@ class Topology:
     def add_cross_worker_groups(self, store, epoch: int, members: List[int], timeout) -> None:
         """This rank's two cross-worker groups (data and control) over the workers
         ``members`` (sorted indices), made on ``store`` under the epoch's own prefix by the
-        members' ranks at this in-worker coordinate alone (``patches.torch_process_group``)."""
-        import datetime
-
+        members' ranks at this in-worker coordinate alone (``patches.torch_process_group``);
+        ``timeout``: ``--diloco-timeout`` (``cross_worker_group_timeout`` gives the groups')."""
         import torch.distributed as dist
 
         from patches.torch_process_group import standalone_group
 
+        backend = self.cross_worker_backend or "gloo"
+        timeout = cross_worker_group_timeout(
+            backend, timeout or datetime.timedelta(minutes=10), self.in_worker_timeout)
         layout, c = self.layout, self.coords
         sizes, local = layout.worker_sizes, c["local"]
         wanted = [("cross_worker", local)] if local < layout.lanes else []
@@ -377,9 +420,8 @@ class Topology:
             ranks = [layout.offset(w) + coord % sizes[w] for w in members]
             prefix = f"megatron_streaming/epoch{epoch}/{name}/{coord}/"
             group = standalone_group(
-                self.cross_worker_backend or "gloo", dist.PrefixStore(prefix, store),
-                members.index(c["worker"]), len(members),
-                timeout or datetime.timedelta(minutes=10),
+                backend, dist.PrefixStore(prefix, store), members.index(c["worker"]),
+                len(members), timeout,
                 # the members' ranks in the world, for torch's registry: only this rank's
                 # where each worker is its own world
                 {self.rank + self.world_offset: members.index(c["worker"])}

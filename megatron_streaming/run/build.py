@@ -28,6 +28,12 @@ def build_model(cfg: Config, topology, vocab_size: int, reports: bool, weights_f
         log.info("core attention: %s", describe_attention(cfg.model, topology.layout.sp))
     distributed.seed_everything(cfg.training.seed, topology.tp_rank)
     model = build(cfg.model, cfg.parallel, topology, vocab_size, cfg.te, cfg.precision)
+    if reports:  # torch's math kernel holds the whole score matrix: said, once
+        from ..worker.attention import kernel_note
+
+        note = kernel_note(model)
+        if note:
+            log.warning("%s", note)
     tied = not cfg.model.untie_embeddings_and_output_weights
     weights.initialize_weights(
         model, seed=cfg.training.seed, std=cfg.model.init_method_std,

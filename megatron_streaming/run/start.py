@@ -52,8 +52,12 @@ def start_processes(cfg: Config) -> Started:
     own_host = distributed.join_worker_launch(os.environ, s.diloco_workers,
                                               s.diloco_worker_index, p.master_addr,
                                               p.master_port)
+    if not distributed.is_initialized():  # its GPU before anything may import Transformer
+        distributed.claim_device(os.environ, s.diloco_workers)  # Engine (patches, tokenizer)
     world = world_size_from_env()
     validate(cfg, world)
+    if s.diloco_backend == "nccl":  # NCCL reads its settings once, at its first use
+        distributed.order_nccl_launches(os.environ)
     layout = RankLayout.of(cfg, world)
     if cfg.checkpoint.save:
         from ..checkpoint import check_writable

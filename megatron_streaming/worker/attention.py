@@ -12,12 +12,19 @@ Where it sits: the ``core_attention`` of megatron-core's local layer spec, chose
 the core attention of Ladder's layers (built on that spec) and the inner attention of
 Ulysses (``ulysses.py``). Inputs and output are the local spec's: q ``[sq, b, heads, d]``,
 k and v ``[sk, b, groups, d]``, the context ``[sq, b, heads x d]`` for the output projection.
+
+On a GPU, SDPA picks its kernel per call, and where neither the flash nor the memory-efficient
+kernel takes the inputs (a dtype, a head size, an old GPU) it runs its math kernel, which
+holds the O(s^2) scores this attention exists to avoid. ``kernel_note`` asks torch's own
+checks once, at start, which kernel the model's attention gets, and says so in a line when it
+is the math one.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Optional
+import warnings
+from typing import Dict, Optional
 
 import torch
 import torch.nn.functional as F
@@ -136,3 +143,59 @@ def _kernel_takes_groups(q: torch.Tensor, mask: Optional[torch.Tensor]) -> bool:
     if q.device.type != "cuda":
         return True
     return mask is None and q.dtype in (torch.float16, torch.bfloat16)
+
+
+PROBE_TOKENS = 64  # the sequence of the tensors torch's kernel checks look at (no kernel runs)
+FUSED_KERNELS = ("flash", "memory-efficient")
+
+
+def kernel_note(model) -> Optional[str]:
+    """One line when torch's SDPA would run its math kernel for ``model``'s attention (the
+    first ``SDPAttention`` in it, on the current GPU, in the model's dtype), with why each
+    fused kernel refuses it; None where the flash or the memory-efficient kernel takes it, off
+    a GPU (the CPU's fused kernel), and without an ``SDPAttention``. torch tries flash, then
+    memory-efficient, then math (its default order: cuDNN's only where math is turned off)."""
+    layer = next((m for m in model.modules() if isinstance(m, SDPAttention)), None)
+    if layer is None or not torch.cuda.is_available():
+        return None
+    c = layer.config
+    tp = c.tensor_model_parallel_size
+    heads = max(1, c.num_attention_heads // tp)
+    groups = max(1, (c.num_query_groups or c.num_attention_heads) // tp)
+    dtype = c.params_dtype
+    # As ``forward`` calls it: causal in the kernel, no mask; grouped where the kernel groups.
+    native_groups = groups != heads and dtype in (torch.float16, torch.bfloat16)
+    refusals = _probe(torch.device("cuda", torch.cuda.current_device()), dtype, heads, groups,
+                      c.kv_channels, layer.dropout_p, native_groups)
+    if any(why is None for why in refusals.values()):
+        return None
+    dtype_name = str(dtype).replace("torch.", "")
+    return (f"{FLAG}: torch's scaled_dot_product_attention runs its math kernel on this GPU "
+            f"for {dtype_name}, head size {c.kv_channels}, {heads} heads of {groups} groups"
+            f"{f', dropout {layer.dropout_p:g}' if layer.dropout_p else ''}: O(s^2) memory "
+            "for the scores, as the unfused attention (" +
+            "; ".join(f"{name}: {why}" for name, why in refusals.items()) + ")")
+
+
+def _probe(device: torch.device, dtype: torch.dtype, heads: int, groups: int, head_dim: int,
+           dropout: float, native_groups: bool) -> Dict[str, Optional[str]]:
+    """Per fused kernel: None if it takes these inputs, else why not (the first reason
+    torch's check gives), from ``torch.backends.cuda.can_use_flash_attention`` and
+    ``can_use_efficient_attention`` on empty tensors of ``PROBE_TOKENS`` tokens: they read
+    shapes, dtypes, the GPU and torch's switches, and run no kernel."""
+    from torch.backends.cuda import (SDPAParams, can_use_efficient_attention,
+                                     can_use_flash_attention)
+
+    q = torch.empty(1, heads, PROBE_TOKENS, head_dim, dtype=dtype, device=device)
+    kv = torch.empty(1, groups if native_groups else heads, PROBE_TOKENS, head_dim,
+                     dtype=dtype, device=device)
+    params = SDPAParams(q, kv, kv, None, dropout, True, native_groups)
+    out = {}
+    for name, check in zip(FUSED_KERNELS, (can_use_flash_attention,
+                                           can_use_efficient_attention)):
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            takes = check(params, True)  # debug: says why not, as warnings
+        out[name] = None if takes else \
+            (str(said[0].message).splitlines()[0] if said else "not available")
+    return out

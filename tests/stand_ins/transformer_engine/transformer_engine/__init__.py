@@ -22,6 +22,13 @@ ran = runpy.run_path(os.path.join(os.path.dirname(__file__), "..", "..", "record
 
 __version__ = "2.8.0"
 
+# Transformer Engine may touch the GPU at import (a CUDA context on the current device, device
+# 0 unless one was set): with STAND_IN_IMPORTS=<file>, note the device current at import.
+if os.environ.get("STAND_IN_IMPORTS"):
+    with open(os.environ["STAND_IN_IMPORTS"], "a") as _f:
+        _f.write(f"transformer_engine imported on device "
+                 f"{torch.cuda.current_device() if torch.cuda.is_available() else None}\n")
+
 
 def _refuse(what: str):
     raise RuntimeError(f"stand-in transformer_engine: {what} was used; a Transformer Engine "
