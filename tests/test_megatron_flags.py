@@ -142,3 +142,30 @@ def test_every_foreign_flag_is_distinct_from_our_own():
             if not a.dest.startswith("megatron__")}
     assert not ours & set(megatron_flags.BY_FLAG)
     assert len(megatron_flags.BY_FLAG) == len(megatron_flags.FLAGS)
+
+
+def test_fp32_gradient_accumulation_flag_is_megatrons_default_here():
+    """Megatron-LM's --accumulate-allreduce-grads-in-fp32 is what --bf16 does here (ZeRO 1
+    and 2): accepted; with --fp16 or --grad-reduce-in-bf16 it cannot hold: refused."""
+    from megatron_streaming.worker.engine import deepspeed_config
+
+    cfg = parse_args([*MOCK, "--bf16", "--accumulate-allreduce-grads-in-fp32"])
+    validate(cfg, 1)
+    assert deepspeed_config(cfg)["data_types"] == {"grad_accum_dtype": "fp32"}
+    assert _errors([*MOCK, "--fp16", "--accumulate-allreduce-grads-in-fp32"]) == [
+        "--accumulate-allreduce-grads-in-fp32: fp16 gradients accumulate in fp16 here "
+        "(DeepSpeed's fp32 accumulation of fp16 is not wired); drop the flag"]
+    assert _errors([*MOCK, "--bf16", "--grad-reduce-in-bf16",
+                    "--accumulate-allreduce-grads-in-fp32"]) == [
+        "--accumulate-allreduce-grads-in-fp32: conflicts with --grad-reduce-in-bf16; drop one "
+        "of the two"]
+
+
+def test_bf16_without_zero_says_its_gradients_accumulate_in_bf16():
+    cfg = parse_args([*MOCK, "--bf16", "--zero-stage", "0"])
+    validate(cfg, 1)
+    assert any(a.startswith("--bf16 at --zero-stage 0: gradients accumulate over micro-batches "
+                            "in bf16") for a in cfg.adjustments)
+    cfg = parse_args([*MOCK, "--bf16"])
+    validate(cfg, 1)
+    assert not any(a.startswith("--bf16 at --zero-stage 0") for a in cfg.adjustments)

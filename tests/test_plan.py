@@ -46,7 +46,10 @@ def test_memory_terms_move_with_the_layout():
 
     zero0, zero1, zero2 = (parts(dp=8, zero_stage=z, micro_batch=2) for z in (0, 1, 2))
     assert zero1["optimizer"] == pytest.approx(zero0["optimizer"] / 8)  # master + Adam
-    assert zero2["gradients"] < zero1["gradients"] == zero0["gradients"]
+    # bf16 gradients in bf16 at ZeRO-0, in fp32 under ZeRO (whole at 1, partitioned at 2)
+    params = shape.stage_parameters(1, 1, 0)
+    assert (zero0["gradients"], zero1["gradients"]) == (2 * params, 4 * params)
+    assert zero2["gradients"] == pytest.approx(4 * params / 8)
     assert zero1["outer state"] == pytest.approx(zero0["outer state"] / 8)
     plain, recompute = parts(tp=2, micro_batch=4), parts(tp=2, micro_batch=4, recompute="full")
     assert recompute["activations"] < plain["activations"] / 4
@@ -57,25 +60,31 @@ def test_memory_terms_move_with_the_layout():
 
 
 def test_deepspeeds_reduce_bucket_and_the_exchange_are_counted_where_they_live():
-    """DeepSpeed allocates its whole reduce bucket (5e8 elements of the gradients' dtype, two
+    """DeepSpeed allocates its whole reduce bucket (5e8 elements of the weights' dtype, two
     with overlap_comm) at the first backward on CUDA, whatever the model's size; the sync's
     exchange holds the mean it returns and its chunk sums on the outer state's device."""
     from megatron_streaming.plan.memory import EXCHANGE_BYTES, REDUCE_BUCKET
 
     shape = ModelShape.from_config(parse_args(MODEL).model, 32000)
 
-    def parts(layout=Layout(), **kw):
+    def parts(layout=Layout(zero_stage=2), **kw):
         return estimate(shape, layout, Training("bf16", global_batch=8, **kw)).parts
 
     assert parts()["reduce bucket"] == REDUCE_BUCKET * 2
     assert parts(overlap_comm=True)["reduce bucket"] == REDUCE_BUCKET * 2 * 2
     assert "reduce bucket" not in parts(device="cpu")
     assert "reduce bucket" not in parts(Layout(zero_stage=0))
+    # bf16 at ZeRO-1 runs BF16_Optimizer (fp32 accumulation), which has no reduce bucket;
+    # with --grad-reduce-in-bf16 it is DeepSpeed's ZeRO optimizer again
+    assert "reduce bucket" not in parts(Layout(zero_stage=1))
+    assert parts(Layout(zero_stage=1), grad_reduce_in_bf16=True)["reduce bucket"] == \
+        REDUCE_BUCKET * 2
     partition = shape.stage_parameters(1, 1, 0)
     one, three = parts(fragments=1), parts(fragments=3)
-    offloaded = parts(fragments=1, offload_outer_state=True)["outer state"]
-    assert one["outer state"] - offloaded == pytest.approx(
-        8 * partition + EXCHANGE_BYTES * partition)  # theta_g, momentum, the exchange
+    assert one["outer state"] == pytest.approx(  # theta_g, momentum, exchange, its delta
+        (8 + EXCHANGE_BYTES + 4) * partition)
+    # offloaded, all of it is in host memory (the codec runs there): none on the device
+    assert parts(fragments=1, offload_outer_state=True)["outer state"] == 0
     assert one["outer state"] - three["outer state"] == pytest.approx(
         (EXCHANGE_BYTES + 4) * partition * 2 / 3)  # a third of the exchange and its delta
 
@@ -138,7 +147,10 @@ def test_attention_and_dropout_terms_follow_the_kernels_each_device_runs():
     t = Training("bf16", global_batch=2, streaming=False)  # one micro-batch of 2
     scores_grad = b * a * s * s * (2 + 4 + 4)
     plain_parts = estimate(shape, Layout(micro_batch=2), t).parts
-    assert plain_parts["gradients"] == 0  # none yet at the backward's start
+    # BF16_Optimizer's fp32 buffers are there from the start; DeepSpeed's ZeRO optimizer
+    # makes its gradients in the first backward: none yet at its start
+    assert plain_parts["gradients"] == 4 * shape.parameters()
+    assert estimate(shape, Layout(micro_batch=2, zero_stage=2), t).parts["gradients"] == 0
     logits = shape.logits_bytes(2, 1, 1)
     assert (logits >= scores_grad) == ("logits" in plain_parts)
     recompute = estimate(shape, Layout(micro_batch=2, recompute="full"), t).parts
@@ -485,3 +497,88 @@ def test_mixture_of_experts_prices_experts_by_ep_and_the_plan_searches_it(capsys
         eps.append(launched.parallel.expert_model_parallel_size)
     # 13.3B parameters: the H100 worker spreads its experts over eight ranks
     assert "13,303.6M parameters" in out and eps[0] == 8, eps
+
+
+@pytest.mark.parametrize("flags, stage, width, whole", [
+    (["--bf16"], 0, 2, False), (["--bf16"], 1, 4, True), (["--bf16"], 2, 4, False),
+    (["--bf16", "--grad-reduce-in-bf16"], 1, 2, False),
+    (["--bf16", "--grad-reduce-in-bf16"], 2, 2, False),
+    (["--fp16"], 1, 2, False), ([], 1, 4, False)])
+def test_gradients_take_the_width_deepspeed_accumulates_them_in(flags, stage, width, whole):
+    """The planner's gradient element is the ``grad_accum_dtype`` the generated DeepSpeed
+    config asks for: fp32 for bf16 under ZeRO (Megatron-LM's accumulation), bf16 at ZeRO-0
+    and with --grad-reduce-in-bf16, fp16 for fp16. bf16 at ZeRO-1 (BF16_Optimizer) keeps
+    whole fp32 buffers from the start, and its step's all-reduce flattens them into one more
+    fp32 copy while they fit one bucket."""
+    from megatron_streaming.config.ds_config import precision_sections
+    from megatron_streaming.plan.memory import fp32_buffers_whole, gradient_bytes
+
+    cfg = parse_args(["--mock-data", "--num-layers", "2", "--hidden-size", "64",
+                      "--num-attention-heads", "4", "--seq-length", "32", *flags])
+    generated = precision_sections(cfg.precision, stage).get("data_types", {})
+    assert {"fp32": 4, "bf16": 2, "fp16": 2}[generated.get("grad_accum_dtype", "fp32")] == width
+    precision = cfg.precision.dtype_name
+    t = Training(precision, global_batch=2, streaming=False, device="cpu",
+                 grad_reduce_in_bf16=cfg.precision.grad_reduce_in_bf16)
+    layout = Layout(dp=2, zero_stage=stage)  # one micro-batch a step
+    assert gradient_bytes(layout, t) == width and fp32_buffers_whole(layout, t) == whole
+    shape = ModelShape.from_config(cfg.model, 512)
+    params = shape.stage_parameters(1, 1, 0)
+    memory = estimate(shape, layout, t).parts
+    assert memory["gradients"] == (4 * params if whole else 0)  # at the backward's start
+    rest = memory["activations"] + memory.get("logits", memory.get("attention backward", 0))
+    if whole:  # the step: buffers, and the larger of the all-reduce's copy and AdamW's
+        assert memory["optimizer step"] == pytest.approx(
+            4 * params + max(4 * params, 4 * 4 * params / 2) - memory["gradients"] - rest)
+
+
+def test_host_memory_per_rank_and_node_by_hand():
+    """A 2-layer GPT of 134,912 parameters (tied 512 x 64 embedding 32,768, positions 2,048,
+    each layer 49,984, the final norm 128) at DP=2, ZeRO-1, bf16, two fragments, tau 1: a
+    rank writes half of every parameter, 2 + 4 + 8 bytes of weights, masters and moments and
+    8 + 4/2 of theta_g, momentum and the means in flight (24 bytes); offloaded, theta_g and
+    the momentum of its half take 8 bytes an element pinned at their size, the exchange's
+    working set (13 bytes an element of a fragment's shard) and the deltas in flight (4 of
+    the shard) pageable, and the shard's copy out of the GPU torch's power of two. Without
+    offload the codes (4.25 bits an element of the fragment's shard) pass through four
+    pinned buffers of powers of two each way."""
+    from megatron_streaming.plan.memory import host_estimate
+    from megatron_streaming.plan.report import host_line
+    from megatron_streaming.plan.search import Candidate, WorkerPlan
+
+    cfg = parse_args(["--mock-data", "--num-layers", "2", "--hidden-size", "64",
+                      "--num-attention-heads", "4", "--seq-length", "32", "--bf16"])
+    shape = ModelShape.from_config(cfg.model, 512)
+    n = 32768 + 2048 + 2 * 49984 + 128
+    assert shape.parameters() == n == 134912
+    layout = Layout(dp=2, zero_stage=1)
+    t = Training("bf16", 8, fragments=2, overlap_steps=1, save=True, async_save=True,
+                 offload_outer_state=True)
+    host = host_estimate(shape, layout, t)
+    assert host.parts == {"checkpoint staging": 12 * n,
+                          "outer state": 4 * n + 13 * n / 4 + n + 2 ** 18}
+    assert host.pinned == 12 * n + 4 * n + 2 ** 18  # 2 ** 18 = 262,144 >= 4 x n / 4
+    codes = host_estimate(shape, layout, dataclasses.replace(t, offload_outer_state=False))
+    assert codes.parts["exchange codes"] == 2 * 32768 + 3 * 16384  # 17,914 and 8,957 bytes
+    assert codes.pinned == 12 * n + 2 * 32768 + 3 * 16384
+    synchronous = host_estimate(shape, layout, dataclasses.replace(t, async_save=False))
+    assert synchronous.parts["checkpoint being saved"] == 12 * n
+    assert synchronous.pinned == 4 * n + 2 ** 18
+    cpu = host_estimate(shape, layout, dataclasses.replace(t, device="cpu"))
+    assert cpu.pinned == 0 and cpu.parts["checkpoint staging"] == 12 * n
+
+    # The line: a node's 8 ranks of a worker of 16, each 3 GiB staged and 1.5 GiB of outer
+    # state, 4 GiB of it pinned; against the node's host memory where the cluster gives it.
+    from megatron_streaming.plan.clusters import Cluster
+    from megatron_streaming.plan.memory import GIB, HostMemory
+
+    cluster = Cluster("c", 2, 8, 80, 100, 1, 1, host_memory_gib=64)
+    rank = HostMemory({"checkpoint staging": 3 * GIB, "outer state": 1.5 * GIB}, 4 * GIB)
+    w = WorkerPlan(cluster, Candidate(Layout(dp=16), 1.0, 1.0, 1.0), 8, 1.0, host=rank)
+    assert host_line(w) == ("host memory per node: 36.0 GiB, 32.0 of it pinned (8 ranks: "
+                            "checkpoint staging 24.0, outer state 12.0 GiB); fits the node's "
+                            "64 GiB")
+    small = dataclasses.replace(w, cluster=dataclasses.replace(cluster, host_memory_gib=32))
+    assert host_line(small).endswith("more than the node's 32 GiB: --async-save or "
+                                     "--diloco-offload-outer-state off, or fewer ranks per "
+                                     "node")

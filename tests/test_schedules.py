@@ -406,7 +406,9 @@ def test_megatron_deepspeed_llama_json_sets_the_flags_not_given(tmp_path):
     assert any(n.startswith('--deepspeed_config: "bf16.enabled": true sets --bf16')
                for n in cfg.notes)
     ds = deepspeed_config(cfg)
-    assert ds["steps_per_print"] == 1 and ds["bf16"] == {"enabled": True}
+    assert ds["steps_per_print"] == 1
+    assert ds["bf16"] == {"enabled": True, "immediate_grad_update": True}
+    assert ds["data_types"] == {"grad_accum_dtype": "fp32"}  # as Megatron-LM accumulates bf16
     assert "train_batch_size" not in ds  # DeepSpeed gets micro x DP; the schedule accumulates
     assert ds["gradient_accumulation_steps"] == 1 and ds["train_micro_batch_size_per_gpu"] == 4
 

@@ -219,8 +219,8 @@ def test_a_send_makes_its_outer_gradient_in_the_buffer_that_travels():
     (buffer, numel), = transport.handed
     assert numel == n and buffer.numel() == transport.padded_numel(n)
     assert torch.equal(buffer[:n], theta_g - local) and not buffer[n:].any()
-    assert sync.stats[0].grad_sq == pytest.approx(float((theta_g - local).double().pow(2).sum()),
-                                                  rel=1e-5)
+    assert float(sync.stats[0].grad_sq) == pytest.approx(
+        float((theta_g - local).double().pow(2).sum()), rel=1e-5)
     assert allocated < 4 * buffer.numel() + 4096, allocated  # the buffer, nothing shard-sized
 
 

@@ -19,8 +19,8 @@ exactly its bytes (``exact``; megatron-core would otherwise clone it, since ``to
 writes a tensor's whole storage). Before a background write the host tensors are copied out
 (and the device tensors out of the device) into a staging buffer kept from one save to the
 next (``Staging``: made beside training before the first save, every save only copies; pinned
-on a GPU); a synchronous save's device tensors go to host memory by megatron-core's
-``preload_fn``.
+on a GPU, at its exact size: ``comm.pinned``); a synchronous save's device tensors go to host
+memory by megatron-core's ``preload_fn``.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from typing import Optional
 
 import torch
 
+from ..comm import pinned
 from .store import HASH, checkpoint_files, new_hash
 
 # The files of one rank of a worker's part; the others (``.metadata``, ``common.pt``,
@@ -93,28 +94,22 @@ class Staging:
 
     @staticmethod
     def _sizes(values) -> list:
-        return [_aligned(v.data.numel() * v.data.element_size()) for v in values]
+        return [v.data.numel() * v.data.element_size() for v in values]
 
     @staticmethod
-    def _pinned(values) -> bool:
-        return torch.cuda.is_available() and any(v.data.is_cuda for v in values)
-
-    @staticmethod
-    def _make(need: int, pinned: bool) -> torch.Tensor:
-        if pinned:  # resident already
-            return torch.empty(need, dtype=torch.uint8, pin_memory=True)
-        buffer = torch.empty(need, dtype=torch.uint8)
-        buffer.fill_(0)  # every page faulted in here, not in a save's copy
-        return buffer
+    def _device(values) -> Optional[torch.device]:
+        """The GPU the copies come from, for which the buffer is pinned (None: no GPU)."""
+        return next((v.data.device for v in values if v.data.is_cuda), None) \
+            if torch.cuda.is_available() else None
 
     def reserve(self, sharded: dict) -> int:
         """Start making (and touching) the buffer a save of ``sharded`` needs, on a thread;
         returns its bytes."""
         values = _written(sharded, host_only=False)
-        need, pinned = sum(self._sizes(values)), self._pinned(values)
+        need, device = pinned.layout(self._sizes(values))[1], self._device(values)
 
-        def make():
-            self.buffer, self._layout = self._make(need, pinned), None
+        def make():  # pinned at its exact size (not torch's power of two), else faulted in
+            self.buffer, self._layout = pinned.host_buffer(need, device), None
 
         if need > self.buffer.numel():
             self._reserving = threading.Thread(target=make, name="checkpoint-staging",
@@ -130,16 +125,13 @@ class Staging:
         layout = tuple((v.data.dtype, tuple(v.data.shape)) for v in values)
         if layout != self._layout:  # the views into the buffer, kept while it holds
             sizes = self._sizes(values)
-            if sum(sizes) > self.buffer.numel():
+            offsets, need = pinned.layout(sizes)
+            if need > self.buffer.numel():
                 self.buffer = torch.empty(0, dtype=torch.uint8)  # the old one freed first
-                self.buffer = self._make(sum(sizes), self._pinned(values))
-            self._views, offset = [], 0
-            for value, size in zip(values, sizes):
-                t = value.data
-                n = t.numel() * t.element_size()
-                self._views.append(exact(self.buffer[offset:offset + n].view(t.dtype)
-                                         .view(t.shape)))
-                offset += size
+                self.buffer = pinned.host_buffer(need, self._device(values))
+            self._views = [exact(self.buffer[offset:offset + n].view(v.data.dtype)
+                                 .view(v.data.shape))
+                           for v, offset, n in zip(values, offsets, sizes)]
             self._layout = layout
         asynchronous = any(v.data.is_cuda for v in values) and self.buffer.is_pinned()
         for value, view in zip(values, self._views):
@@ -148,10 +140,6 @@ class Staging:
         if asynchronous:
             torch.cuda.synchronize()  # the copies landed before the writer reads them
         return sharded
-
-
-def _aligned(n: int) -> int:
-    return (n + 63) // 64 * 64
 
 
 class FileWrite:

@@ -501,6 +501,13 @@ def _validate_precision(cfg: Config) -> None:
     """Megatron's loss-scaling flags, in the forms DeepSpeed's fp16 section can take."""
     p = cfg.precision
     _require(not (p.fp16 and p.bf16), "--fp16 and --bf16 are mutually exclusive; choose one")
+    if p.bf16 and cfg.parallel.zero_stage == 0 and not p.grad_reduce_in_bf16:
+        # DeepSpeed has no fp32 accumulation of bf16 gradients without ZeRO (it raises), and
+        # Megatron-DeepSpeed's own bf16 ZeRO-0 runs accumulate in bf16: said, not refused.
+        cfg.adjustments.append(
+            "--bf16 at --zero-stage 0: gradients accumulate over micro-batches in bf16 "
+            "(DeepSpeed accumulates bf16 gradients in fp32, as Megatron-LM does, only under "
+            "ZeRO); --zero-stage 1 or 2 accumulates them in fp32")
     if not p.fp16:
         return  # Megatron ignores the loss-scaling flags without --fp16, and so do we
     if p.loss_scale is not None:

@@ -115,6 +115,17 @@ def _flash_attention(flag: str) -> Callable:
     return act
 
 
+def _fp32_accumulation(cfg, value, given):
+    p = cfg.precision
+    if p.fp16:
+        raise Refusal("--accumulate-allreduce-grads-in-fp32: fp16 gradients accumulate in "
+                      "fp16 here (DeepSpeed's fp32 accumulation of fp16 is not wired); drop "
+                      "the flag")
+    if p.grad_reduce_in_bf16:
+        raise Refusal("--accumulate-allreduce-grads-in-fp32: conflicts with "
+                      "--grad-reduce-in-bf16; drop one of the two")
+
+
 def _set_model(field: str, kind) -> Callable:
     def act(cfg, value, given):
         setattr(cfg.model, field, kind(value))
@@ -234,6 +245,10 @@ FLAGS: List[ForeignFlag] = [
                 _context_parallel),
     *[ForeignFlag(flag, MAPPED, _FLASH, act=_flash_attention(flag))
       for flag in ("--use-flash-attn", "--use-flash-attn-v2", "--use-flash-attn-triton")],
+    ForeignFlag("--accumulate-allreduce-grads-in-fp32", ACCEPTED,
+                "bf16 gradients accumulate and are reduced in fp32 here by default (ZeRO 1 "
+                "and 2), unless --grad-reduce-in-bf16; refused with --fp16",
+                act=_fp32_accumulation),
     ForeignFlag("--overlap-param-gather", ACCEPTED,
                 "ZeRO-1/2 all-gather the updated weights inside DeepSpeed's step"),
     ForeignFlag("--calculate-per-token-loss", ACCEPTED,

@@ -1,7 +1,9 @@
-"""A user's DeepSpeed JSON (``--deepspeed_config``) merged into the generated one.
+"""The DeepSpeed JSON's precision sections, and a user's DeepSpeed JSON (``--deepspeed_config``)
+merged into the generated one.
 
-The DeepSpeed config is generated from our flags (``engine.deepspeed_config``); Megatron-DeepSpeed
-launch scripts also write a JSON of their own. Each of its keys is one of:
+The DeepSpeed config is generated from our flags (``engine.deepspeed_config``; its precision
+sections here, ``precision_sections``); Megatron-DeepSpeed launch scripts also write a JSON of
+their own. Each of its keys is one of:
 
 * **mapped** to one of our flags (``train_micro_batch_size_per_gpu`` -> ``--micro-batch-size``,
   ``zero_optimization.stage`` -> ``--zero-stage``, ``bf16.enabled`` -> ``--bf16``...): at parse
@@ -76,6 +78,11 @@ ACCUMULATION = "gradient_accumulation_steps"
 GENERATED_WHY = {
     "managed_gradient_accumulation": "Megatron's schedule runs the micro-batches and DeepSpeed "
     "only steps",
+    "bf16.immediate_grad_update": "BF16_Optimizer (--bf16 at --zero-stage 1) must add each "
+    "micro-batch's gradients to its fp32 buffers as they are made, or a pipeline's back-to-back "
+    "backwards lose some",
+    "data_types": "gradients accumulate over micro-batches in fp32 with --bf16 as in "
+    "Megatron-LM, in bf16 with --grad-reduce-in-bf16 or at --zero-stage 0, in fp16 with --fp16",
     "zero_allow_untested_optimizer": "the inner optimizer is torch's, which ZeRO calls untested",
 }
 # Generated as defaults; the user's value wins.
@@ -94,6 +101,56 @@ REFUSED_IF_ON = {
     "curriculum_learning": "curriculum learning is not supported",
     "data_efficiency": "DeepSpeed's data-efficiency pipeline is not supported",
 }
+
+
+def grad_accum_dtype(precision: str, zero_stage: int, reduce_in_bf16: bool = False) -> str:
+    """The dtype DeepSpeed accumulates the micro-batches' gradients in (its
+    ``data_types.grad_accum_dtype``), Megatron-LM's choice where DeepSpeed can make it.
+
+    Megatron-LM accumulates (and all-reduces) bf16 runs' gradients in fp32 unless
+    ``--grad-reduce-in-bf16`` (its ``accumulate_allreduce_grads_in_fp32``, set for bf16 in
+    ``megatron/training/arguments.py``), fp16 runs' in fp16. DeepSpeed 0.19.8 accumulates in
+    the weights' dtype unless told otherwise, and takes fp32 for bf16 weights only under ZeRO
+    (``engine._do_optimizer_sanity_check`` raises NotImplementedError at stage 0): stage 1 then
+    runs ``BF16_Optimizer`` (whole fp32 gradient buffers, all-reduced at the step), stage 2 its
+    ZeRO optimizer adding each backward's reduced gradients into an fp32 partition. At stage 0
+    bf16 gradients stay in bf16, as in Megatron-DeepSpeed (said at start,
+    ``cli.arguments``)."""
+    if precision != "bf16":
+        return precision  # fp32, or fp16 as in Megatron-LM
+    return "bf16" if reduce_in_bf16 or zero_stage == 0 else "fp32"
+
+
+def precision_sections(p, zero_stage: int) -> dict:
+    """DeepSpeed's ``fp16`` / ``bf16`` sections from Megatron's flags (``PrecisionConfig``,
+    validated): for bf16 the reduction's and the accumulation's dtype (``grad_accum_dtype``);
+    for fp16 a static ``--loss-scale``, else dynamic scaling from ``--initial-loss-scale`` (a
+    power of two), ``--min-loss-scale``, ``--loss-scale-window`` and ``--hysteresis``."""
+    import math
+
+    if p.bf16:
+        accumulation = grad_accum_dtype("bf16", zero_stage, p.grad_reduce_in_bf16)
+        bf16 = {"enabled": True}
+        if accumulation == "fp32" and zero_stage == 1:
+            # BF16_Optimizer adds each parameter's bf16 gradient to its fp32 buffer as soon as
+            # it is made. By default it does so after each backward, in a callback DeepSpeed
+            # 0.19.8 does not queue for the second of two backwards with no forward between
+            # them, as a pipeline's cool-down runs them: those micro-batches would be lost.
+            bf16["immediate_grad_update"] = True
+        # DeepSpeed reduces in the parameters' dtype unless told otherwise; Megatron in fp32.
+        return {"bf16": bf16,
+                "communication_data_type": "bf16" if p.grad_reduce_in_bf16 else "fp32",
+                "data_types": {"grad_accum_dtype": accumulation}}
+    if not p.fp16:
+        return {}
+    accumulation = {"data_types": {"grad_accum_dtype": "fp16"}}  # DeepSpeed's default, said
+    if p.loss_scale is not None:
+        return {"fp16": {"enabled": True, "loss_scale": p.loss_scale}, **accumulation}
+    return {"fp16": {"enabled": True, "loss_scale": 0,  # 0: dynamic
+                     "initial_scale_power": int(math.log2(p.initial_loss_scale)),
+                     "loss_scale_window": int(p.loss_scale_window),
+                     "hysteresis": p.hysteresis,
+                     "min_loss_scale": int(p.min_loss_scale)}, **accumulation}
 
 
 def load_user_config(path: str) -> dict:
@@ -147,6 +204,20 @@ def _get(tree: dict, path: str):
             return None
         tree = tree[part]
     return tree
+
+
+# DeepSpeed's names of one dtype (``runtime.config.DtypeEnum``): equal values, whichever is written.
+_DTYPE_KEYS = {"data_types.grad_accum_dtype", "communication_data_type"}
+_DTYPE_NAMES = {name: canonical for canonical, names in (
+    ("fp32", ("fp32", "float32", "float", "torch.float32")),
+    ("bf16", ("bf16", "bfloat16", "torch.bfloat16")),
+    ("fp16", ("fp16", "float16", "half", "torch.float16"))) for name in names}
+
+
+def _same(key: str, ours, theirs) -> bool:
+    if key in _DTYPE_KEYS and isinstance(theirs, str):
+        return _DTYPE_NAMES.get(theirs, theirs) == ours
+    return ours == theirs
 
 
 def _show(value) -> str:
@@ -249,14 +320,15 @@ def merge_user_config(generated: dict, user: dict, cfg) -> dict:
         refusal = _refusal(key, value, user)
         if refusal:
             _add_once(problems, f"{FLAG} {path}: {refusal}")
-        elif key in mine and key not in OVERRIDABLE and mine[key] != value:
+        elif key in mine and key not in OVERRIDABLE and not _same(key, mine[key], value):
             if mapped is not None:
                 section = _section_with(cfg, mapped.field)
                 ours = _show_flag(mapped.flag, getattr(section, mapped.field)) if section \
                     else mapped.flag
                 problems.append(f'{FLAG} {path}: "{key}": {_show(value)} vs {ours}')
             else:
-                why = GENERATED_WHY.get(key.split(".")[0], "generated from this run's flags")
+                why = GENERATED_WHY.get(key, GENERATED_WHY.get(
+                    key.split(".")[0], "generated from this run's flags"))
                 problems.append(f'{FLAG} {path}: "{key}": {_show(value)}: generated as '
                                 f"{_show(mine[key])} ({why}); drop the key")
         else:

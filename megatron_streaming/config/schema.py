@@ -277,8 +277,9 @@ class PrecisionConfig:
     fp16: bool = arg(False, "Train in fp16 with fp32 master weights and loss scaling.")
     bf16: bool = arg(False, "Train in bf16 with fp32 master weights.")
     grad_reduce_in_bf16: bool = arg(
-        False, "With --bf16: reduce gradients across data-parallel ranks in bf16; without it "
-        "they are reduced in fp32, as in Megatron-LM.")
+        False, "With --bf16: accumulate gradients over micro-batches and reduce them across "
+        "data-parallel ranks in bf16, as Megatron-LM's flag does; without it both are in fp32, "
+        "as in Megatron-LM (at --zero-stage 0 DeepSpeed accumulates in bf16 regardless).")
     loss_scale: Optional[float] = arg(
         None, "Static loss scale with --fp16; without it the loss scale is dynamic.")
     initial_loss_scale: float = arg(

@@ -115,6 +115,9 @@ def build_iterator(dataset, sampler: MicroBatchSampler) -> Iterator[Dict]:
     if sampler.total_samples > len(dataset):
         raise UsageError(f"total_samples={sampler.total_samples}: the dataset has only "
                          f"{len(dataset)} samples")
+    # Pinned on a GPU host, as Megatron-LM's loader pins: the step's copy to the GPU
+    # (non-blocking) then does not wait for the host.
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=0,
-                                         collate_fn=collate_micro_batch)
+                                         collate_fn=collate_micro_batch,
+                                         pin_memory=torch.cuda.is_available())
     return iter(loader)

@@ -90,6 +90,7 @@ class StopAgreement:
         self.device = device_of(self.worker_group)
         self._pending = collections.deque()  # (work, tensor) of the last ``lag`` steps
         self._in_worker: Optional[_HostRead] = None  # the worker's MAX posted a step ago
+        self._outgoing = _PinnedFlags(self.device)  # where the flag leaves the host from
         self.carries_join = False  # elastic runs: the flag also says "a worker asks to join"
         self.join_agreed = False  # the flag just read asks every live worker to admit one
         # --async-save: the flag also carries the checkpoint being committed's progress on
@@ -121,7 +122,7 @@ class StopAgreement:
         if self.saves is not None:
             written, finalised, committed, failed = self.saves()
             values += [-written, -finalised, committed, failed]
-        flag = torch.tensor(values, dtype=torch.int32, device=self.device)
+        flag = self._outgoing.to_device(values)
         posted = _HostRead(dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.worker_group,
                                            async_op=True), flag)
         self.join_agreed = False
@@ -166,6 +167,34 @@ class StopAgreement:
             self._in_worker = None
         while self._pending:
             self._finish_oldest()
+
+
+class _PinnedFlags:
+    """The stop flag on its way to the device. On a GPU it is copied from pinned host memory
+    allocated once: a copy from pageable memory would make the host wait for the device to
+    finish the work queued before it (the step just queued). Two buffers per length, used in
+    turn: a buffer is refilled two calls after its copy was queued, and in between the host
+    waited for the in-worker reduction queued behind that copy (``_HostRead.read``), so the
+    copy has finished. Elsewhere (gloo inside the worker) the flag is a fresh host tensor:
+    the reduction posted with it may still be reading it when the next call comes."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._buffers: Dict[int, List[torch.Tensor]] = {}  # by the flag's length
+        self._calls = 0
+
+    def to_device(self, values: List[int]) -> torch.Tensor:
+        flag = torch.tensor(values, dtype=torch.int32)
+        if self.device.type != "cuda":
+            return flag
+        pair = self._buffers.get(len(values))
+        if pair is None:
+            pair = self._buffers[len(values)] = [
+                torch.empty(len(values), dtype=torch.int32, pin_memory=True) for _ in range(2)]
+        staged = pair[self._calls % 2]
+        self._calls += 1
+        staged.copy_(flag)
+        return staged.to(self.device, non_blocking=True)
 
 
 class _HostRead:

@@ -128,7 +128,10 @@ def main(argv=None) -> int:
                             error_feedback=s.diloco_error_feedback,
                             offload_outer_state=s.diloco_offload_outer_state,
                             attention=attention_kernel(cfg),
-                            overlap_comm=cfg.parallel.overlap_grad_reduce)
+                            overlap_comm=cfg.parallel.overlap_grad_reduce,
+                            grad_reduce_in_bf16=cfg.precision.grad_reduce_in_bf16,
+                            save=bool(cfg.checkpoint.save),
+                            async_save=cfg.checkpoint.async_save)
         result = plan(shape, clusters, link, cfg.training.global_batch_size,
                       cfg.training.train_iters, training, args.memory_headroom,
                       launcher_check(cfg, len(clusters)), args.link_share, args.max_workers)

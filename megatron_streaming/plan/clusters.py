@@ -14,6 +14,7 @@ A cluster file (``launch/clusters/*.yaml`` are examples with public specificatio
     runtime_gib: 4            # per rank before the model: CUDA context, NCCL, allocator
     memory_gb_per_s: 3350     # the device's memory bandwidth (the optimizer step's term)
     collective_latency_us: 20 # each blocking collective's cost beyond its bytes (nccl-tests)
+    host_memory_gib: 2048     # per node (optional): the plan says when its host line exceeds it
 
 A link file::
 
@@ -44,6 +45,7 @@ class Cluster:
     runtime_gib: float = 4.0
     memory_gb_per_s: float = 0.0  # 0: the step-time model leaves the optimizer step out
     collective_latency_us: float = 0.0  # per blocking collective, on top of its bytes
+    host_memory_gib: float = 0.0  # per node; 0: unknown (the plan's host line checks nothing)
     # The cluster's own flags for launch/slurm.sh (partition, account...), passed through.
     sbatch: str = ""
 

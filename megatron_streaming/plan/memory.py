@@ -8,11 +8,18 @@ residual that grows with that term, not as a constant.
 
 * Weights: the rank's share of the parameters (``shape.rank_parameters``), at the
   training precision.
-* Gradients: the same count in fp32 (DeepSpeed accumulates in fp32 for bf16/fp16 too);
-  ZeRO-2 keeps only its partition plus one reduce bucket (never more than the whole count:
-  a model smaller than the bucket holds its gradients whole, as at stage 1). They live from
-  the step's first backward to its optimizer step: with one micro-batch a step the
-  backward's peak (its start) holds none, and the ``gradients`` part is 0 there.
+* Gradients: the same count in the dtype DeepSpeed accumulates the micro-batches in
+  (``config.ds_config.grad_accum_dtype``: fp32 for fp32 and, as in Megatron-LM, for bf16
+  under ZeRO; bf16 with ``--grad-reduce-in-bf16`` or at ZeRO-0; fp16 for fp16); ZeRO-2 keeps
+  only its partition plus one reduce bucket (never more than the whole count: a model
+  smaller than the bucket holds its gradients whole, as at stage 1). They live from the
+  step's first backward to its optimizer step: with one micro-batch a step the backward's
+  peak (its start) holds none, and the ``gradients`` part is 0 there. Except bf16 at ZeRO-1
+  accumulating in fp32 (DeepSpeed's ``BF16_Optimizer``): whole fp32 buffers, made with the
+  optimizer and kept, into which each parameter's bf16 gradient is added and freed as soon
+  as it is made; no reduce bucket, but at the step the all-reduce flattens the buffers into
+  one fp32 copy when they fit one bucket of ``ALLREDUCE_BUCKET`` elements (the largest
+  group alone fills one in larger models and is reduced in place).
 * Optimizer: the fp32 master partition (a copy even in fp32 runs: DeepSpeed's ZeRO keeps its
   flat partition apart from the module's weights; stage 0 with fp32 keeps none) and Adam's
   two moments, over the ZeRO partition (the data-parallel and Ulysses ranks together).
@@ -20,10 +27,12 @@ residual that grows with that term, not as a constant.
   error-feedback residual when on; the exchanges in flight (tau of the P fragments, fp32
   deltas, each the very buffer that travels) and one exchange's working set on the codec's
   device (``EXCHANGE_BYTES`` per element of a fragment's shard: the fp32 mean it returns and
-  the reduce-scatter's fp32 chunk sums). ``--diloco-offload-outer-state`` moves theta_g,
-  momentum and the exchange off the device.
-* DeepSpeed's reduce bucket (on CUDA, ZeRO 1-2): ``reduce_bucket_size`` elements (5e8 unless
-  the DeepSpeed JSON says otherwise) of the gradients' dtype, allocated whole at the first
+  the reduce-scatter's fp32 chunk sums). ``--diloco-offload-outer-state`` moves all of it to
+  host memory (the codec runs there, and the deltas are made beside theta_g): none on the
+  device.
+* DeepSpeed's reduce bucket (on CUDA, ZeRO 1-2, not BF16_Optimizer): ``reduce_bucket_size``
+  elements (5e8 unless the DeepSpeed JSON says otherwise) of the weights' dtype (also where
+  the gradients accumulate in fp32, beside it), allocated whole at the first
   backward whatever the model's size (``setup_buckets``; two with ``overlap_comm``). On the
   CPU an allocation commits only the pages written: at most the gradients, counted already.
 * Activations: per layer per micro-batch, what Megatron-core's local layers keep for the
@@ -53,10 +62,27 @@ residual that grows with that term, not as a constant.
 * Runtime: what the process holds before any of this (the framework, the CUDA context and
   allocator reserve; on the CPU the interpreter and libraries): measured once per machine,
   given in the cluster description.
+
+Host memory (``host_estimate``, per rank; a node holds ``devices_per_node`` of them) beside a
+GPU, what the code keeps there, pinned (page-locked: the kernel can neither swap nor reclaim
+it) or not:
+
+* ``--async-save``'s staging buffer, pinned at its exact size (``comm.pinned``): the rank's
+  share of a checkpoint (``checkpoint_bytes``); a synchronous save holds the same in pageable
+  memory while it writes (megatron-core's copy of the device tensors).
+* ``--diloco-offload-outer-state``: theta_g and the momentum in one buffer pinned at its
+  exact size; in pageable memory the error-feedback residual, the deltas in flight and the
+  exchange's working set (the codec runs on the CPU then); the local shard's copy on its way
+  out of the GPU (torch's pinned allocation, rounded up to a power of two, kept for reuse).
+* Otherwise the transport's codes between the GPU and gloo: one exchange's at a time (its
+  thread runs them in turn), each buffer torch's pinned allocation rounded up to a power of
+  two: the packed rows each way, the chunk mean's codes and the gathered ones (at two
+  workers, where the chunks are largest).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Dict
 
@@ -73,6 +99,8 @@ RECOMPUTE = ("none", "selective", "full")  # the planner's order of preference a
 # with the 4-bit codes each way (1) and the quantization error's difference (4 / workers).
 EXCHANGE_BYTES = 4 + 6 + 1 + 2
 REDUCE_BUCKET = 5e8  # DeepSpeed's default reduce_bucket_size (elements)
+ALLREDUCE_BUCKET = 5e8  # engine.allreduce_gradients' buffer (MEMORY_OPT_ALLREDUCE_SIZE)
+FP4_BITS = 4 + 32 / 128  # per value on the wire: the code and one fp32 scale per 128
 
 
 @dataclass(frozen=True)
@@ -225,6 +253,11 @@ class Training:
     # DeepSpeed's gradient reduction: its bucket (elements) and overlap_comm (two buckets).
     reduce_bucket: float = REDUCE_BUCKET
     overlap_comm: bool = False
+    # --grad-reduce-in-bf16: bf16 gradients accumulated (and reduced) in bf16, not fp32.
+    grad_reduce_in_bf16: bool = False
+    # Checkpoints: saved at all (--save), and beside training (--async-save).
+    save: bool = False
+    async_save: bool = False
 
     @property
     def weight_bytes(self) -> int:
@@ -245,6 +278,23 @@ class Training:
     @property
     def step_copies(self) -> float:
         return STEP_COPIES_FUSED if self.device == "cuda" else STEP_COPIES
+
+
+def gradient_bytes(layout: Layout, training: Training) -> int:
+    """Bytes of an accumulated gradient element: DeepSpeed's ``grad_accum_dtype`` as the
+    generated config asks for it."""
+    from ..config.ds_config import grad_accum_dtype
+
+    dtype = grad_accum_dtype(training.precision, layout.zero_stage,
+                             training.grad_reduce_in_bf16)
+    return 4 if dtype == "fp32" else 2
+
+
+def fp32_buffers_whole(layout: Layout, training: Training) -> bool:
+    """bf16 at ZeRO-1 accumulating in fp32: DeepSpeed's ``BF16_Optimizer``, whose fp32
+    gradient buffers are whole, made with it and kept."""
+    return training.precision == "bf16" and layout.zero_stage == 1 and \
+        gradient_bytes(layout, training) == 4
 
 
 def steps_in_place(layout: Layout, training: Training) -> bool:
@@ -284,24 +334,23 @@ def estimate_stage(shape: ModelShape, layout: Layout, training: Training,
     w = training.weight_bytes
     parts = {"runtime": runtime_bytes, "weights": params * w}
     cuda = training.device == "cuda"
+    g = gradient_bytes(layout, training)
+    whole = fp32_buffers_whole(layout, training)
     if layout.zero_stage >= 2:  # on CUDA the bucket is counted apart, whole
-        gradients = 4 * min(params, partition + (0 if cuda else training.reduce_bucket / zero))
+        gradients = g * min(params, partition + (0 if cuda else training.reduce_bucket / zero))
     else:
-        gradients = 4 * params
-    if cuda and layout.zero_stage >= 1:
+        gradients = g * params
+    if cuda and layout.zero_stage >= 1 and not whole:
         parts["reduce bucket"] = training.reduce_bucket * w * (1 + training.overlap_comm)
+    # BF16_Optimizer's all-reduce at the step: its buffers flattened into one fp32 copy when
+    # they fit one bucket, freed before the optimizer's own step.
+    reduce_copy = 4 * params if whole and params <= ALLREDUCE_BUCKET else 0.0
     in_place = steps_in_place(layout, training)
     master = 0 if in_place else 4 * partition
     parts["optimizer"] = master + 8 * partition
     if training.streaming:
-        outer = 0 if training.offload_outer_state else 8 * partition
-        if training.error_feedback:
-            outer += 4 * partition
-        in_flight = min(training.overlap_steps, training.fragments) / training.fragments
-        exchange = 0 if training.offload_outer_state else \
-            EXCHANGE_BYTES * partition / training.fragments
-        parts["outer state"] = outer + exchange + \
-            4 * partition * max(in_flight, 1 / training.fragments)
+        parts["outer state"] = 0.0 if training.offload_outer_state else \
+            8 * partition + outer_working_set(partition, training)
     # The optimizer step's transient: DeepSpeed's flat fp32 gradient partition for the step,
     # Adam's multi-tensor temporaries (the square root of the second moment, the
     # weight-decayed gradient) and the updated partition on its way back into the weights:
@@ -343,16 +392,83 @@ def estimate_stage(shape: ModelShape, layout: Layout, training: Training,
         parts[name] = size
     # The gradients exist from a step's first backward to its optimizer step (DeepSpeed sets
     # them to None after it): the backward's peak, at its start, holds them only when an
-    # earlier micro-batch of the step made them.
-    held = gradients if micro_batches > 1 else 0.0
+    # earlier micro-batch of the step made them, or always (BF16_Optimizer's buffers).
+    held = gradients if micro_batches > 1 or whole else 0.0
     parts["gradients"] = held
     backward = held + parts["activations"] + size
-    step = gradients + step_transient
+    step = gradients + max(step_transient, reduce_copy)
     if step > backward:  # the optimizer step is the peak
         parts["optimizer step"] = step - backward
     return Memory(parts)
 
 
-__all__ = ["EXCHANGE_BYTES", "GIB", "RECOMPUTE", "REDUCE_BUCKET", "STEP_COPIES",
-           "STEP_COPIES_FUSED", "Layout", "ModelShape", "Memory", "Training", "estimate",
-           "estimate_stage", "rank_parameters", "steps_in_place", "zero_partition"]
+def outer_working_set(partition: float, training: Training) -> float:
+    """The outer state beyond theta_g and the momentum, where the codec runs: the
+    error-feedback residual, the deltas in flight and one exchange's working set."""
+    in_flight = min(training.overlap_steps, training.fragments) / training.fragments
+    return (4 * partition if training.error_feedback else 0.0) \
+        + EXCHANGE_BYTES * partition / training.fragments \
+        + 4 * partition * max(in_flight, 1 / training.fragments)
+
+
+def checkpoint_bytes(shape: ModelShape, layout: Layout, training: Training,
+                     stage: int = 0) -> float:
+    """What one rank of ``stage`` writes to a checkpoint: its share of the stage's slices
+    (one rank of those holding a slice writes it, ``checkpoint.state.replica_writer``
+    spreading them over the data and sequence ranks) of the weights at their precision, the
+    fp32 masters (where there are any besides the weights), AdamW's two moments and, with
+    streaming, theta_g, the outer momentum, the residual and the means in flight."""
+    share = shape.stage_parameters(layout.tp, layout.pp, stage) / (layout.dp * layout.sp)
+    per = training.weight_bytes + (0 if steps_in_place(layout, training) else 4) + 8
+    if training.streaming:
+        in_flight = min(training.overlap_steps, training.fragments) / training.fragments
+        per += 8 + 4 * training.error_feedback + 4 * in_flight
+    return share * per
+
+
+def power_of_two(nbytes: float) -> float:
+    """What torch's pinned allocation takes for ``nbytes`` (its caching host allocator)."""
+    return 0.0 if nbytes <= 0 else float(2 ** math.ceil(math.log2(nbytes)))
+
+
+@dataclass
+class HostMemory(Memory):
+    """Bytes one rank keeps in host memory, by component, and how many of them are pinned."""
+    pinned: float = 0.0
+
+
+def host_estimate(shape: ModelShape, layout: Layout, training: Training) -> HostMemory:
+    """Host memory of the busiest rank (the first pipeline stage or the last)."""
+    return max((host_stage(shape, layout, training, stage) for stage in {0, layout.pp - 1}),
+               key=lambda m: m.total)
+
+
+def host_stage(shape: ModelShape, layout: Layout, training: Training,
+               stage: int) -> HostMemory:
+    gpu = training.device == "cuda"  # nothing is pinned without one
+    partition = rank_parameters(shape, layout, stage)[1]
+    parts, pinned = {}, 0.0
+    checkpoint = checkpoint_bytes(shape, layout, training, stage)
+    if training.save and training.async_save:
+        parts["checkpoint staging"] = checkpoint
+        pinned += checkpoint if gpu else 0.0
+    elif training.save and gpu:  # megatron-core's copy of the device tensors, while saving
+        parts["checkpoint being saved"] = checkpoint
+    if training.streaming and training.offload_outer_state:
+        parts["outer state"] = 8 * partition + outer_working_set(partition, training)
+        if gpu:  # theta_g and momentum exact; the local shard's copy out of the GPU
+            shard_copy = power_of_two(4 * partition / training.fragments)
+            parts["outer state"] += shard_copy
+            pinned += 8 * partition + shard_copy
+    elif training.streaming and gpu:
+        codes = partition / training.fragments * FP4_BITS / 8
+        parts["exchange codes"] = 2 * power_of_two(codes) + 3 * power_of_two(codes / 2)
+        pinned += parts["exchange codes"]
+    return HostMemory(parts, pinned)
+
+
+__all__ = ["ALLREDUCE_BUCKET", "EXCHANGE_BYTES", "FP4_BITS", "GIB", "RECOMPUTE", "REDUCE_BUCKET",
+           "STEP_COPIES", "STEP_COPIES_FUSED", "HostMemory", "Layout", "ModelShape", "Memory",
+           "Training", "checkpoint_bytes", "estimate", "estimate_stage", "fp32_buffers_whole",
+           "gradient_bytes", "host_estimate", "host_stage", "outer_working_set",
+           "power_of_two", "rank_parameters", "steps_in_place", "zero_partition"]

@@ -8,7 +8,7 @@ import shlex
 from typing import List
 
 from .clusters import Link
-from .memory import ModelShape
+from .memory import GIB, ModelShape
 from .search import MORE_WORKERS_FOR, TIE, Plan
 
 EXPLAINED = 6  # candidates shown per cluster
@@ -34,6 +34,8 @@ def format_plan(result: Plan, shape: ModelShape, link: Link, flags: List[str],
             f"  worker {i} ({c.name}): {b.layout.describe()}; batch {w.global_batch}; "
             f"{b.memory_gib:.1f} of {c.device_memory_gib:g} GiB per device, "
             f"{w.step_seconds:.2f} s per step, {b.tokens_per_s:,.0f} tokens/s")
+        if w.host is not None:
+            lines.append("    " + host_line(w))
     for c, ws in per_cluster.items():
         idle = c.devices - sum(w.best.layout.ranks for w in ws)
         if idle:
@@ -103,4 +105,20 @@ def format_plan(result: Plan, shape: ModelShape, link: Link, flags: List[str],
     return "\n".join(lines)
 
 
-__all__ = ["format_plan"]
+def host_line(w) -> str:
+    """A worker's host memory per node: its ranks on a node times one rank's, what of it is
+    pinned, by component; and whether it fits the node's, where the cluster says."""
+    n, host = w.ranks_per_node, w.host
+    parts = ", ".join(f"{name} {n * v / GIB:.1f}" for name, v in host.parts.items() if v)
+    line = (f"host memory per node: {n * host.total / GIB:.1f} GiB, "
+            f"{n * host.pinned / GIB:.1f} of it pinned ({n} ranks"
+            + (f": {parts} GiB)" if parts else ")"))
+    budget = w.cluster.host_memory_gib
+    if budget:
+        line += (f"; fits the node's {budget:g} GiB" if n * host.total <= budget * GIB
+                 else f"; more than the node's {budget:g} GiB: --async-save or "
+                 "--diloco-offload-outer-state off, or fewer ranks per node")
+    return line
+
+
+__all__ = ["format_plan", "host_line"]

@@ -37,7 +37,8 @@ from typing import List, Optional, Sequence
 
 from ..errors import first_line
 from .clusters import Cluster, Link
-from .memory import GIB, RECOMPUTE, Layout, ModelShape, Training, estimate
+from .memory import (FP4_BITS, GIB, RECOMPUTE, HostMemory, Layout, ModelShape, Training,
+                     estimate, host_estimate)
 from .step_time import step_time
 
 
@@ -57,6 +58,11 @@ class WorkerPlan:
     global_batch: int
     step_seconds: float
     ranked: List[Candidate] = field(default_factory=list)
+    host: Optional[HostMemory] = None  # one rank's host memory with the chosen sync
+
+    @property
+    def ranks_per_node(self) -> int:
+        return min(self.cluster.devices_per_node, self.best.layout.ranks)
 
 
 @dataclass
@@ -153,7 +159,6 @@ def order(cands: Sequence[Candidate]) -> List[Candidate]:
     return sorted(cands, key=lambda c: _preference(c, best))
 
 
-FP4_BITS = 4 + 32 / 128  # per value on the wire: the code and one fp32 scale per 128
 TIE = 0.005  # speeds within 0.5 % are a tie: less memory, then fewer ranks per replica win
 
 
@@ -212,6 +217,11 @@ def plan(shape: ModelShape, clusters: Sequence[Cluster], link: Link, global_batc
                                                chosen.step_seconds, train_iters, rule,
                                                link_share, min(chosen.ranks))
     fewer = advice.inner_steps * 16 / FP4_BITS
+    synced = dataclasses.replace(training, streaming=len(chosen.workers) > 1,
+                                 fragments=advice.fragments,
+                                 overlap_steps=advice.overlap_steps)
+    for w in chosen.workers:
+        w.host = host_estimate(shape, w.best.layout, synced)
     ordered = [chosen, *[o for o in options if o is not chosen]]
     return Plan(chosen.workers, advice.flags(), advice.reasons, exchange, util, peak, mean,
                 fewer, ordered)

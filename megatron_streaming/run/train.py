@@ -215,7 +215,9 @@ class Run:
         cfg, t = self.cfg, self.cfg.training
         throughput = Throughput(self.data.tokens_through, self.iteration)
         iterator = self.data.train_iterator(self.iteration)
-        loss = None
+        # The latest step's report: its loss is read on the host (a wait for the device) at
+        # log steps only, and once at the end.
+        result = None
         self.collector.start()  # the set-up's objects out of every later collection's walk
         while self.iteration < t.train_iters:
             started = time.perf_counter()
@@ -224,7 +226,6 @@ class Run:
             self.engine.timers.add("diloco-sync", self.sync.take_hook_seconds())
             self.iteration += 1
             self.liveness.iteration = self.iteration
-            loss = result.loss
             if self._staging_pending:  # every rank of the worker, after the same step
                 self._reserve_staging()
             if self.iteration == t.train_iters:
@@ -264,7 +265,7 @@ class Run:
             if self.stop.join_agreed:  # a save in flight is committed before a worker joins
                 self.finish_saving("a worker joins")  # (it has no part in it)
             self.elastic.after_stop_flag(self.iteration)  # a restarted worker comes in
-        return loss
+        return None if result is None else result.loss
 
     def _check_duration(self) -> None:
         """--exit-duration-in-mins: past it, this rank asks to stop; the stop agreement then

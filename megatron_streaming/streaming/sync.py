@@ -37,7 +37,7 @@ import functools
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Union
 
 import torch
 
@@ -46,6 +46,7 @@ from .membership import MembershipChanges
 from .outer import OuterOptimizer, eager_grad, merge
 from .saved import OuterStateful
 from .schedule import SyncSchedule
+from ..comm import pinned
 from ..comm.transport import Pending, Transport, pinned_host_copy
 
 log = logging.getLogger("megatron_streaming")
@@ -79,10 +80,12 @@ class ShardGroup:
             offset += t.numel()
 
 
-def sum_of_squares(x: torch.Tensor) -> float:
+def sum_of_squares(x: torch.Tensor) -> torch.Tensor:
     """``||x||^2`` of a flat fp32 tensor, accumulated in fp32 without a copy (a monitoring
-    number: an fp64 cast would hold two shard-sized copies at the send)."""
-    return float(torch.dot(x, x))
+    number: an fp64 cast would hold two shard-sized copies at the send), as a 0-dim fp64
+    tensor on ``x``'s device: the send does not wait for it; the report reads it on the host
+    at a log step."""
+    return torch.dot(x, x).double()
 
 
 def timed(method):
@@ -102,7 +105,8 @@ def timed(method):
 class FragmentStats:
     """What happened to one fragment on this rank since the last report."""
 
-    grad_sq: float = 0.0      # ||outer gradient||^2 of the latest send (this rank's shard)
+    # ||outer gradient||^2 of the latest send (this rank's shard): a device tensor once sent
+    grad_sq: Union[float, torch.Tensor] = 0.0
     send_step: int = 0        # step of that send: grad_sq sums its shard groups
     bytes_sent: int = 0
     bytes_received: int = 0
@@ -123,8 +127,7 @@ class StreamingSync(OuterStateful, MembershipChanges):
         self.groups, self.schedule, self.transport = groups, schedule, transport
         self.outer, self.alpha = outer, alpha
         self.push_to_model = push_to_model  # fp32 partitions -> model weights, outside a step
-        self.theta_g = [_outer_state(g.read(), offload, copy=True) for g in groups]
-        self.momentum = [_outer_state(t, offload, copy=False) for t in self.theta_g]
+        self.theta_g, self.momentum = _outer_state([g.read() for g in groups], offload)
         self.feedback: List[Optional[ErrorFeedback]] = [
             # Where the transport encodes (its codec device), whatever the outer state's.
             ErrorFeedback(transport.codec, transport.padded_numel(g.numel), transport.codec_device)
@@ -417,16 +420,24 @@ class StreamingSync(OuterStateful, MembershipChanges):
         self.transport.close()
 
 
-def _outer_state(like: torch.Tensor, offload: bool, copy: bool) -> torch.Tensor:
-    """An fp32 outer-state tensor shaped as ``like``: a copy of it or zeros; where ``like``
-    lives, or in host memory with ``offload`` (pinned where there is a GPU, so the copies
-    to and from the GPU run asynchronously at full rate)."""
-    pinned = offload and torch.cuda.is_available()
-    device = torch.device("cpu") if offload else like.device
-    out = torch.zeros(like.shape, dtype=torch.float32, device=device, pin_memory=pinned)
-    if copy:
-        out.copy_(like.detach())
-    return out
+def _outer_state(local: List[torch.Tensor], offload: bool):
+    """theta_g (fp32 copies of ``local``) and the outer momentum (zeros), where ``local``
+    lives, or in host memory with ``offload``: pinned where ``local`` is on a GPU, so the
+    copies to and from it run asynchronously at full rate, all of them in one buffer pinned
+    at its exact size (``comm.pinned``; torch's ``pin_memory`` would round each tensor up to
+    a power of two)."""
+    if offload:
+        device = next((t.device for t in local if t.is_cuda), None)
+        theta_g, momentum = [], []
+        if local:
+            tensors = pinned.host_tensors([(t.shape, torch.float32) for t in local] * 2, device)
+            theta_g, momentum = tensors[:len(local)], tensors[len(local):]
+    else:
+        theta_g = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in local]
+        momentum = [torch.zeros_like(t) for t in theta_g]
+    for out, t in zip(theta_g, local):
+        out.copy_(t.detach())
+    return theta_g, momentum
 
 
 class NoSync:

@@ -14,11 +14,10 @@ exposed so that hooks (the streaming sync) can attach to its step without a fork
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
-from functools import partial
+from functools import cached_property, partial
 from types import SimpleNamespace
-from typing import Iterator, List, Optional
+from typing import Iterator, List, Optional, Union
 
 import torch
 
@@ -27,6 +26,7 @@ from patches import deepspeed_zero
 from . import grads, moe
 from .optimizer_state import InnerOptimizerState
 from ..config import Config
+from ..config.ds_config import precision_sections
 from ..parallel.topology import Topology
 
 log = logging.getLogger("megatron_streaming")
@@ -47,33 +47,19 @@ def deepspeed_config(cfg: Config) -> dict:
         "gradient_clipping": o.clip_grad,
         "steps_per_print": 2**62,
         "wall_clock_breakdown": False,
+        # DeepSpeed's throughput timer (on by default) synchronizes the device before every
+        # micro-batch's forward and at every step, for a rate printed only every
+        # steps_per_print steps (never, unless a --deepspeed_config asks): the host would
+        # wait for nothing.
+        "timers": {"throughput": {"enabled": False}},
         "zero_allow_untested_optimizer": True,
     }
-    ds.update(precision_config(cfg.precision))
+    ds.update(precision_sections(cfg.precision, cfg.parallel.zero_stage))
     if cfg.training.deepspeed_config:
         from ..config.ds_config import load_user_config, merge_user_config
 
         ds = merge_user_config(ds, load_user_config(cfg.training.deepspeed_config), cfg)
     return ds
-
-
-def precision_config(p) -> dict:
-    """DeepSpeed's ``fp16`` / ``bf16`` sections from Megatron's flags (validated): a static
-    ``--loss-scale``, else dynamic scaling from ``--initial-loss-scale`` (a power of two),
-    ``--min-loss-scale``, ``--loss-scale-window`` and ``--hysteresis``."""
-    if p.bf16:
-        # DeepSpeed reduces in the parameters' dtype unless told otherwise; Megatron in fp32.
-        return {"bf16": {"enabled": True},
-                "communication_data_type": "bf16" if p.grad_reduce_in_bf16 else "fp32"}
-    if not p.fp16:
-        return {}
-    if p.loss_scale is not None:
-        return {"fp16": {"enabled": True, "loss_scale": p.loss_scale}}
-    return {"fp16": {"enabled": True, "loss_scale": 0,  # 0: dynamic
-                     "initial_scale_power": int(math.log2(p.initial_loss_scale)),
-                     "loss_scale_window": int(p.loss_scale_window),
-                     "hysteresis": p.hysteresis,
-                     "min_loss_scale": int(p.min_loss_scale)}}
 
 
 def inner_optimizer(cfg: Config, groups: List[dict]) -> torch.optim.Optimizer:
@@ -129,14 +115,38 @@ def param_groups(model: torch.nn.Module, optimizer_cfg) -> List[dict]:
     return groups
 
 
-@dataclass
+@dataclass(eq=False)  # holds device tensors: no element-wise comparison
 class StepResult:
-    loss: Optional[float]  # mean over micro-batches; None off the last pipeline stage
-    grad_norm: Optional[float]
+    """What one training step reports. ``loss`` and ``grad_norm`` stay where the step made
+    them (on a GPU: tensors the device may still be computing) until first read; reading one
+    waits for the device to finish the step, so the loop reads them at log steps only, as
+    Megatron-LM reads its loss: the steps in between do not wait for their own end on their
+    account (DeepSpeed's step still reads its gradient norm and overflow flag to decide on
+    the host whether to skip)."""
+
     lr: float
     skipped: bool = False  # the optimizer skipped the update (a gradient overflow)
     loss_scale: Optional[float] = None  # --fp16: the loss scale after this step
     decoupled_lr: Optional[float] = None  # --decoupled-lr: the embedding and output layer's
+    # Each data-parallel rank's mean over micro-batches, summed over them (fp64, reduced on
+    # the device); None off the last pipeline stage. ``loss`` divides it by ``data_parallel``.
+    loss_sum: Optional[torch.Tensor] = None
+    data_parallel: int = 1
+    norm: Union[torch.Tensor, float, None] = None  # as DeepSpeed reports it
+
+    @cached_property
+    def loss(self) -> Optional[float]:
+        """The worker's loss: mean over micro-batches and data-parallel ranks (a host read)."""
+        return None if self.loss_sum is None else _per_rank(self.loss_sum, self.data_parallel)
+
+    @cached_property
+    def grad_norm(self) -> Optional[float]:
+        """The gradient norm DeepSpeed clipped with (a host read); None where it has none."""
+        return None if self.norm is None else float(self.norm)
+
+
+def _per_rank(loss_sum: torch.Tensor, data_parallel: int) -> float:
+    return float(loss_sum) / data_parallel
 
 
 def _loss_func(loss_mask: torch.Tensor, sp_group, output_tensor: torch.Tensor):
@@ -321,13 +331,14 @@ class WorkerEngine:
             pg_collection=self.pg_collection,
         )
 
-    def _mean_loss(self, outputs) -> Optional[float]:
-        """The worker's loss: mean over micro-batches and data-parallel ranks (last stage)."""
+    def _loss_sum(self, outputs) -> Optional[torch.Tensor]:
+        """Each data-parallel rank's mean loss over micro-batches, summed over the ranks, left
+        on the device (last stage; else None): ``_per_rank`` reads the worker's loss."""
         if not self.topology.is_last_stage or not outputs:
             return None
         loss = torch.stack([o["lm loss"] for o in outputs]).mean().double()
         torch.distributed.all_reduce(loss, group=self.topology.groups["dp"])
-        return float(loss) / self.topology.layout.dp
+        return loss
 
     def train_step(self, data_iterator: Iterator, iteration: int) -> StepResult:
         lr = self.lr_at(iteration)
@@ -340,7 +351,7 @@ class WorkerEngine:
             outputs = self._run_schedule(data_iterator, False,
                                          self.batches.micro_batches(iteration))
             self.sequence_parallel_grads.after_schedule()
-            grads.allreduce_tied_embedding_grads(self.model, self.topology)
+            grads.allreduce_tied_embedding_grads(self.model, self.topology, self.optimizer)
         with self.timers.phase("optimizer"):
             for hook in self.step_hooks:
                 hook.before_step(iteration + 1)
@@ -349,12 +360,14 @@ class WorkerEngine:
             for hook in self.step_hooks:
                 hook.after_step()
         self.timers.end_iteration()
-        norm = self.engine.get_global_grad_norm()
+        norm = self.engine.get_global_grad_norm()  # under ZeRO a tensor on the device
         if norm is not None and self.sixteen_bit_without_zero and scale:
             norm = norm / scale  # FP16_UnfusedOptimizer reports the norm of scaled gradients
-        result = StepResult(self._mean_loss(outputs), float(norm) if norm is not None else None,
-                            lr, skipped=self.skipped_iterations > skipped_before,
-                            loss_scale=self.loss_scale(), decoupled_lr=decoupled_lr)
+        # Whether DeepSpeed skipped the step (and the loss scale) it decided on the host.
+        result = StepResult(lr, skipped=self.skipped_iterations > skipped_before,
+                            loss_scale=self.loss_scale(), decoupled_lr=decoupled_lr,
+                            loss_sum=self._loss_sum(outputs),
+                            data_parallel=self.topology.layout.dp, norm=norm)
         if result.skipped and self.topology.is_worker_reporter():
             log.warning("iteration %d (worker %d): gradient overflow, the optimizer step was "
                         "skipped%s", iteration + 1, self.topology.worker,
@@ -375,4 +388,5 @@ class WorkerEngine:
     def eval_step(self, data_iterator: Iterator) -> Optional[float]:
         self.engine.eval()
         outputs = self._run_schedule(data_iterator, True, self.num_microbatches)
-        return self._mean_loss(outputs)
+        loss = self._loss_sum(outputs)
+        return None if loss is None else _per_rank(loss, self.topology.layout.dp)

@@ -124,10 +124,13 @@ def mark_pipeline_replicas(model, topology) -> None:
         weight.ds_pipe_replicated = True
 
 
-def allreduce_tied_embedding_grads(model, topology) -> None:
+def allreduce_tied_embedding_grads(model, topology, optimizer) -> None:
+    """Sum the tied embedding's accumulated gradient (the one ``optimizer``'s step reads:
+    ``deepspeed_zero.accumulated_grad``) over the embedding group."""
     weight = tied_embedding_weight(model, topology)
     if weight is None:
         return
-    if weight.grad is None:
-        weight.grad = torch.zeros_like(weight)
-    dist.all_reduce(weight.grad, group=topology.groups["embd"])
+    grad = deepspeed_zero.accumulated_grad(optimizer, weight)
+    if grad is None:
+        weight.grad = grad = torch.zeros_like(weight)
+    dist.all_reduce(grad, group=topology.groups["embd"])

@@ -3,8 +3,9 @@
 maps it to whole parameters by global name.
 
 Per inner param group, every tensor is one flat fp32 vector of the group's space on this rank:
-ZeRO's partition, or without ZeRO the group's master tensors one after another (under fp32 the
-parameters themselves). The state: the fp32 master weights (where there are any besides the
+ZeRO's partition (DeepSpeed's ZeRO optimizer's, or under --bf16 at ZeRO-1 its
+``BF16_Optimizer``'s, laid out alike: ``patches.deepspeed_zero``), or without ZeRO the group's
+master tensors one after another (under fp32 the parameters themselves). The state: the fp32 master weights (where there are any besides the
 parameters), the per-element state (AdamW's ``exp_avg`` and ``exp_avg_sq``, SGD's
 ``momentum_buffer``), each group's step count and, under --fp16, the loss scaler.
 """
