@@ -5,6 +5,7 @@ time and memory per sequence length: what ``--attention-backend auto`` rests on.
     .venv/bin/python benchmarks/attention.py                  # CPU: 512 to 4096, fp32 and bf16
     .venv/bin/python benchmarks/attention.py --device cuda    # GPU: 2048, 4096, 8192 in bf16
     .venv/bin/python benchmarks/attention.py --out attention.json --seq 1024 --dtype fp32
+    python3 benchmarks/attention.py --flash-check --device cuda --out attention_flash.json
 
 Writes a JSON (``--out``, default ``attention_<device>.json``) and prints a table. Each
 configuration runs in a process of its own (the CPU's peak is a process's high-water mark,
@@ -21,6 +22,17 @@ from the forward for the backward (unique storages other than q, k, v: exact, th
 device); ``peak``, the most held at once during one forward and backward beyond what was held
 before (CPU: the growth of the process's VmHWM, reset through /proc/self/clear_refs; CUDA:
 ``max_memory_allocated``).
+
+``--flash-check`` (one process, bf16, 4096 tokens unless told): SDPA forced to its flash kernel
+(``sdpa_kernel(FLASH_ATTENTION)``) against the unfused attention (megatron-core's
+``DotProductAttention``, ``--attention-backend unfused``) in three cases, plain causal,
+grouped-query (8 groups) and grouped-query with dropout 0.1: the largest absolute difference
+of the outputs and of the gradients of q, k and v, each also against an fp32 reference, and
+forward and backward times. With dropout the two draw different masks, so the comparison
+takes the flash kernel's own mask (its debug mask, ``return_debug_mask``) into the unfused
+attention's dropout and into the reference: the same dropped entries, the same result within
+rounding; the times are each kernel's with its own draws. A case the device cannot run is
+recorded with its error (the CPU has no flash kernel with dropout).
 """
 
 import argparse
@@ -53,6 +65,8 @@ def _parser():
     p.add_argument("--attention-dropout", type=float, default=0.0,
                    help="dropout on the probabilities (torch has no fused CPU kernel for it)")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--flash-check", action="store_true",
+                   help="SDPA forced to flash against the unfused attention (see above)")
     p.add_argument("--out", help="JSON path (default attention_<device>.json)")
     p.add_argument("--one", help=argparse.SUPPRESS)  # one configuration, in a child process
     return p
@@ -196,6 +210,225 @@ class _Saved:
         return t
 
 
+# ---- --flash-check: the flash kernel against the unfused attention ---------------------------
+
+FLASH_CASES = {  # name: (key/value groups or None for one per head, dropout)
+    "causal": (None, 0.0),
+    "gqa": (8, 0.0),
+    "gqa_dropout": (8, 0.1),
+}
+
+
+def _kept_entries(keep, p: float):
+    """The unfused attention's dropout given the flash kernel's mask (a module, as the
+    attention's own dropout is): the same entries dropped, the kept ones scaled by
+    1 / (1 - p) as both kernels do."""
+    import torch
+
+    class KeptEntries(torch.nn.Module):
+        def forward(self, probs):
+            return probs * keep[..., :probs.size(-2), :probs.size(-1)] / (1.0 - p)
+
+    return KeptEntries()
+
+
+def _flash_keep_mask(q, k, v, p: float, scale: float):
+    """The flash kernel's output and its dropout mask (True: kept) for q, k, v in SDPA's
+    layout ``[b, heads, s, d]``: the kernel's debug mask holds the probabilities with the
+    sign bit set on the dropped ones."""
+    import torch
+
+    result = torch.ops.aten._scaled_dot_product_flash_attention(
+        q, k, v, p, True, True, scale=scale)
+    return result[0], result[-1] >= 0
+
+
+def _fp32_reference(q, k, v, w, scale: float, keep=None, p: float = 0.0):
+    """Output ``[s, b, heads x d]`` and the gradients of q, k, v in fp32, by the formula."""
+    import torch
+
+    leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    qs, ks, vs = (t.permute(1, 2, 0, 3) for t in leaves)
+    repeat = qs.size(1) // ks.size(1)
+    ks, vs = ks.repeat_interleave(repeat, dim=1), vs.repeat_interleave(repeat, dim=1)
+    scores = (qs @ ks.transpose(-1, -2)) * scale
+    s = scores.size(-1)
+    causal = torch.ones(s, s, dtype=torch.bool, device=scores.device).triu(1)
+    probs = scores.masked_fill(causal, float("-inf")).softmax(-1)
+    if keep is not None:
+        probs = _kept_entries(keep, p)(probs)
+    out = (probs @ vs).permute(2, 0, 1, 3).reshape(s, qs.size(0), -1)
+    out.backward(w.float())
+    return out.detach(), [t.grad for t in leaves]
+
+
+def _error(e: Exception) -> str:
+    """An exception as one short line (the dispatcher's lists its backends)."""
+    return f"{type(e).__name__}: {str(e).strip().splitlines()[0][:160]}"
+
+
+def _max_abs(a, b) -> float:
+    return float((a.float() - b.float()).abs().max())
+
+
+def flash_case(name: str, device: str, seq: int, heads: int, head_dim: int, groups,
+               dropout: float, repeats: int) -> dict:
+    """One case of ``--flash-check``: differences and times (see the module's docstring)."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    groups = groups or heads
+    row = {"case": name, "device": device, "seq": seq, "heads": heads, "groups": groups,
+           "head_dim": head_dim, "dropout": dropout, "dtype": "bf16"}
+    unfused = _modules("unfused", "bf16", heads, groups, head_dim, dropout)
+    fused = _modules("sdpa", "bf16", heads, groups, head_dim, dropout)
+    gen = torch.Generator().manual_seed(0)
+
+    def tensor(*shape):
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=torch.bfloat16)
+
+    q, k, v = tensor(seq, 1, heads, head_dim), tensor(seq, 1, groups, head_dim), \
+        tensor(seq, 1, groups, head_dim)
+    w = tensor(seq, 1, heads * head_dim)
+    scale = fused.softmax_scale
+
+    def run(attend):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = attend(*leaves)
+        out.backward(w)
+        return out.detach(), [t.grad for t in leaves]
+
+    def flash_module(*leaves):
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            return fused(*leaves, None)
+
+    keep = None
+    try:
+        if dropout:  # the flash kernel's own draw, taken into the unfused attention
+            def flash_op(*leaves):
+                out, mask = _flash_keep_mask(*(t.permute(1, 2, 0, 3) for t in leaves),
+                                             dropout, scale)
+                flash_op.keep = mask
+                return out.permute(2, 0, 1, 3).reshape(seq, 1, -1)
+            flash = run(flash_op)
+            keep = flash_op.keep
+            own = unfused.attention_dropout
+            unfused.attention_dropout = _kept_entries(keep, dropout)
+            try:
+                plain = run(lambda *t: unfused(*t, None))
+            finally:
+                unfused.attention_dropout = own
+        else:
+            flash = run(flash_module)
+            plain = run(lambda *t: unfused(*t, None))
+        ref = _fp32_reference(q, k, v, w, scale, keep, dropout)
+        names = ("out", "dq", "dk", "dv")
+        pairs = {"flash_vs_unfused": (flash, plain), "flash_vs_fp32": (flash, ref),
+                 "unfused_vs_fp32": (plain, ref)}
+        for label, (a, b) in pairs.items():
+            row[label] = {n: _max_abs(x, y) for n, x, y in
+                          zip(names, [a[0], *a[1]], [b[0], *b[1]])}
+        row["fp32_max_abs"] = {n: float(x.abs().max()) for n, x in
+                               zip(names, [ref[0], *ref[1]])}
+        if keep is not None:
+            s = seq
+            causal = torch.ones(s, s, dtype=torch.bool, device=keep.device).tril()
+            row["flash_kept_fraction"] = float(keep[..., :s, :s][..., causal].float().mean())
+    except Exception as e:  # a kernel this device lacks: recorded, the rest still runs
+        row["error"] = _error(e)
+    row["times_ms"] = {}
+    for label, attend in (("flash", flash_module),
+                          ("unfused", lambda *t: unfused(*t, None))):
+        try:
+            row["times_ms"][label] = _times(attend, q, k, v, w, device, repeats)
+        except Exception as e:
+            row["times_ms"][label] = {"error": _error(e)}
+    return row
+
+
+def _times(attend, q, k, v, w, device: str, repeats: int) -> dict:
+    """Median forward and backward ms over ``repeats`` after one warm-up, and the peak MiB
+    above what was held before (CUDA only)."""
+    import torch
+
+    def sync():
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    forward, backward = [], []
+    peak = 0.0
+    for i in range(repeats + 1):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        if i == 1 and device == "cuda":
+            held = _memory_now(device)
+            _reset_peak(device)
+        sync()
+        start = time.perf_counter()
+        out = attend(*leaves)
+        sync()
+        middle = time.perf_counter()
+        out.backward(w)
+        sync()
+        if i == 1 and device == "cuda":
+            peak = (_peak(device) - held) / 2**20
+        if i:
+            forward.append(1e3 * (middle - start))
+            backward.append(1e3 * (time.perf_counter() - middle))
+    return {"forward": statistics.median(forward), "backward": statistics.median(backward),
+            "peak_mib": peak}
+
+
+def flash_check(args) -> dict:
+    import torch
+
+    import patches
+    from megatron.core import parallel_state
+
+    from megatron_streaming.parallel.distributed import seed_everything
+
+    patches.apply()
+    if parallel_state._GLOBAL_MEMORY_BUFFER is None:  # the unfused scores' buffer
+        parallel_state._set_global_memory_buffer()
+    seed_everything(1234, tp_rank=0)  # the tracker whose fork both kernels draw in
+    seq = (args.seq or [4096])[0]
+    heads, head_dim = args.heads or 32, args.head_dim or 128
+    rows = []
+    for name, (groups, dropout) in FLASH_CASES.items():
+        if groups is not None and args.groups:
+            groups = args.groups
+        rows.append(flash_case(name, args.device, seq, heads, head_dim, groups, dropout,
+                               args.repeats))
+        print(json.dumps(rows[-1]), flush=True)
+    return {"command": " ".join(["benchmarks/attention.py", *sys.argv[1:]]),
+            "torch": torch.__version__,
+            "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None,
+            "rows": rows}
+
+
+def flash_table(rows) -> str:
+    """Per case: the largest differences (flash against unfused, each against fp32) of the
+    output and the gradients, and the times."""
+    lines = ["| case | flash - unfused: out, dq, dk, dv | flash - fp32 | unfused - fp32 | "
+             "flash fwd / bwd ms | unfused fwd / bwd ms |", "|---|---|---|---|---|---|"]
+
+    def diffs(row, key):
+        d = row.get(key)
+        return ", ".join(f"{d[n]:.2e}" for n in ("out", "dq", "dk", "dv")) if d else "-"
+
+    def times(row, key):
+        t = row["times_ms"].get(key, {})
+        return f"{t['forward']:.2f} / {t['backward']:.2f}" if "forward" in t else \
+            t.get("error", "-")
+
+    for r in rows:
+        lines.append(f"| {r['case']} | {diffs(r, 'flash_vs_unfused')} | "
+                     f"{diffs(r, 'flash_vs_fp32')} | {diffs(r, 'unfused_vs_fp32')} | "
+                     f"{times(r, 'flash')} | {times(r, 'unfused')} |")
+        if "error" in r:
+            lines.append(f"| {r['case']}: {r['error']} ||||||")
+    return "\n".join(lines)
+
+
 # ---- the sweep (parent process) -------------------------------------------------------------
 
 def _run_one(spec: dict) -> dict:
@@ -231,6 +464,14 @@ def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     if args.one:
         print(json.dumps(_measure(json.loads(args.one))))
+        return 0
+    if args.flash_check:
+        result = flash_check(args)
+        out = args.out or f"attention_flash_{args.device}.json"
+        with open(out, "w") as f:
+            json.dump(result, f, indent=1)
+        print(flash_table(result["rows"]))
+        print(f"written: {out}")
         return 0
     seqs, dtypes, heads, head_dim = DEFAULTS[args.device]
     heads = args.heads or heads

@@ -155,3 +155,86 @@ def test_cuda_fp32_and_bf16_losses_follow_the_cpu(tmp_path, record_property):
     assert rel32 < 1e-4, (cpu, fp32)
     assert rel16 < 2e-2, (cpu, bf16)
     assert cpu[-1] < cpu[0] and bf16[-1] < bf16[0]  # it trains
+
+
+def test_cuda_sync_counter_counts_every_synchronizing_call_at_its_line(tmp_path):
+    """benchmarks/sync_sites.py's counter under set_sync_debug_mode("warn"): each ``.item()``
+    of a device tensor is counted, every time, at the line that made it; a copy to the
+    device that does not wait is not."""
+    import atexit
+    import sys
+    import warnings
+    from types import SimpleNamespace
+
+    from harness import REPO
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import sync_sites
+
+    x = torch.ones(4, device="cuda")
+    previous = torch.is_warn_always_enabled()
+    with warnings.catch_warnings():
+        counter = sync_sites.SyncCounter(SimpleNamespace(topology=SimpleNamespace(rank=0)),
+                                         tmp_path, warmup=0, rehearse=False)
+        atexit.unregister(counter.write)
+        try:
+            for _ in range(3):
+                x.sum().item()  # the line counted
+                x.add_(torch.ones(4).pin_memory().to("cuda", non_blocking=True))
+            counter.after_step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+            torch.set_warn_always(previous)
+    sites = json.loads((tmp_path / "sync_sites_rank0.json").read_text())["sites"]["steady"]
+    line = next(i for i, text in enumerate(open(__file__).read().splitlines(), 1)
+                if "x.sum().item()  # the line counted" in text)
+    assert sites == {f"tests/test_cuda.py:{line}": 3}, sites
+
+
+def test_cuda_sdpa_probe_finds_the_kernel_torch_runs():
+    """``attention.kernel_note``'s probe on this GPU: bf16 takes flash, fp32 with dropout the
+    memory-efficient kernel, fp64 neither (the math kernel, said at start)."""
+    from megatron_streaming.worker.attention import _probe
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    assert _probe(device, torch.bfloat16, 8, 2, 128, 0.0, True)["flash"] is None
+    fp32 = _probe(device, torch.float32, 8, 8, 128, 0.1, False)
+    assert fp32["flash"] and fp32["memory-efficient"] is None, fp32
+    fp64 = _probe(device, torch.float64, 8, 8, 128, 0.0, False)
+    assert all(fp64.values()), fp64
+
+
+
+def test_cuda_pinned_buffers_take_their_exact_size_not_torchs_power_of_two():
+    """``comm.pinned`` beside torch's ``pin_memory``: 97 MiB and a byte pinned by torch take a
+    128 MiB block of its caching host allocator ("rounded up to the next power of two",
+    ``torch.cuda.host_memory_stats``); ours take none of its bytes, are pinned, exactly as
+    large, and copy to and from the GPU asynchronously. The staging buffer of --async-save and
+    the offloaded outer state are such buffers."""
+    from megatron_streaming.comm import pinned
+    from megatron_streaming.streaming.sync import _outer_state
+
+    def allocated():
+        return torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
+
+    nbytes = (97 << 20) + 1
+    before = allocated()
+    theirs = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    assert allocated() - before == 128 << 20  # what this module avoids
+    del theirs
+    before = allocated()
+    device = torch.device("cuda", torch.cuda.current_device())
+    buffer = pinned.host_buffer(nbytes, device)
+    assert buffer.is_pinned() and buffer.numel() == nbytes and allocated() == before
+    gpu = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
+    back = torch.empty_like(gpu)
+    buffer.copy_(gpu, non_blocking=True)
+    back.copy_(buffer, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(back, gpu)
+    local = [torch.randn(1000, device=device), torch.randn(7, device=device)]
+    theta_g, momentum = _outer_state(local, offload=True)
+    assert all(t.is_pinned() and t.device.type == "cpu" for t in theta_g + momentum)
+    assert theta_g[0].untyped_storage().nbytes() == pinned.layout([4000, 28, 4000, 28])[1]
+    assert all(torch.equal(t, l.cpu()) for t, l in zip(theta_g, local))
+    assert allocated() == before
