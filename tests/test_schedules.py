@@ -399,7 +399,8 @@ def test_megatron_deepspeed_llama_json_sets_the_flags_not_given(tmp_path):
 
     path = _json(tmp_path, {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4,
                             "steps_per_print": 1, "zero_optimization": {"stage": 1},
-                            "bf16": {"enabled": True}, "wall_clock_breakdown": False})
+                            "bf16": {"enabled": True}, "wall_clock_breakdown": False,
+                            "timers": {"throughput": {"enabled": True}}})
     cfg = _cfg(["--deepspeed_config", path, "--deepspeed"], world=8)
     t = cfg.training
     assert (t.micro_batch_size, t.global_batch_size, cfg.parallel.zero_stage) == (4, 32, 1)
@@ -407,6 +408,7 @@ def test_megatron_deepspeed_llama_json_sets_the_flags_not_given(tmp_path):
                for n in cfg.notes)
     ds = deepspeed_config(cfg)
     assert ds["steps_per_print"] == 1
+    assert ds["timers"] == {"throughput": {"enabled": True}}  # ours off; a user's JSON may ask
     assert ds["bf16"] == {"enabled": True, "immediate_grad_update": True}
     assert ds["data_types"] == {"grad_accum_dtype": "fp32"}  # as Megatron-LM accumulates bf16
     assert "train_batch_size" not in ds  # DeepSpeed gets micro x DP; the schedule accumulates

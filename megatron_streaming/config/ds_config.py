@@ -86,7 +86,10 @@ GENERATED_WHY = {
     "zero_allow_untested_optimizer": "the inner optimizer is torch's, which ZeRO calls untested",
 }
 # Generated as defaults; the user's value wins.
-OVERRIDABLE = {"steps_per_print", "wall_clock_breakdown"}
+# What a user's JSON may set against ours: logging only (the throughput timer, off here because
+# it synchronizes the device before every micro-batch, times what a user asks it to).
+OVERRIDABLE = {"steps_per_print", "wall_clock_breakdown", "timers.throughput.enabled",
+               "timers.throughput.synchronized"}
 
 REFUSED = {
     "optimizer": "the inner optimizer comes from --optimizer, --lr, --adam-beta1/2, --adam-eps "
