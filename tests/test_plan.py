@@ -582,3 +582,21 @@ def test_host_memory_per_rank_and_node_by_hand():
     assert host_line(small).endswith("more than the node's 32 GiB: --async-save or "
                                      "--diloco-offload-outer-state off, or fewer ranks per "
                                      "node")
+
+
+def test_a_one_worker_plan_launches_plain_training_without_sync_flags(capsys):
+    """One cluster as one worker: no link to plan for, and sync flags would turn on one
+    worker's outer optimizer, which is opt-in: the launch line holds none of them."""
+    assert main(["--cluster", "launch/clusters/h200_8.yaml", "--link",
+                 "launch/clusters/link_10g_80ms.yaml", "--rendezvous", "login01.example:29500",
+                 *MODEL, "--max-workers", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "Sync: none (one worker: data parallel inside it, no sync" in out
+    assert "Sync over the link" not in out
+    line, = [shlex.split(line) for line in out.splitlines() if line.startswith("sbatch ")]
+    args = line[line.index("launch/slurm.sh") + 1:]
+    assert [a for a in args if a.startswith("--diloco-")] == [
+        "--diloco-workers", "--diloco-worker-index"]
+    cfg = parse_args(args)
+    validate(cfg, 8)
+    assert not cfg.streaming.diloco_sync  # plain training: no outer state

@@ -11,12 +11,14 @@ after Adam's normalisation, so each tensor is held to 1e-5 and the whole model t
 """
 
 import glob
+import json
+import shutil
 import subprocess
 
 import pytest
 import torch
 
-from harness import FAULTS, NO_DROPOUT, REPO, command, env, run
+from harness import FAULTS, NO_DROPOUT, REPO, command, env, read_jsonl, run
 
 BASE = [*NO_DROPOUT, "--mock-data", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
         "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "12",
@@ -168,7 +170,8 @@ def matches_reference(nproc, args, out, whole_tol=1e-6, worst_tol=1e-5, extra_en
         raise
     ref = reference_result(background, out)
     seen = (0.0, 0.0)
-    for w in range(2):
+    workers = int(args[len(args) - args[::-1].index("--diloco-workers")])  # the last one's
+    for w in range(workers):
         got = dumps(out, w)
         for kind, expected in (("local", ref["local"][w]), ("global", ref["globals"][w])):
             worst, whole = relative(got[kind], expected)
@@ -176,8 +179,11 @@ def matches_reference(nproc, args, out, whole_tol=1e-6, worst_tol=1e-5, extra_en
             assert whole <= whole_tol and worst <= worst_tol, (w, kind, worst, whole)
     # The sync really ran, and the workers hold the very same global parameters (eager:
     # each leads by its own latest share, folded into its momentum).
-    w0, w1 = dumps(out, 0), dumps(out, 1)
+    w0 = dumps(out, 0)
     assert any(kind == "merge" for _, kind, _, _ in w0["events"])
+    if workers == 1:
+        return seen
+    w1 = dumps(out, 1)
     eager = "--diloco-eager" in args
     assert eager == any(not torch.equal(ref["globals"][0][n], ref["globals"][1][n])
                         for n in ref["global"])
@@ -186,24 +192,81 @@ def matches_reference(nproc, args, out, whole_tol=1e-6, worst_tol=1e-5, extra_en
     return seen
 
 
+# One worker's outer optimizer (--diloco-workers 1, the papers' M=1 row): the outer loop's
+# flags typed turn it on. Two data-parallel ranks (ZeRO-1 shards), BASE's Nesterov 0.7 / 0.9,
+# streaming fragments with overlap, the outer state in host memory.
+ONE_WORKER = [*BASE, "--diloco-workers", "1", "--num-layers", "3", "--diloco-inner-steps", "6",
+              "--diloco-fragments", "3", "--diloco-overlap-steps", "1",
+              "--diloco-offload-outer-state", "--log-interval", "1"]
+
+
+@pytest.mark.timeout(600)
+def test_one_worker_outer_optimizer_matches_the_reference_and_resumes_exactly(tmp_path):
+    """Every parameter, local and global, as the single-process reference's; saved after
+    step 6 with fragment 0's exchange in flight (merged after step 7), the run resumed from
+    there ends where the uninterrupted one did, bit for bit and loss for loss. Its scalars
+    say that nothing crossed a wire."""
+    first, resumed, ckpt, older = (tmp_path / d for d in ("first", "resumed", "ckpt", "older"))
+    first.mkdir(), resumed.mkdir()
+    matches_reference(2, [*ONE_WORKER, "--save", str(ckpt), "--save-interval", "6",
+                          "--log-jsonl", str(first / "log.jsonl")], first)
+    meta = json.loads((ckpt / "iter_0000006" / "checkpoint.json").read_text())
+    assert meta["pending"] == [{"fragment": 0, "step": 6, "all_finite": True}]
+    assert {"outer.theta_g", "outer.momentum", "outer.pending"} <= set(
+        meta["kinds"]["prefixes"])
+    shutil.copytree(ckpt / "iter_0000006", older / "iter_0000006")
+    (older / "latest_checkpointed_iteration.txt").write_text("6\n")
+    distributed(2, [*ONE_WORKER, "--load", str(older), "--log-jsonl",
+                    str(resumed / "log.jsonl")], resumed)
+    full, again = dumps(first, 0), dumps(resumed, 0)
+    for kind in ("local", "global"):
+        assert all(torch.equal(full[kind][n], again[kind][n]) for n in full[kind]), kind
+    log, log_again = read_jsonl(first / "log.jsonl"), read_jsonl(resumed / "log.jsonl")
+
+    def scalars(records, key):
+        return [(r["iteration"], r[key]) for r in records if key in r]
+    assert scalars(log_again, "train/loss") == scalars(log, "train/loss")[6:]
+    assert scalars(log_again, "streaming/drift") == scalars(log, "streaming/drift")[6:]
+    assert {v for _, v in scalars(log, "streaming/cross_worker_bytes")} == {0.0}
+    assert len(scalars(log, "traffic/data_parallel_bytes")) == 12
+    assert full["cross_worker_bytes"] == again["cross_worker_bytes"] == 0
+
+
 @pytest.mark.timeout(600)
 def test_h1_p1_outer_sgd_lr1_equals_synchronous_data_parallel(tmp_path):
-    """Averaging the parameters after every SGD step is data parallelism over all workers."""
+    """Averaging the parameters after every SGD step is data parallelism over all workers.
+    And one worker's outer optimizer with outer lr 1, no momentum, no codec and tau 0 (H=4,
+    P=2) is that data parallel run itself, loss for loss to the last digit: the flags of the
+    outer loop typed turn it on, and the global parameters become the worker's own at each
+    sync."""
     common = [*BASE, "--num-layers", "2", "--optimizer", "sgd", "--lr", "0.1", "--clip-grad",
-              "0", "--weight-decay", "0.01"]
-    diloco = tmp_path / "diloco"
-    dp = tmp_path / "dp"
-    diloco.mkdir(), dp.mkdir()
+              "0", "--weight-decay", "0.01", "--log-interval", "1"]
+    diloco, dp, one = tmp_path / "diloco", tmp_path / "dp", tmp_path / "one"
+    diloco.mkdir(), dp.mkdir(), one.mkdir()
     distributed(2, [*common, "--diloco-inner-steps", "1", "--diloco-fragments", "1",
                     "--diloco-outer-lr", "1", "--diloco-outer-momentum", "0",
                     "--no-diloco-nesterov"], diloco)
-    # One worker of two data-parallel ranks: the same samples, the same global batch.
-    distributed(2, [*common, "--diloco-workers", "1", "--global-batch-size", "8"], dp)
+    # One worker of two data-parallel ranks: the same samples, the same global batch (BASE's
+    # outer flags would turn one worker's outer optimizer on: --no-diloco-sync).
+    single = [*common, "--diloco-workers", "1", "--global-batch-size", "8"]
+    distributed(2, [*single, "--no-diloco-sync", "--log-jsonl", str(dp / "log.jsonl")], dp)
     expected = dumps(dp, 0)["local"]
     for w in range(2):
         for kind in ("local", "global"):
             worst, whole = relative(dumps(diloco, w)[kind], expected)
             assert whole <= 1e-6 and worst <= 1e-5, (w, kind, worst, whole)
+    distributed(2, [*single, "--diloco-inner-steps", "4", "--diloco-fragments", "2",
+                    "--diloco-outer-lr", "1", "--diloco-outer-momentum", "0",
+                    "--log-jsonl", str(one / "log.jsonl")], one)
+    alone = dumps(one, 0)
+    assert sorted({(s, f) for s, kind, f, _ in alone["events"] if kind == "merge"}) == [
+        (2, 1), (4, 0), (6, 1), (8, 0), (10, 1), (12, 0)]
+    assert all(torch.equal(alone["local"][n], expected[n]) for n in expected)
+
+    def losses(out):
+        return [(r["iteration"], r["train/loss"]) for r in read_jsonl(out / "log.jsonl")
+                if "train/loss" in r]
+    assert len(losses(one)) == 12 and losses(one) == losses(dp)
 
 
 @pytest.mark.timeout(600)

@@ -109,9 +109,11 @@ class _Reference:
 
     def _shard(self, s, i, fragment):
         # A fragment's shards go out together once the last has stepped; with tau = 0 a shard
-        # stepped earlier merges then, and if its param group was stepped by an earlier hook
-        # call the step ends with one more copy to the model (a push).
+        # stepped earlier merges then, and every step that sends and merges a fragment ends
+        # with one more copy to the model (a push: collective, so on every rank alike).
         shards = sum(f == fragment for _, f, _ in self.layout)
+        if self.send.get(s) == fragment and self.merge.get(s) == fragment:
+            self.pushes.add(s)
         if self.send.get(s) == fragment:
             self.pending[i] = self.theta_g[i] - self._flat(i)
             if self.sent_at.get(fragment) != s:  # a new send: its shards add up
@@ -122,8 +124,6 @@ class _Reference:
             if self.sent_n == shards:
                 for j in self.deferred:
                     self._merge(s, j, fragment)
-                    if self.layout[j][0] != self.layout[i][0]:
-                        self.pushes.add(s)
                 self.deferred = []
         if self.merge.get(s) == fragment:
             if self.send.get(s) == fragment and self.sent_n < shards:
@@ -182,8 +182,9 @@ def test_sync_on_one_worker_matches_hand_computed_outer_steps(H, P, tau, alpha):
                     assert torch.equal(sync.groups[i].read(), sync.theta_g[i]), (s, i)
     assert sync.events == ref.events
     assert sum(kind == "merge" for _, kind, _, _ in ref.events) >= 2 * len(layout)
-    # The hook fired for every group: after_step pushes only after a tau = 0 merge of a shard
-    # whose param group an earlier hook call had stepped (and copied to the model).
+    # The hook fired for every group: after_step pushes only after a step that sent and
+    # merged a fragment (tau = 0), whose shard of an earlier param group may have merged after
+    # DeepSpeed copied that group to the model.
     assert pushes == sorted(ref.pushes)
     assert bool(pushes) == (tau == 0)
 
@@ -197,6 +198,23 @@ class _HeldTransport(Transport):
         self.handed = list(zip(xs, numels))
         return [Pending.completed(ExchangeResult(x[:n], True, 0, 0, 0.0, 0.0), step, tag)
                 for x, n, tag in zip(xs, numels, tags)]
+
+
+def test_ranks_of_a_worker_copy_to_the_model_at_the_same_steps_whatever_shards_they_hold():
+    """The copy after a tau = 0 merge is an all-gather over the worker's ranks. Under ZeRO one
+    rank may hold a fragment's shards in two param groups (its first merges only after the
+    second is sent, after DeepSpeed's copy of the first group) and another rank only one: both
+    must copy, or the first waits in the all-gather for ever."""
+    H, P = 4, 2
+    two = [(0, 0, [(3, 4)]), (0, 1, [(5,)]), (1, 1, [(2, 3)])]  # fragment 1 in both groups
+    one = [(0, 0, [(3, 4)]), (0, 1, [(5,)]), (1, 0, [(2, 3)])]  # each fragment in one group
+    pushes = []
+    for layout in (two, one):
+        sync, pushed = _build_sync(layout, _initial_tensors(layout), SyncSchedule(H, P, 0), 0.0)
+        _drive(sync, layout, range(1, 2 * H + 1))
+        assert [s for s, kind, _, _ in sync.events if kind == "merge"]
+        pushes.append(pushed)
+    assert pushes[0] == pushes[1] == [2, 4, 6, 8]
 
 
 def test_a_send_makes_its_outer_gradient_in_the_buffer_that_travels():
@@ -459,3 +477,146 @@ def test_merge_at_load_does_what_the_merge_step_would_have_done():
     t, m, l_ = theta.clone(), momentum.clone(), local.clone()
     sync.merge_at_load(t, m, l_, None, None, 2)  # some worker's outer gradient not finite
     assert torch.equal(t, theta) and torch.equal(m, momentum) and torch.equal(l_, local)
+
+
+# ---- one worker's outer optimizer (--diloco-workers 1) ----------------------------------------
+
+def _one_worker_sync(layout, tensors, schedule, outer, codec="none", error_feedback=False):
+    from megatron_streaming.streaming.one_worker import OneWorkerExchange
+
+    groups = [ShardGroup(i, pg, f, ts) for i, ((pg, f, _), ts) in enumerate(zip(layout, tensors))]
+    sync = StreamingSync(groups, schedule, OneWorkerExchange(0, make_codec(codec), 30.0), outer,
+                         0.0, error_feedback, False, lambda: None)
+    sync.events = []
+    return sync
+
+
+@pytest.mark.parametrize("P,eager", [(1, False), (3, False), (2, True)])
+def test_one_worker_plain_averaging_is_plain_training_bit_for_bit(P, eager):
+    """Outer lr 1, no momentum, no codec, tau 0: at every sync the global parameters become
+    the worker's own and the local ones stay as the inner steps left them, bit for bit. The
+    outer step's own arithmetic, theta_g - (theta_g - local), rounds away from local wherever
+    a value changed sign or by more than a factor of 2 since the last sync, as some do here."""
+    H = 6
+    layout = _layout(P)
+    tensors = _initial_tensors(layout)
+    plain = [[t.clone() for t in ts] for ts in tensors]
+    sync = _one_worker_sync(layout, tensors, SyncSchedule(H, P, 0, eager=eager),
+                            OuterOptimizer(1.0, 0.0, True))
+    rounded = 0  # elements the arithmetic alone would have moved, over the run
+    for s in range(1, 3 * H + 1):
+        sent = {g.index: sync.theta_g[g.index].clone() for g in sync.groups
+                if g.fragment in sync.schedule.sends_after(s)}
+        _drive(sync, layout, [s])
+        for pg in (0, 1):
+            _inner_update(plain, layout, s, pg)
+        for g, want in zip(sync.groups, plain):
+            assert all(torch.equal(t, w) for t, w in zip(g.tensors, want)), (s, g.index)
+        for i, theta_before in sent.items():
+            local = sync.groups[i].read()
+            assert torch.equal(sync.theta_g[i], local), (s, i)
+            rounded += int((theta_before - (theta_before - local) != local).sum())
+    assert sum(kind == "send" for _, kind, _, _ in sync.events) == 3 * len(layout)
+    assert rounded > 0  # the data reach the case the exact copy is for
+
+
+def test_one_worker_exchange_quantizes_as_the_wire_would_and_sends_nothing():
+    """--diloco-quantize with one worker: the mean is decode(encode(x)) of its own outer
+    gradient (through the error-feedback residual when asked), with its relative error, and no
+    byte counted; without a codec it is the outer gradient itself."""
+    from megatron_streaming.comm.codec import ErrorFeedback
+    from megatron_streaming.streaming.one_worker import OneWorkerExchange
+
+    n = 1000
+    codec = make_codec("fp4", 128)
+    exchange = OneWorkerExchange(0, codec, 30.0)
+    x = torch.randn(n, generator=_gen(5))
+
+    def send(feedback=None, value=x):
+        buffer = exchange.buffer(n, "cpu")
+        buffer[:n] = value
+        (pending,) = exchange.all_reduce_mean_many([buffer], 4, ["fragment 0"], [feedback],
+                                                   numels=[n])
+        return buffer, pending.wait()
+
+    buffer, result = send()
+    want = codec.decode(codec.encode(buffer))[:n]
+    assert torch.equal(result.mean, want) and not torch.equal(want, x)
+    assert result.all_finite is True and result.bytes_sent == result.bytes_received == 0
+    error = float((want - x).norm() / x.norm())
+    assert result.quant_error == pytest.approx(error, rel=1e-5) and error > 0.05
+    feedback = ErrorFeedback(codec, exchange.padded_numel(n), "cpu")
+    _, first = send(feedback)
+    _, second = send(feedback)  # carries the first send's error
+    assert torch.equal(first.mean, want)
+    residual = x - want
+    assert torch.equal(second.mean, codec.decode(codec.encode(buffer + torch.cat(
+        [residual, torch.zeros(exchange.padded_numel(n) - n)])))[:n])
+    _, bad = send(value=torch.full((n,), float("nan")))
+    assert bad.all_finite is False
+    assert exchange.bytes_sent == exchange.bytes_received == 0
+    exchange.close()
+
+    exact = OneWorkerExchange(0, make_codec("none"), 30.0)
+    buffer = exact.buffer(n, "cpu")
+    buffer[:n] = x
+    (pending,) = exact.all_reduce_mean_many([buffer], 4, ["fragment 0"], [None], numels=[n])
+    result = pending.wait()
+    assert result.mean.data_ptr() == buffer.data_ptr() and torch.equal(result.mean, x)
+    assert result.quant_error == 0.0 and result.all_finite is True
+    exact.close()
+
+
+def test_one_worker_runs_its_outer_optimizer_only_when_asked():
+    """--diloco-workers 1 alone is plain training (no sync, no outer state); a flag of the
+    outer loop typed, or --diloco-sync, turns its outer optimizer on, unquantized unless
+    --diloco-quantize is typed, and says so in one line at start."""
+    from megatron_streaming.cli.arguments import parse_args, validate
+    from megatron_streaming.errors import ConfigError
+    from megatron_streaming.streaming.settings import enabled
+
+    def cfg(*flags):
+        return parse_args(["--mock-data", *flags])
+
+    plain = cfg("--diloco-workers", "1")
+    assert not enabled(plain) and plain.notes == []
+    # Cross-worker flags ask for nothing, nor do the codec's own without --diloco-quantize.
+    assert not enabled(cfg("--diloco-timeout", "30", "--diloco-weighting", "uniform",
+                           "--diloco-control-lag", "2", "--eval-params", "local",
+                           "--diloco-quant-block", "64", "--diloco-error-feedback"))
+    asked = cfg("--diloco-inner-steps", "30", "--diloco-outer-lr", "0.7",
+                "--diloco-outer-momentum", "0.9")
+    assert enabled(asked) and asked.streaming.diloco_quantize == "none"
+    assert asked.notes == [
+        "--diloco-workers 1 with --diloco-inner-steps, --diloco-outer-lr, "
+        "--diloco-outer-momentum (--no-diloco-sync: plain training): one worker's outer "
+        "optimizer: every 30 steps, outer lr 0.7, momentum 0.9 (Nesterov), 1 fragment, no "
+        "quantization"]
+    switch = cfg("--diloco-sync")
+    assert enabled(switch) and switch.notes[0].endswith(
+        "every 100 steps, outer lr 1, no momentum, 1 fragment, no quantization (plain "
+        "averaging: the same training as without it, bit for bit)")
+    assert enabled(cfg("--no-diloco-nesterov")) and enabled(cfg("--diloco-fragments", "2"))
+    assert not enabled(cfg("--diloco-outer-lr", "0.7", "--no-diloco-sync"))
+    quantized = cfg("--diloco-quantize", "int8", "--diloco-error-feedback")
+    assert enabled(quantized) and quantized.streaming.diloco_quantize == "int8"
+    assert "the outer gradient quantized locally as int8 with error feedback" in \
+        quantized.notes[0]
+    several = cfg("--diloco-workers", "2")  # as before: on, FP4 on the wire, nothing said
+    assert enabled(several) and several.streaming.diloco_quantize == "fp4-e2m1"
+    assert several.notes == [] and not enabled(cfg("--diloco-workers", "2", "--no-diloco-sync"))
+    with pytest.raises(ConfigError, match=r"^--diloco-min-workers 1: elastic workers need "
+                       r"--diloco-workers above 1"):
+        validate(cfg("--diloco-outer-lr", "0.7", "--diloco-min-workers", "1"), 1)
+    # Warned at start: what the quality benchmark measured of one worker's outer momentum, and
+    # the inner steps a merge tau steps after its send drops; plain averaging draws none.
+    from megatron_streaming.streaming import rule
+
+    papers = cfg("--diloco-outer-lr", "0.7", "--diloco-outer-momentum", "0.9",
+                 "--diloco-fragments", "3", "--diloco-inner-steps", "6",
+                 "--diloco-overlap-steps", "1").streaming
+    momentum, overlap = rule.warnings(papers, 1e-3)
+    assert momentum.startswith("--diloco-outer-lr 0.7 with --diloco-outer-momentum 0.9 on one "
+                               "worker moves its parameters up to 7.0x")
+    assert overlap.startswith("--diloco-overlap-steps 1 with one worker: there is no exchange")
+    assert rule.warnings(switch.streaming, 1e-3) == rule.warnings(plain.streaming, 1e-3) == []

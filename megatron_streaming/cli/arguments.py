@@ -33,6 +33,10 @@ def _add_field(group, f: dataclasses.Field, hints) -> None:
         if default:
             group.add_argument(*["--no-" + flag[2:] for flag in flags], dest=f.name,
                                action="store_false", help=f"Turn off: {help_text}")
+            # The positive form too: it changes no value, but a flag typed can mean something
+            # (``_apply_one_worker``: --diloco-sync asks one worker for its outer optimizer).
+            group.add_argument(*flags, dest=f.name, action="store_true", default=True,
+                               help=f"Turn on (the default): {help_text}")
         else:
             group.add_argument(*flags, dest=f.name, action="store_true", help=help_text)
         return
@@ -98,7 +102,33 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> Config:
     problems.extend(_apply_schedule_flags(cfg, given))
     if problems:
         raise ConfigError("\n".join(problems))
+    _apply_one_worker(cfg, given, parser)
     return cfg
+
+
+def _apply_one_worker(cfg: Config, given: set, parser: argparse.ArgumentParser) -> None:
+    """One worker (``--diloco-workers 1``) runs its outer optimizer only when the outer loop
+    is asked for: a flag of its math typed (``settings.OUTER_LOOP_FIELDS``: --diloco-inner-steps,
+    --diloco-outer-lr, ...) or --diloco-sync; else it is plain training with no outer state, as
+    launch lines that give only --diloco-workers 1 expect. Asked for, it quantizes only with
+    --diloco-quantize typed (the default FP4 is the wire's format, and there is no wire), and
+    says so in one line at start."""
+    from ..streaming import settings
+
+    s = cfg.streaming
+    if s.diloco_workers != 1 or not s.diloco_sync:  # several workers, or --no-diloco-sync
+        return
+    outer_flags = {flag for action in parser._actions if action.dest in
+                   settings.OUTER_LOOP_FIELDS for flag in action.option_strings}
+    asked = sorted(given & outer_flags) + (["--diloco-sync"] if "--diloco-sync" in given
+                                           else [])
+    if not asked:
+        s.diloco_sync = False
+        return
+    if "--diloco-quantize" not in given:
+        s.diloco_quantize = "none"
+    cfg.notes.append(f"--diloco-workers 1 with {', '.join(asked)} (--no-diloco-sync: plain "
+                     f"training): {settings.describe_one_worker(cfg)}")
 
 
 def _apply_schedule_flags(cfg: Config, given: set) -> List[str]:
@@ -452,6 +482,9 @@ def _validate_streaming(cfg: Config) -> None:
              f"--diloco-alpha must be in [0, 1], got {s.diloco_alpha}")
     _require(s.diloco_timeout > 0, f"--diloco-timeout must be > 0, got {s.diloco_timeout}")
     if s.diloco_min_workers is not None:
+        _require(s.diloco_workers > 1,
+                 f"--diloco-min-workers {s.diloco_min_workers}: elastic workers need "
+                 "--diloco-workers above 1 (one worker has no other to go on without); drop it")
         _require(1 <= s.diloco_min_workers <= s.diloco_workers,
                  f"--diloco-min-workers must be in [1, --diloco-workers ({s.diloco_workers})], "
                  f"got {s.diloco_min_workers}")

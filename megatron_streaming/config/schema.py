@@ -307,8 +307,11 @@ class StreamingConfig:
         "become global ranks W*R .. W*R+R-1 of a world of --diloco-workers x R, joined at "
         "--master-addr:--master-port. Default: one launch starts every worker.")
     diloco_sync: bool = arg(
-        True, "Synchronise workers with Streaming DiLoCo (when --diloco-workers > 1); off: "
-        "the workers train independently.")
+        True, "Run the Streaming DiLoCo sync. Several workers: on unless --no-diloco-sync "
+        "(off: the workers train independently). One worker: on only when --diloco-sync or a "
+        "flag of the outer loop (--diloco-inner-steps, --diloco-outer-lr, ...) is typed: its "
+        "outer optimizer every H steps, no traffic, no quantization unless --diloco-quantize is "
+        "typed; otherwise plain training with no outer state.")
     diloco_inner_steps: int = arg(100, "H: inner steps between two syncs of one fragment.")
     diloco_fragments: int = arg(1, "P: number of fragments (each syncs every H steps).")
     diloco_fragment_layers: Optional[int] = arg(

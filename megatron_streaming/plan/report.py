@@ -42,16 +42,11 @@ def format_plan(result: Plan, shape: ModelShape, link: Link, flags: List[str],
             lines.append(f"  {idle} of {c.name}'s {c.devices} devices idle (every worker has "
                          f"{ws[0].best.layout.ranks} devices)")
     step = max(w.step_seconds for w in workers)
+    if not result.sync_flags:
+        lines += [f"Sync: none ({result.reasons[0]})"]
+    else:
+        lines += _sync_lines(result, link, step)
     lines += [
-        f"Sync over the link ({link.bandwidth_gbit_per_s:g} Gbit/s, RTT {link.rtt_ms:g} ms): "
-        f"{' '.join(result.sync_flags)}",
-        f"  one fragment's exchange {result.exchange_seconds:.2f} s "
-        f"({result.exchange_seconds / step:.2f} steps of the slowest worker); predicted "
-        f"compute utilisation {result.utilisation:.1%}; link rate {result.mean_link_gbit_per_s:.2f}"
-        f" Gbit/s on average, {result.peak_link_gbit_per_s:.2f} at the peak; "
-        f"{result.fewer_bytes_than_data_parallel:.0f}x fewer bytes than data parallel across "
-        "the clusters (bf16 gradients every step)",
-        *(f"  - {r}" for r in result.reasons),
         "",
         f"# the rendezvous, on {host} (a host every cluster reaches):",
         f"bash launch/rendezvous.sh --port {port}",
@@ -103,6 +98,20 @@ def format_plan(result: Plan, shape: ModelShape, link: Link, flags: List[str],
                 lines.append(f"  {c.layout.describe():58s} {c.memory_gib:6.1f} GiB "
                              f"{c.step_seconds:7.2f} s  {why}")
     return "\n".join(lines)
+
+
+def _sync_lines(result: Plan, link: Link, step: float) -> List[str]:
+    """The sync over the link: its flags, the exchange's prediction and the rule's reasons."""
+    return [
+        f"Sync over the link ({link.bandwidth_gbit_per_s:g} Gbit/s, RTT {link.rtt_ms:g} ms): "
+        f"{' '.join(result.sync_flags)}",
+        f"  one fragment's exchange {result.exchange_seconds:.2f} s "
+        f"({result.exchange_seconds / step:.2f} steps of the slowest worker); predicted "
+        f"compute utilisation {result.utilisation:.1%}; link rate {result.mean_link_gbit_per_s:.2f}"
+        f" Gbit/s on average, {result.peak_link_gbit_per_s:.2f} at the peak; "
+        f"{result.fewer_bytes_than_data_parallel:.0f}x fewer bytes than data parallel across "
+        "the clusters (bf16 gradients every step)",
+        *(f"  - {r}" for r in result.reasons)]
 
 
 def host_line(w) -> str:

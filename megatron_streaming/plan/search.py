@@ -223,8 +223,15 @@ def plan(shape: ModelShape, clusters: Sequence[Cluster], link: Link, global_batc
     for w in chosen.workers:
         w.host = host_estimate(shape, w.best.layout, synced)
     ordered = [chosen, *[o for o in options if o is not chosen]]
+    if len(chosen.workers) == 1:  # no link to plan for; sync flags would turn on one
+        # worker's outer optimizer (``cli.arguments._apply_one_worker``), which is opt-in
+        return Plan(chosen.workers, [], [ONE_WORKER], 0.0, 1.0, 0.0, 0.0, 0.0, ordered)
     return Plan(chosen.workers, advice.flags(), advice.reasons, exchange, util, peak, mean,
                 fewer, ordered)
+
+
+ONE_WORKER = ("one worker: data parallel inside it, no sync (one worker's outer optimizer is "
+              "opt-in: --diloco-workers 1 with --diloco-inner-steps and the outer flags)")
 
 
 def pick(options: Sequence[Option]) -> Option:

@@ -38,10 +38,10 @@ class RunReport:
                                         topo.cross.control_bytes)
         report.reset_interval_stats(self.sync)
         times = self.engine.timers.report(topo.groups["worker"])
-        if not self.sync.enabled and topo.layout.workers == 1:
+        if topo.layout.workers == 1:  # also beside one worker's outer optimizer (no bytes)
             step_bytes = self.data_parallel_step_bytes()
             if step_bytes:
-                scalars = {"traffic/data_parallel_bytes": iteration * step_bytes}
+                scalars["traffic/data_parallel_bytes"] = iteration * step_bytes
         if self.expert_load is not None:
             from ..parallel.topology import device_of
 

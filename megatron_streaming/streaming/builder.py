@@ -72,7 +72,8 @@ def build_sync(cfg: Config, topology: Topology, engine,
                job=None) -> Union[StreamingSync, NoSync]:
     """The sync module (``NoSync`` when the sync is off); ``attach`` hooks it into the
     engine. ``job``: every worker's shape (``workers.JobShape``); workers of different
-    layouts exchange by lanes (``canonical.CanonicalSync``)."""
+    layouts exchange by lanes (``canonical.CanonicalSync``); one worker with nobody
+    (``one_worker``)."""
     if not enabled(cfg):
         return NoSync()
     s = cfg.streaming
@@ -81,8 +82,13 @@ def build_sync(cfg: Config, topology: Topology, engine,
     # codes go to the wire's device.
     codec_device = "cpu" if s.diloco_offload_outer_state or not groups else \
         groups[0].read().device
-    transport = topology.cross.make_transport(
-        make_codec(s.diloco_quantize, s.diloco_quant_block), s.diloco_timeout, codec_device)
+    codec = make_codec(s.diloco_quantize, s.diloco_quant_block)
+    if topology.layout.workers == 1:  # the mean over one worker: its own, no wire
+        from .one_worker import OneWorkerExchange
+
+        transport = OneWorkerExchange(topology.rank, codec, s.diloco_timeout, codec_device)
+    else:
+        transport = topology.cross.make_transport(codec, s.diloco_timeout, codec_device)
     args = (sync_schedule(cfg, topology.layout.dp), transport, outer_optimizer(cfg),
             s.diloco_alpha, s.diloco_error_feedback, s.diloco_offload_outer_state,
             engine.push_to_model)

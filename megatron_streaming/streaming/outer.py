@@ -32,6 +32,15 @@ class OuterOptimizer:
             raise ValueError(f"--co2-gap-penalty ({self.gap_penalty}) must be > 0 and "
                              f"--co2-clip-threshold ({self.clip_threshold}) >= 0")
 
+    @property
+    def averages(self) -> bool:
+        """Plain averaging: the step moves ``theta_g`` by exactly the outer gradient, onto the
+        workers' mean (lr 1, no momentum, no gap penalty; the clamp then bounds a momentum that
+        Nesterov's update multiplies by 0, and heavy ball's is the gradient itself unless
+        clamped)."""
+        return self.lr == 1.0 and self.momentum == 0.0 and self.gap_penalty == 1.0 and \
+            (self.nesterov or self.clip_threshold == 0)
+
     @torch.no_grad()
     def step(self, theta_g: torch.Tensor, momentum: torch.Tensor, grad: torch.Tensor) -> None:
         """In place: ``theta_g -= lr * update(grad)``; ``grad`` is the averaged outer gradient."""

@@ -17,6 +17,9 @@ best; the same step smoothed (lr 0.5, Nesterov 0.5) or a slightly larger one (1.
 nothing. Smaller H is better; fragments, overlap tau=1 and FP4 as E2M1 cost under a point
 each (E3M0, the paper's FP4, up to 1.3 points at 6.6M on code); the
 merge's alpha 0.5 cost 0.4 % at 1.5M parameters and 1.2-3.8 % at 6.6M under plain averaging.
+One worker (the papers' M=1 row, 1200 steps on code): the papers' 0.7 / 0.9 at H=30 ended 14.8 %
+above data parallel, nearly the 17 % two workers lost with it; plain averaging on one worker is
+data parallel itself, to the last digit.
 """
 
 from __future__ import annotations
@@ -31,6 +34,9 @@ from typing import List, Optional
 SAFE_EFFECTIVE_LR = 1.5
 # Outer steps per fragment the benchmark's H=30 runs had (1200 / 30); fewer, untested.
 MIN_OUTER_STEPS = 40
+# One worker (the papers' M=1), 0.7 / 0.9 at H=30 against data parallel, held-out loss, %.
+ONE_WORKER_HARM = 14.8
+ONE_WORKER_MEASURED = "1200 steps, 40 outer steps, 1.5M parameters, code"
 
 
 def effective_outer_lr(lr: float, momentum: float) -> float:
@@ -126,9 +132,12 @@ def advise(train_iters: int, num_layers: int, max_inner_steps: Optional[int] = N
 
 def warnings(s, inner_lr: float) -> List[str]:
     """One line per setting where the benchmark found syncing harmful; ``s`` is the
-    StreamingConfig, ``inner_lr`` the peak --lr. Empty when the sync is off."""
-    if not s.diloco_sync or s.diloco_workers < 2:
+    StreamingConfig, ``inner_lr`` the peak --lr. Empty when the sync is off (the parser
+    leaves it on for one worker only where its outer optimizer was asked for)."""
+    if not s.diloco_sync:
         return []
+    if s.diloco_workers == 1:
+        return one_worker_warnings(s)
     out = []
     eff = effective_outer_lr(s.diloco_outer_lr, s.diloco_outer_momentum)
     if eff > SAFE_EFFECTIVE_LR:
@@ -145,4 +154,28 @@ def warnings(s, inner_lr: float) -> List[str]:
             "merge cost held-out loss in the quality benchmark, more on the larger model "
             "(alpha 0.5: +0.4 % at 1.5M parameters, +1.2 to +3.8 % at 6.6M; docs/RESULTS.md); "
             "0 (the default) replaces them with the global ones")
+    return out
+
+
+def one_worker_warnings(s) -> List[str]:
+    """One worker's outer optimizer (``--diloco-workers 1`` with outer-loop flags): what the
+    quality benchmark measured of it, and what its loop loses by construction."""
+    out = []
+    eff = effective_outer_lr(s.diloco_outer_lr, s.diloco_outer_momentum)
+    if eff > SAFE_EFFECTIVE_LR:
+        out.append(
+            f"--diloco-outer-lr {s.diloco_outer_lr:g} with --diloco-outer-momentum "
+            f"{s.diloco_outer_momentum:g} on one worker moves its parameters up to {eff:.1f}x "
+            "their own change over a round; the quality benchmark's one worker with the "
+            f"papers' 0.7 / 0.9 at H=30 ({ONE_WORKER_MEASURED}) ended "
+            f"{ONE_WORKER_HARM:+.1f} % in held-out loss against the same run without it "
+            "(docs/RESULTS.md); outer lr 1 and momentum 0 train as without it, bit for bit")
+    tau = s.diloco_overlap_steps
+    if tau and s.diloco_alpha < 1:
+        lost = "are lost" if s.diloco_alpha == 0 else \
+            f"are lost but for the share --diloco-alpha {s.diloco_alpha:g} keeps"
+        out.append(f"--diloco-overlap-steps {tau} with one worker: there is no exchange to "
+                   "hide, and each merge replaces the local parameters with global ones made "
+                   f"from those {tau} step(s) before it, so the inner steps in between {lost}; "
+                   "--diloco-overlap-steps 0 merges at the send")
     return out

@@ -16,7 +16,8 @@ Per group, after inner step s (schedule.py):
   ``theta_local = alpha * theta_local + (1 - alpha) * theta_g``. The inner optimizer state is
   left alone. With tau = 0 a shard of an earlier param group merges when that exchange
   returns, after DeepSpeed copied its group to the model, so the step ends with one more copy
-  (``push_to_model``).
+  (``push_to_model``); that copy is collective over the worker (ZeRO all-gathers), so every
+  rank makes it after every step that sends and merges a fragment, whichever shards it holds.
 * eager (``--diloco-eager``, arXiv 2502.12996): at each send the worker steps at once with
   ``mean_prev - delta_prev / M + delta / M``: the previous round's mean (in flight for a whole
   round) with this worker's share of it taken out, since that share was applied a round ago,
@@ -150,8 +151,7 @@ class StreamingSync(OuterStateful, MembershipChanges):
                            for p in range(schedule.num_fragments)}
         self._outbox: Dict[int, list] = {}
         self._merge_later: List[ShardGroup] = []  # tau = 0: merges waiting for that exchange
-        self._stepping: Optional[set] = None  # param groups of the hook call in progress
-        self._stale = False  # a partition changed after DeepSpeed copied it to the model
+        self._stale = False  # ``CanonicalSync``: a partition changed after DeepSpeed's copy
         # (step, "send" | "merge" | "skip", fragment, shard index): what this rank did, in
         # order; every worker's list must be identical (the schedule is a function of the step).
         # Recorded only when a caller sets it to a list (tests, drills): a long run would
@@ -205,25 +205,33 @@ class StreamingSync(OuterStateful, MembershipChanges):
     @timed
     def after_step(self) -> None:
         """Run what the hook did not (a step the optimizer skipped): the schedule must go on
-        on every worker, or their collectives would pair up wrongly."""
+        on every worker, or their collectives would pair up wrongly. Then copy the partitions
+        to the model once more where a merge may have come after DeepSpeed's copy."""
         missed = [g for g in self.groups if g.index not in self._done_this_step]
         for g in missed:
             self._process(g)
-        if missed or self._stale:
+        if missed or self._merged_at_send():
             self.push_to_model()
-        self._stale = False
+
+    def _merged_at_send(self) -> bool:
+        """Whether this step sent and merged a fragment (tau = 0). A rank holding the
+        fragment's shards in two param groups merges the first one only once the last is sent,
+        after DeepSpeed copied the first group to the model; another rank of the worker may
+        hold no such pair. The copy is an all-gather over the worker: decided by the schedule,
+        the same on every rank, or a rank that needs none would leave its peers waiting in
+        it (a hang at the first such step with ZeRO over two data-parallel ranks)."""
+        if self.own is not None or self.paused:  # eager: the hook's own copy follows its step
+            return False
+        return bool(set(self.schedule.sends_after(self.step))
+                    & set(self.schedule.merges_after(self.step)))
 
     @timed
     def _on_inner_step(self, optimizer, args, kwargs) -> None:
         # Under ZeRO the optimizer's groups are narrowed to the one being stepped.
         stepped = {group["sync_index"] for group in optimizer.param_groups}
-        self._stepping = stepped
-        try:
-            for g in self.groups:
-                if g.param_group in stepped:
-                    self._process(g)
-        finally:
-            self._stepping = None
+        for g in self.groups:
+            if g.param_group in stepped:
+                self._process(g)
 
     def take_hook_seconds(self) -> float:
         """The training thread's seconds in the sync's step work since the last call."""
@@ -277,11 +285,8 @@ class StreamingSync(OuterStateful, MembershipChanges):
             self.pending[s.index] = pending
         later = [s for s in self._merge_later if s.fragment == g.fragment]
         self._merge_later = [s for s in self._merge_later if s.fragment != g.fragment]
-        for s in later:
+        for s in later:  # DeepSpeed copied their param groups already: ``_merged_at_send``
             self._merge(s)
-            # DeepSpeed copied that param group to the model when it stepped: copy again.
-            if self._stepping is not None and s.param_group not in self._stepping:
-                self._stale = True
 
     def finish(self) -> int:
         """At the end of training: merge every exchange still in flight now (sent at one of
@@ -304,9 +309,11 @@ class StreamingSync(OuterStateful, MembershipChanges):
         if g.index in self.merged_early:  # finish() did it already
             self.merged_early.discard(g.index)
             return
+        # Sent at this very step: the shard's local parameters are still those it sent.
+        unchanged = self.pending[g.index].step == self.step
         mean = self._arrived(g)
         if mean is not None:
-            self._apply(g, mean)
+            self._apply(g, mean, unchanged)
 
     def _eager_step(self, g: ShardGroup, delta: Optional[torch.Tensor]) -> None:
         """The eager outer step at a send of ``delta`` (None: ``finish``, nothing new)."""
@@ -322,7 +329,7 @@ class StreamingSync(OuterStateful, MembershipChanges):
             fresh = delta.to(theta_g.device)  # a non-finite one is skipped by every worker
         grad = eager_grad(self.own[g.index], mean, fresh, workers)
         self.own[g.index] = fresh
-        self._apply(g, grad)
+        self._apply(g, grad, unchanged=delta is not None)
 
     def _arrived(self, g: ShardGroup) -> Optional[torch.Tensor]:
         """Wait for the shard's exchange in flight; its mean, or None if some worker's outer
@@ -363,21 +370,39 @@ class StreamingSync(OuterStateful, MembershipChanges):
             return pinned_host_copy(local)
         return local.to(device)
 
-    def _apply(self, g: ShardGroup, grad: torch.Tensor) -> None:
-        """Outer step on the shard's ``theta_g`` with ``grad``, then the local merge."""
+    def _apply(self, g: ShardGroup, grad: torch.Tensor, unchanged: bool = False) -> None:
+        """Outer step on the shard's ``theta_g`` with ``grad``, then the local merge;
+        ``unchanged``: the local parameters are still those whose outer gradient ``grad``
+        holds (the merge comes at the send's own step)."""
         local = g.read()
-        self._outer_update(self.theta_g[g.index], self.momentum[g.index], local, grad)
+        self._outer_update(self.theta_g[g.index], self.momentum[g.index], local, grad,
+                           own_mean=unchanged and self._own_mean())
         g.write(local)
 
+    def _own_mean(self) -> bool:
+        """Whether the mean this worker merges is its own outer gradient, bit for bit: one
+        worker, no codec, no token share."""
+        return self.workers == 1 and self.transport.codec.name == "none" and \
+            self.share == 1.0
+
     def _outer_update(self, theta_g: torch.Tensor, momentum: torch.Tensor,
-                      local: torch.Tensor, grad: Optional[torch.Tensor]) -> None:
+                      local: torch.Tensor, grad: Optional[torch.Tensor],
+                      own_mean: bool = False) -> None:
         """In place: the outer step on ``theta_g`` with ``grad`` (None: none), then the merge
-        of ``local`` with it; a shard group's tensors, or whole parameters at a resume."""
+        of ``local`` with it; a shard group's tensors, or whole parameters at a resume.
+        ``own_mean``: ``grad`` is exactly ``theta_g - local`` (``_own_mean``, merged at its
+        send)."""
         offloaded = local.is_cuda and not theta_g.is_cuda
         if offloaded:  # the last copy out of the pinned theta_g may still be reading it
             torch.cuda.current_stream().synchronize()
         if grad is not None:
             self.outer.step(theta_g, momentum, grad.to(theta_g.device))
+            if own_mean and self.outer.averages:
+                # Plain averaging over one worker makes theta_g its local parameters; the step
+                # computes theta_g - (theta_g - local), which rounds away from local wherever
+                # the two differ by more than a factor of 2 (a sign change, a weight near 0).
+                # The exact value keeps such a run the plain training it is, bit for bit.
+                theta_g.copy_(local)
         merge(local, theta_g.to(local.device, non_blocking=offloaded), self.alpha)
 
     # ---- evaluation with the global parameters ------------------------------------------
@@ -441,8 +466,9 @@ def _outer_state(local: List[torch.Tensor], offload: bool):
 
 
 class NoSync:
-    """The sync of a run that has none (one worker, or ``--no-diloco-sync``): the same calls
-    as ``StreamingSync``, each doing nothing, so callers need no branch for it."""
+    """The sync of a run that has none (``--no-diloco-sync``, or one worker that did not ask
+    for its outer optimizer: ``settings.enabled``): the same calls as ``StreamingSync``, each
+    doing nothing, so callers need no branch for it."""
 
     enabled = False
     routes = None
