@@ -8,7 +8,8 @@ corpora and model sizes, one change at a time.
     .venv/bin/python benchmarks/quality.py --steps 2400 ...      # longer runs: cell size@2400
 
 Runs go one after another on the cores there are (2 ranks each: data parallel is one worker of
-two ranks with global batch B, every DiLoCo variant two workers of one rank with B/2 each).
+two ranks with global batch B, every DiLoCo variant two workers of one rank with B/2 each, but
+the ``m1_`` ones: data parallel's worker with its own outer optimizer, the papers' M=1).
 Each run is named by a hash of its command and of the resolved sync settings
 (``KEYED_SETTINGS``), so a half-done sweep resumes where it stopped: a finished run is never
 redone, and a changed library default reruns only the variants that rely on it. A finished run
@@ -31,11 +32,9 @@ parameters (``--eval-params global``; ``alone``: the worker's own).
 """
 
 import argparse
-import hashlib
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 import zlib
@@ -44,6 +43,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 SHARED = REPO.parent / "shared" / "data"
+
+# The corpus builder and the keyed, resumable runs, shared with benchmarks/protocol.py.
+from benchmarks.quality_common import (  # noqa: E402,F401
+    KEYED_SETTINGS, launch, resolved_settings, run_key, tokenize_splits)
 
 SIZES = {
     # 6 x 12 x 128^2 + 2048 x 128 + 128 x 128 = 1.46M parameters.
@@ -158,8 +161,18 @@ VARIANTS = {
     "defaults_eager": ("defaults with eager outer updates instead of tau=1",
                        ["--diloco-inner-steps", "30", *STREAM, "--diloco-quantize", "fp4",
                         "--diloco-overlap-steps", "0", "--diloco-eager"]),
+    # One worker (the papers' M=1 row): data parallel's ranks and batch, the outer optimizer
+    # on top of them (its flags typed turn it on), no wire and no quantization.
+    "m1_h30_nesterov": ("dp + one worker's outer optimizer every 30 steps: outer lr 0.7, "
+                        "Nesterov 0.9 (the papers' M=1)", ["--diloco-inner-steps", "30", *PAPER]),
+    "m1_h30": ("dp + one worker's outer optimizer every 30 steps, plain averaging (outer lr 1, "
+               "no momentum): dp itself, bit for bit",
+               ["--diloco-inner-steps", "30", "--diloco-outer-lr", "1",
+                "--diloco-outer-momentum", "0"]),
 }
 LADDER = list(VARIANTS)
+# Variants run as data parallel runs (one worker of 2 ranks, batch B), their flags on top.
+ONE_WORKER = {"m1_h30_nesterov", "m1_h30"}
 
 
 # ---- corpora --------------------------------------------------------------------------------
@@ -207,23 +220,9 @@ def corpus_flags(corpus: str, out: Path) -> tuple[list[str], dict]:
     if not meta_path.exists():
         d.mkdir(parents=True, exist_ok=True)
         train, held = _split_documents(corpus)
-        for name, docs in (("train", train), ("heldout", held)):
-            with open(d / f"{name}.jsonl", "w") as f:
-                for text in docs:
-                    f.write(json.dumps({"text": text}) + "\n")
-        run = [sys.executable, "-m", "megatron_streaming.data", "--append-eod"]
-        subprocess.run([*run, "--input", str(d / "train.jsonl"), "--output-prefix",
-                        str(d / "train"), "--vocab-size", "2048"], cwd=REPO, check=True)
-        subprocess.run([*run, "--input", str(d / "heldout.jsonl"), "--output-prefix",
-                        str(d / "heldout"), "--tokenizer-model", str(d / "train.model")],
-                       cwd=REPO, check=True)
-        import numpy as np
-
-        def tokens(prefix):
-            return int(np.fromfile(d / f"{prefix}_text_document.bin", dtype=np.uint16).size)
-
+        tokens = tokenize_splits(d, {"train": train, "heldout": held}, 2048)
         meta = {"corpus": corpus, "train_documents": len(train), "heldout_documents": len(held),
-                "train_tokens": tokens("train"), "heldout_tokens": tokens("heldout"),
+                "train_tokens": tokens["train"], "heldout_tokens": tokens["heldout"],
                 "python": sys.version.split()[0]}
         meta_path.write_text(json.dumps(meta, indent=1))
     meta = json.loads(meta_path.read_text())
@@ -237,40 +236,13 @@ def corpus_flags(corpus: str, out: Path) -> tuple[list[str], dict]:
 
 
 # ---- runs -----------------------------------------------------------------------------------
-# The settings that shape a run's math: the run key holds their resolved values, so a run that
-# relies on a library default is redone when that default changes, and no other run is.
-KEYED_SETTINGS = ("diloco_sync", "diloco_inner_steps", "diloco_fragments",
-                  "diloco_fragment_pattern", "diloco_overlap_steps", "diloco_alpha",
-                  "diloco_outer_lr", "diloco_outer_momentum", "diloco_nesterov",
-                  "diloco_quantize", "diloco_quant_block", "diloco_error_feedback",
-                  "co2_gap_penalty", "co2_clip_threshold")
-
-
-def resolved_settings(args: list[str]) -> dict:
-    """The sync settings of a run (none where it does not sync: data parallel, ``alone``)."""
-    from megatron_streaming.cli.arguments import parse_args
-    from megatron_streaming.streaming.settings import enabled
-
-    cfg = parse_args(args)
-    if not enabled(cfg):
-        return {}
-    out = {name: getattr(cfg.streaming, name) for name in KEYED_SETTINGS}
-    # Settings added later enter the key only away from what runs did before they existed,
-    # so earlier records keep their keys.
-    if cfg.streaming.diloco_sync_spacing != "steps":
-        out["diloco_sync_spacing"] = cfg.streaming.diloco_sync_spacing
-    if cfg.streaming.diloco_eager:
-        out["diloco_eager"] = True
-    return out
-
-
 def run_flags(variant: str, opts, lr: float) -> tuple[list[str], int]:
     """The variant's flags (without data) and its evaluation iterations."""
     _, extra = VARIANTS[variant]
     B = opts.global_batch
-    if extra is None:
+    if extra is None or variant in ONE_WORKER:
         flags = ["--diloco-workers", "1", "--global-batch-size", str(B), "--micro-batch-size",
-                 str(B // 2)]
+                 str(B // 2), *(extra or [])]
         samples_per_eval_iter = B
     else:
         flags = [*DILOCO, "--global-batch-size", str(B // 2), "--micro-batch-size",
@@ -287,54 +259,6 @@ def run_label(job: dict, steps: int) -> str:
     in the tables (size@steps)."""
     size = job["size"] if steps == STEPS else f"{job['size']}@{steps}"
     return f"{job['corpus']}/{size}/{job['variant']}/lr{job['lr']:g}/seed{job['seed']}"
-
-
-def run_key(args: list[str]) -> str:
-    return hashlib.sha1(json.dumps([args, resolved_settings(args)]).encode()).hexdigest()[:12]
-
-
-def launch(args: list[str], out: Path, records: Path, label: str) -> dict:
-    """One run, or its record when it finished before: ``records/KEY.json`` holds what the
-    report needs (the summary and the held-out and training curves), small enough to keep in
-    the repository, so a sweep resumes from a fresh clone too."""
-    key = run_key(args)
-    record = records / f"{key}.json"
-    if record.exists():
-        return json.loads(record.read_text())
-    run_dir = out / "runs" / key
-    summary, log = run_dir / "summary.json", run_dir / "log.jsonl"
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if summary.exists() and json.loads(summary.read_text())["stopped_by"] is not None:
-        summary.unlink()  # a signal stopped it early (e.g. the machine went down): redo it
-    if not (summary.exists() and log.exists()):  # else: finished, its record not yet written
-        _train(args, run_dir, summary, log, label)
-    finished = json.loads(summary.read_text())
-    if finished["stopped_by"] is not None:
-        summary.unlink()
-        raise RuntimeError(f"{label} was stopped by {finished['stopped_by']} at iteration "
-                           f"{finished['iteration']}; run the sweep again to redo it")
-    lines = [json.loads(line) for line in log.read_text().splitlines()]
-    result = {"label": label, "args": args, "summary": finished,
-              "held_out": [(x["iteration"], round(x["valid/loss"], 4)) for x in lines
-                           if "valid/loss" in x],
-              "train": [(x["iteration"], round(x["train/loss"], 4)) for x in lines
-                        if "train/loss" in x]}
-    records.mkdir(parents=True, exist_ok=True)
-    record.write_text(json.dumps(result, separators=(",", ":")) + "\n")
-    return result
-
-
-def _train(args, run_dir, summary, log, label):
-    log.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--nproc-per-node=2", "pretrain_gpt.py", *args, "--summary-json", str(summary),
-           "--log-jsonl", str(log)]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, check=False)
-    (run_dir / "stderr.txt").write_text(done.stderr[-20000:])
-    if done.returncode:
-        summary.unlink(missing_ok=True)
-        raise RuntimeError(f"{label} failed ({run_dir}): {done.stderr[-3000:]}")
 
 
 def plan(opts) -> list[dict]:

@@ -1,5 +1,6 @@
-"""benchmarks/quality.py without training: its corpora keep training and held-out text apart,
-every variant's flags parse, and its tables give each gap against the right baseline."""
+"""benchmarks/quality.py and benchmarks/protocol.py without training: their corpora keep
+training and held-out text apart, every run's flags parse, the protocol's choices read the
+validation split only, and the tables give each gap against the right baseline."""
 
 import json
 import sys
@@ -9,6 +10,8 @@ import pytest
 from harness import REPO
 
 sys.path.insert(0, str(REPO / "benchmarks"))
+import protocol  # noqa: E402
+import protocol_report  # noqa: E402
 import quality  # noqa: E402
 
 
@@ -32,7 +35,7 @@ def test_every_variant_is_a_valid_command_line():
         flags, per_iter = quality.run_flags(name, Opts, 2e-3)
         cfg = parse_args([*quality.COMMON, *quality.SIZES["small"], "--mock-data", *flags])
         assert cfg.training.eval_iters * per_iter == 256, name  # the same held-out samples
-        if name == "dp":
+        if name == "dp" or name in quality.ONE_WORKER:  # one worker: dp's ranks and batch
             assert cfg.streaming.diloco_workers == 1 and cfg.training.global_batch_size == 16
         else:
             assert cfg.streaming.diloco_workers == 2 and cfg.training.global_batch_size == 8
@@ -90,3 +93,96 @@ def test_the_report_reads_every_record_and_skips_those_of_changed_defaults(tmp_p
     # Data parallel and a worker alone do not sync: no library default is in their key.
     dp = [*quality.COMMON, "--mock-data", *quality.run_flags("dp", Opts, 2e-3)[0]]
     assert quality.resolved_settings(dp) == {}
+
+
+# ---- benchmarks/protocol.py: the scaling-law paper's protocol ------------------------------
+
+
+def test_protocol_corpus_dedups_and_splits_by_path(tmp_path):
+    for rel, text in [("a/x.py", "x = 1\n"), ("b/x.py", "x = 1\n"), ("c/empty.py", "\n"),
+                      ("d/y.py", "y = 2\n"), ("e/notes.txt", "z")]:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    docs = list(protocol.venv_documents(tmp_path))
+    assert [(path, text) for path, _, text in docs] == [("a/x.py", "x = 1\n"),
+                                                         ("d/y.py", "y = 2\n")]
+    # Held out and validation: one file in 50 each, by a hash of the path alone.
+    paths = [f"lib/pkg{i}/mod{j}.py" for i in range(40) for j in range(50)]
+    shares = {s: sum(protocol.split_of(p) == s for p in paths) / len(paths)
+              for s in ("heldout", "validation", "train")}
+    assert 0.012 < shares["heldout"] < 0.03 and 0.012 < shares["validation"] < 0.03, shares
+    assert [protocol.split_of(p) for p in paths] == [protocol.split_of(p) for p in paths]
+
+
+def test_protocol_runs_share_tokens_batch_and_held_out_samples():
+    from megatron_streaming.cli.arguments import parse_args
+
+    # All parameters, embeddings included: what the runs' summaries reported (1,089,024).
+    assert protocol.parameters() == 1_089_024
+    data = ["--mock-data", "--vocab-size", "4096"]
+    for workers, outer_lr in [(0, None), (1, 0.6), (2, None), (2, 0.6), (4, 0.8)]:
+        j = protocol.job(20, workers, outer_lr, 4e-3, 32, 2)
+        args, ranks = protocol.run_args(j, data, 256)
+        cfg = parse_args(args)
+        t, s = cfg.training, cfg.streaming
+        per_worker = t.global_batch_size
+        assert per_worker * max(1, workers) == 32 and ranks == max(2, workers), j
+        assert t.eval_iters * per_worker == 256, j  # the same held-out sequences
+        # Whole rounds of H=30; evaluations every tenth of the run, at round boundaries.
+        assert t.train_iters % 30 == 0 and t.eval_interval % 30 == 0
+        assert abs(t.eval_interval * 10 - t.train_iters) <= 150
+        tokens = t.train_iters * 32 * 256
+        assert abs(tokens / protocol.parameters() - 20) < 0.5
+        assert (s.diloco_workers, cfg.training.seed) == (max(1, workers), 2)
+        if workers > 1:
+            assert (s.diloco_inner_steps, s.diloco_fragments, s.diloco_overlap_steps,
+                    s.diloco_quantize) == (30, 3, 1, "fp4-e2m1")
+            assert (s.diloco_outer_lr, s.diloco_outer_momentum) == (
+                (1.0, 0.0) if outer_lr is None else (outer_lr, 0.9))
+        if workers == 1:
+            assert s.diloco_quantize == "none"  # nothing crosses a wire
+    assert protocol.parse_label(protocol.label(j)) == j
+
+
+def _row(rung, workers, outer_lr, lr, batch, seed, validation, held_out):
+    j = protocol.job(rung, workers, outer_lr, lr, batch, seed)
+    return {**j, "summary": {"test_loss": validation, "valid_loss": held_out},
+            "held_out": [(10, held_out + 1), (20, held_out)]}
+
+
+def test_protocol_tuning_reads_validation_never_held_out_and_widens_at_an_edge():
+    class Opts:
+        tune_rung, rungs, batches, lrs = 5, [2.5, 5, 20], [16, 32, 64], [2e-3, 4e-3, 8e-3]
+        outer_lrs, workers, seeds = [0.4, 0.8], [2, 4], [1, 2]
+
+    # 8e-3 is best on validation (held-out says 2e-3): the grid widens to 1.6e-2 first.
+    rows = [_row(5, 0, None, lr, 32, 1, v, h)
+            for lr, v, h in [(2e-3, 3.2, 2.0), (4e-3, 3.1, 3.0), (8e-3, 3.0, 3.0)]]
+    jobs, final = protocol.phase_jobs("tune", Opts, rows)
+    assert not final and [j["lr"] for j in jobs] == [2e-3, 4e-3, 8e-3, 1.6e-2]
+    rows.append(_row(5, 0, None, 1.6e-2, 32, 1, 3.05, 3.0))
+    jobs, final = protocol.phase_jobs("tune", Opts, rows)
+    assert final and [(j["lr"], j["batch"]) for j in jobs[4:]] == [
+        (8e-3, 16), (4e-3, 16), (8e-3, 64), (1.6e-2, 64)]
+    rows.append(_row(5, 0, None, 4e-3, 16, 1, 2.9, 9.0))
+    assert protocol.best_dp(rows, 5) == (4e-3, 16)
+    # The outer lr: least validation per M, at data parallel's held lr and batch.
+    rows += [_row(5, 2, 0.4, 4e-3, 16, 1, 3.0, 1.0), _row(5, 2, 0.8, 4e-3, 16, 1, 2.95, 5.0),
+             _row(5, 2, 0.4, 2e-3, 16, 1, 1.0, 1.0)]
+    assert protocol.best_outer_lr(rows, 5, 2, (4e-3, 16)) == 0.8
+    top = protocol.phase_jobs("top", Opts, rows + [_row(5, 4, 0.4, 4e-3, 16, 1, 3, 3)])[0]
+    assert {(j["workers"], j["outer_lr"], j["seed"], j["rung"]) for j in top} == {
+        (m, o, s, 20) for m, o in [(2, 0.8), (2, None), (4, 0.4), (4, None)] for s in (1, 2)}
+
+
+def test_protocol_gap_pairs_seeds_and_follows_the_run():
+    dp = (4e-3, 32)
+    rows = [_row(20, 0, None, *dp, 1, 0, 2.0), _row(20, 0, None, *dp, 2, 0, 2.2),
+            _row(20, 2, None, *dp, 1, 0, 2.1), _row(20, 2, 0.6, *dp, 3, 0, 2.3)]
+    cells = {c["method"]: c for c in protocol_report.cells(rows, dp, {2: 0.6})}
+    assert cells["m2-plain"]["gap"] == pytest.approx(5.0) and cells["m2-plain"]["paired"]
+    assert cells["m2-plain"]["gap_along"] == [(0.5, 3.33), (1.0, 5.0)]  # 3.1 / 3.0, 2.1 / 2.0
+    # No seed in common: against data parallel's mean, and said so.
+    assert cells["m2-nesterov0.6"]["gap"] == pytest.approx(100 * (2.3 / 2.1 - 1))
+    assert not cells["m2-nesterov0.6"]["paired"]
+    assert cells["m2-plain"]["outer_steps"] == protocol.steps_of(20, 32) // 30

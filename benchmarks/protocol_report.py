@@ -1,0 +1,206 @@
+"""The report of ``benchmarks/protocol.py`` (the DiLoCo scaling-law paper's protocol): from
+the records, ``protocol.json`` (every run, every cell), ``protocol.md`` (the tables: the two
+sweeps, held-out loss and gap to data parallel per rung, M and outer optimizer, the gap along
+the top rung's runs) and ``protocol.png`` (the gap against tokens per parameter, per M; the top
+rung's held-out curves)."""
+
+import json
+import math
+import sys
+from pathlib import Path
+
+from benchmarks.protocol import (COMMON, H, MOMENTUM, SEQ, _validation, best_dp,
+                                 best_outer_lr, parameters, recorded_rows, steps_of)
+from benchmarks.quality import _loss
+
+TARGETS = {1: 0.5, 2: 2.0, 4: 4.0}  # % over data parallel at 20 tokens per parameter
+PAPER = {1: -0.1, 2: 0.7, 4: 2.0}  # the paper's 35M, Table 4
+
+
+def _held_out(r: dict) -> float:
+    v = r["summary"].get("valid_loss")
+    return math.inf if v is None else v
+
+
+def _outer_name(r: dict) -> str:
+    if r["workers"] == 0:
+        return "-"
+    return "plain" if r["outer_lr"] is None else f"Nesterov {MOMENTUM:g}, lr {r['outer_lr']:g}"
+
+
+def cells(rows: list[dict], dp, best: dict) -> list[dict]:
+    """One cell per (rung, method) at the held settings: its seeds' mean held-out loss and
+    curve, and its gap to data parallel over the seeds both ran (all of data parallel's
+    where they share none: ``paired`` False)."""
+    keep = [r for r in rows if (r["lr"], r["batch"]) == dp and
+            (r["workers"] == 0 or r["outer_lr"] is None or r["outer_lr"] == best.get(r["workers"]))]
+    groups = {}
+    for r in keep:
+        groups.setdefault((r["rung"], r["method"]), []).append(r)
+    out = []
+    for (rung, method), rs in sorted(groups.items(), key=lambda kv: (
+            kv[0][0], kv[1][0]["workers"], kv[1][0]["outer_lr"] is None)):
+        dps = {r["seed"]: r for r in groups.get((rung, "dp"), [])}
+        seeds = sorted(r["seed"] for r in rs)
+        common = [s for s in seeds if s in dps]
+        mine = {r["seed"]: r for r in rs}
+        base = [dps[s] for s in common] or list(dps.values())
+        loss = sum(_held_out(mine[s]) for s in seeds) / len(seeds)
+        ref = sum(map(_held_out, base)) / len(base) if base else None
+        sel = [mine[s] for s in common] or list(mine.values())
+        gap_loss = sum(map(_held_out, sel)) / len(sel)
+        out.append({"rung": rung, "method": method, "workers": rs[0]["workers"],
+                    "outer": _outer_name(rs[0]), "seeds": seeds,
+                    "held_out": loss, "spread": max(map(_held_out, rs)) - min(map(_held_out, rs)),
+                    "gap": None if ref is None or method == "dp" else 100 * (gap_loss / ref - 1),
+                    "paired": bool(common), "steps": steps_of(rung, dp[1]),
+                    "outer_steps": steps_of(rung, dp[1]) // H if rs[0]["workers"] else None,
+                    "gap_along": _gap_along(sel, base) if method != "dp" and base else None})
+    return out
+
+
+def _gap_along(mine: list[dict], dps: list[dict]) -> list:
+    """(fraction of the run, gap %) at each evaluation both curves have, means over seeds."""
+    def mean_curve(rs):
+        points = {}
+        for r in rs:
+            for it, loss in r["held_out"]:
+                points.setdefault(it, []).append(loss)
+        return {it: sum(v) / len(v) for it, v in points.items() if len(v) == len(rs)}
+
+    a, b = mean_curve(mine), mean_curve(dps)
+    last = max(a) if a else 1
+    return [(round(it / last, 2), round(100 * (a[it] / b[it] - 1), 2))
+            for it in sorted(a) if it in b]
+
+
+def tables(rows: list[dict], opts) -> str:
+    rung, top = opts.tune_rung, max(opts.rungs)
+    dp = best_dp(rows, rung)
+    if dp is None:
+        return "No data parallel run at the tuning rung yet."
+    best = {m: best_outer_lr(rows, rung, m, dp) for m in (1, 2, 4)}
+    lines = [f"Data parallel's inner lr and batch at {rung:g} tokens per parameter, seed 1: "
+             "validation loss (held-out in brackets); held: lr "
+             f"{dp[0]:g}, batch {dp[1]} x {SEQ} = {dp[1] * SEQ} tokens.", ""]
+    tune = [r for r in rows if r["method"] == "dp" and r["rung"] == rung and r["seed"] == 1]
+    lrs, batches = sorted({r["lr"] for r in tune}), sorted({r["batch"] for r in tune})
+    by = {(r["lr"], r["batch"]): r for r in tune}
+    lines += ["| batch (sequences of 256) | " + " | ".join(f"lr {x:g}" for x in lrs) + " |",
+              "|---|" + "---|" * len(lrs)]
+    for b in batches:
+        lines.append(f"| {b} | " + " | ".join(
+            "-" if (x, b) not in by else
+            f"{_loss(_validation(by[(x, b)]))} ({_loss(_held_out(by[(x, b)]))})"
+            for x in lrs) + " |")
+    sweep = [r for r in rows if r["workers"] and r["rung"] == rung and r["seed"] == 1 and
+             (r["lr"], r["batch"]) == dp]
+    if sweep:
+        olrs = sorted({r["outer_lr"] for r in sweep if r["outer_lr"] is not None})
+        dpv = _validation(by[dp])
+        lines += ["", f"The outer lr at {rung:g} tokens per parameter, seed 1: validation loss "
+                  "and its gap to data parallel's; each M holds its best Nesterov lr for "
+                  "every rung.", "",
+                  "| M | plain averaging | " + " | ".join(
+                      f"Nesterov {MOMENTUM:g}, lr {x:g}" for x in olrs) + " | held |",
+                  "|---|---|" + "---|" * len(olrs) + "---|"]
+        for m in sorted({r["workers"] for r in sweep}):
+            mine = {r["outer_lr"]: r for r in sweep if r["workers"] == m}
+            lines.append(f"| {m} | " + " | ".join(
+                "-" if x not in mine else f"{_loss(_validation(mine[x]))} "
+                f"({100 * (_validation(mine[x]) / dpv - 1):+.1f} %)" for x in [None, *olrs])
+                + (f" | {best[m]:g} |" if best[m] is not None else " | - |"))
+    table = cells(rows, dp, best)
+    lines += ["", "Held-out loss against data parallel at equal tokens and global batch "
+              f"(mean over seeds; gap over the seeds both ran; H={H}, P=3, tau=1, FP4 E2M1 for "
+              "M > 1):", "",
+              "| tokens per parameter | M | outer optimizer | held-out loss | gap to data "
+              "parallel | target | outer steps per fragment | steps | seeds |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for c in table:
+        m = c["workers"]
+        target = f"+{TARGETS[m]:g} % (paper {PAPER[m]:+g} %)" if m and c["rung"] == top else ""
+        gap = "" if c["gap"] is None else f"{c['gap']:+.2f} %" + (
+            "" if c["paired"] else " (unpaired)")
+        spread = f" ±{c['spread'] / 2:.3f}" if len(c["seeds"]) > 1 else ""
+        lines.append(f"| {c['rung']:g} | {m or 'data parallel'} | {c['outer']} | "
+                     f"{_loss(c['held_out'])}{spread} | {gap} | {target} | "
+                     f"{c['outer_steps'] or '-'} | {c['steps']} | "
+                     f"{', '.join(map(str, c['seeds']))} |")
+    along = [c for c in table if c["rung"] == top and c["gap_along"]]
+    if along:
+        fractions = [f for f, _ in along[0]["gap_along"]]
+        lines += ["", f"The gap along the run at {top:g} tokens per parameter (held-out, "
+                  "mean over seeds), by the fraction of the run done:", "",
+                  "| M | outer optimizer | " + " | ".join(f"{f:.0%}" for f in fractions)
+                  + " |", "|---|---|" + "---|" * len(fractions)]
+        for c in along:
+            g = dict(c["gap_along"])
+            lines.append(f"| {c['workers']} | {c['outer']} | " + " | ".join(
+                f"{g[f]:+.1f} %" if f in g else "-" for f in fractions) + " |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], opts, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    dp = best_dp(rows, opts.tune_rung)
+    best = {m: best_outer_lr(rows, opts.tune_rung, m, dp) for m in (1, 2, 4)}
+    table = cells(rows, dp, best)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
+    colors = {1: "tab:green", 2: "tab:blue", 4: "tab:red"}
+    for m in (1, 2, 4):
+        for plain in (False, True):
+            cs = [c for c in table if c["workers"] == m and c["gap"] is not None and
+                  (c["outer"] == "plain") == plain]
+            if cs:
+                left.plot([c["rung"] for c in cs], [c["gap"] for c in cs], marker="o",
+                          ls="--" if plain else "-", color=colors[m],
+                          label=f"M={m}, {cs[0]['outer']}")
+        left.scatter([max(opts.rungs)], [TARGETS[m]], marker="_", s=300, color=colors[m])
+    left.axhline(0, color="k", lw=0.8)
+    left.set_xscale("log", base=2)
+    left.set_xlabel("tokens per parameter")
+    left.set_ylabel("held-out loss over data parallel's (%)")
+    left.set_title("gap to data parallel (bars: the targets)", fontsize=9)
+    left.legend(fontsize=7)
+    left.grid(alpha=0.3)
+    top = [r for r in rows if r["rung"] == max(opts.rungs) and r["seed"] == 1 and
+           (r["lr"], r["batch"]) == dp and (r["workers"] == 0 or r["outer_lr"] is None or
+                                             r["outer_lr"] == best.get(r["workers"]))]
+    for r in sorted(top, key=lambda r: (r["workers"], r["outer_lr"] is None)):
+        it, loss = zip(*r["held_out"])
+        right.plot([i * dp[1] * SEQ / 1e6 for i in it], loss, marker=".",
+                   color=colors.get(r["workers"], "k"),
+                   ls="--" if r["workers"] and r["outer_lr"] is None else "-",
+                   label=f"{r['method']} ({_held_out(r):.3f})")
+    right.set_xlabel("tokens (millions, all workers)")
+    right.set_ylabel("held-out loss")
+    right.set_title(f"{max(opts.rungs):g} tokens per parameter, seed 1", fontsize=9)
+    right.legend(fontsize=7)
+    right.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=72)
+    plt.close(fig)
+
+
+def report(opts, results: Path, meta: dict) -> str:
+    rows = recorded_rows(results / "records")
+    if not rows:
+        raise SystemExit(f"no finished runs in {results / 'records'}")
+    dp = best_dp(rows, opts.tune_rung)
+    best = {m: best_outer_lr(rows, opts.tune_rung, m, dp) for m in (1, 2, 4)}
+    (results / "protocol.json").write_text(json.dumps(
+        {"command": " ".join([Path(sys.executable).name, *sys.argv]), "common_flags": COMMON,
+         "parameters": parameters(), "corpus": meta,
+         "held": {"lr": dp and dp[0], "batch": dp and dp[1], "outer_lr": best},
+         "cells": cells(rows, dp, best) if dp else [],
+         "runs": [{k: v for k, v in r.items()} for r in rows]}, indent=1))
+    text = tables(rows, opts)
+    (results / "protocol.md").write_text(text + "\n")
+    if dp:
+        plot(rows, opts, results / "protocol.png")
+    return text
