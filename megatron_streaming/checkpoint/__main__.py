@@ -123,8 +123,8 @@ def _export_megatron(args) -> None:
     directory = export(args.checkpoint, args.out, args.params, args.worker, dtype)
     print(f"wrote a Megatron-LM torch_dist checkpoint ({args.params} parameters"
           f"{'' if args.params == 'global' else f' of worker {args.worker or 0}'}) to "
-          f"{directory}; Megatron-LM loads it with --load {args.out} --no-load-optim "
-          "--no-load-rng (or --finetune)")
+          f"{directory}; Megatron-LM loads it with --load {args.out} and the model's flags "
+          "(or --use-checkpoint-args); a weights-only save: no optimizer or RNG state is read")
 
 
 def main(argv=None) -> int:

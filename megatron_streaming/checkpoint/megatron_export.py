@@ -5,12 +5,17 @@ The global parameters (or one worker's local ones) are read whole, by global nam
 (``offline.parameters``), copied by name into a megatron-core ``GPTModel`` built at TP=1 /
 PP=1 in a one-process gloo group, and saved with ``dist_checkpointing.save`` of the model's
 ``sharded_state_dict()``: the keys and the layout are megatron-core's own, so Megatron-LM
-loads them under any TP / PP. Beside them, ``common.pt`` holds what Megatron-LM's loader
-reads: ``args`` (an ``argparse.Namespace`` of the architecture flags it checks and
-``--use-checkpoint-args`` takes), ``checkpoint_version`` 3.0 and ``iteration``; the tracker
-file names the iteration (``release`` for iteration 0, which Megatron-LM's tracker cannot
-hold). No optimizer, RNG or scheduler state is written: Megatron-LM loads it with
-``--no-load-optim --no-load-rng`` (or ``--finetune``).
+loads them under any TP / PP; the layers are keyed in the form megatron-core gives the
+``--moe-layer-freq`` of the model as Megatron-LM parses it (stacked for its default 1, each
+layer apart for any other int or a list: ``megatron_lm.sharded_model_state``). Beside them,
+``common.pt`` holds what Megatron-LM's loader reads: ``args`` (an ``argparse.Namespace`` of
+the flags as Megatron-LM's own parser and save leave them for that model: what
+``check_checkpoint_args`` compares and ``--use-checkpoint-args`` takes), ``checkpoint_version``
+3.0, ``iteration`` and the ``content_metadata`` of Megatron-LM's save; the tracker file names
+the iteration (``release`` for iteration 0, which Megatron-LM's tracker cannot hold). No
+optimizer, RNG or scheduler state is written, and ``args`` say so as Megatron-LM's own
+weights-only save does (``no_save_optim``, ``no_save_rng``): a plain ``--load`` of it skips
+them without ``--no-load-optim --no-load-rng`` or ``--finetune``.
 """
 
 from __future__ import annotations
@@ -22,18 +27,38 @@ from typing import Dict, Optional
 
 import torch
 
-from .megatron_lm import CHECKPOINT_VERSION, RELEASE
+from .megatron_lm import CHECKPOINT_VERSION, RELEASE, sharded_model_state
 from .resume import CheckpointError
 from .store import TRACKER, atomic_write
 
 
+# Megatron-LM's NullTokenizer: ``--vocab-size V`` gives V ids and an end-of-document one.
+NULL_TOKENIZER = "NullTokenizer"
+
+
+def megatron_tokenizer(tokenizer: Optional[dict], vocab_size: int) -> dict:
+    """Megatron-LM's tokenizer flags for ours: its ``--tokenizer-type`` (ours, or the type
+    ours resolved to without one; NullTokenizer for ``--mock-data`` ids, whose ``--vocab-size
+    V`` makes the same V + 1 tokens) and ``--vocab-size`` as its parser keeps the flag
+    (NullTokenizer's V; None for the tokenizers whose size their files give)."""
+    from ..data.tokenizers import TokenizerSpec
+
+    t = {k: v for k, v in (tokenizer or {}).items() if k in TokenizerSpec.__dataclass_fields__}
+    named = t.get("tokenizer_type") or t.get("tokenizer_model") or \
+        (t.get("vocab_file") and t.get("merge_file"))
+    kind = TokenizerSpec(**t).kind if named else NULL_TOKENIZER
+    return {"tokenizer_type": kind, "tokenizer_model": t.get("tokenizer_model"),
+            "vocab_file": t.get("vocab_file"), "merge_file": t.get("merge_file"),
+            "vocab_size": vocab_size - 1 if kind == NULL_TOKENIZER else None}
+
+
 def megatron_args(model_cfg, vocab_size: int, padded_vocab: int, iteration: int,
                   consumed_samples: int, tokenizer: Optional[dict] = None) -> argparse.Namespace:
-    """Megatron-LM's ``args`` for the model of ``model_cfg``: its flag names, its derived
-    values (ffn size, head dimension, padded vocabulary), at TP=1 / PP=1."""
+    """Megatron-LM's ``args`` for the model of ``model_cfg`` and a weights-only save, as its
+    parser, its ``validate_args`` and its save leave them: its flag names and types
+    (``moe_layer_freq`` an int or a list), its derived values (ffn size, head dimension,
+    padded vocabulary), at TP=1 / PP=1. ``vocab_size`` is our tokenizer's size."""
     m = model_cfg
-    rope = m.position_embedding_type == "rope"
-    tokenizer = tokenizer or {}
     return argparse.Namespace(
         num_layers=m.num_layers, hidden_size=m.hidden_size,
         num_attention_heads=m.num_attention_heads, ffn_hidden_size=m.ffn_size(),
@@ -42,8 +67,12 @@ def megatron_args(model_cfg, vocab_size: int, padded_vocab: int, iteration: int,
         num_query_groups=m.query_groups(), seq_length=m.seq_length,
         max_position_embeddings=m.max_position_embeddings or m.seq_length,
         position_embedding_type=m.position_embedding_type,
-        add_position_embedding=m.position_embedding_type == "learned_absolute",
-        use_rotary_position_embeddings=rope, rotary_base=m.rotary_base,
+        # Megatron-LM's defaults whatever the position type: --position-embedding-type is
+        # the flag; --no-position-embedding (False here) and --use-rotary-position-embeddings
+        # (True here) are its deprecated spellings, and check_checkpoint_args compares the
+        # first with the loading run's (True unless it passes the deprecated flag).
+        add_position_embedding=True, use_rotary_position_embeddings=False,
+        rotary_base=m.rotary_base,
         rotary_percent=m.rotary_percent, rotary_interleaved=False,
         use_rope_scaling=m.use_rope_scaling, rope_scaling_factor=m.rope_scaling_factor,
         normalization=m.normalization, norm_epsilon=m.norm_epsilon,
@@ -53,19 +82,41 @@ def megatron_args(model_cfg, vocab_size: int, padded_vocab: int, iteration: int,
         qk_layernorm=False, hidden_dropout=m.hidden_dropout,
         attention_dropout=m.attention_dropout, init_method_std=m.init_method_std,
         make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
-        padded_vocab_size=padded_vocab, vocab_size=vocab_size,
-        tokenizer_type=tokenizer.get("tokenizer_type"),
-        tokenizer_model=tokenizer.get("tokenizer_model"),
+        padded_vocab_size=padded_vocab, **megatron_tokenizer(tokenizer, vocab_size),
         num_experts=m.num_experts if m.moe else None,
-        moe_layer_freq=m.moe_layer_freq if m.moe else 1,
+        moe_layer_freq=_layer_freq(m),
         moe_ffn_hidden_size=(m.moe_ffn_hidden_size or m.ffn_size()) if m.moe else None,
         moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size,
-        moe_router_topk=m.moe_router_topk,
+        moe_router_topk=m.moe_router_topk, moe_router_pre_softmax=m.moe_router_pre_softmax,
+        moe_grouped_gemm=m.moe_grouped_gemm,
         tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
         params_dtype=torch.float32, fp16=False, bf16=False,
         use_dist_ckpt=True, ckpt_format="torch_dist", dist_ckpt_format="torch_dist",
-        transformer_impl="local", iteration=iteration,
+        transformer_impl="local", iteration=iteration, data_parallel_random_init=False,
+        # Megatron-LM's weights-only save (--no-save-optim --no-save-rng): its load then
+        # reads neither, with no --no-load-* flag.
+        no_save_optim=True, no_save_rng=True,
         consumed_train_samples=consumed_samples, consumed_valid_samples=0)
+
+
+def _layer_freq(m):
+    """``--moe-layer-freq`` as Megatron-LM's parser leaves it; also for a dense model, whose
+    layers megatron-core keys by it too (Megatron-LM's default 1 where a dense model's flag
+    is not one Megatron-LM would take)."""
+    from .megatron_lm import megatron_layer_freq
+
+    try:
+        return megatron_layer_freq(m.moe_layer_freq, m.num_layers)
+    except ValueError:
+        if m.moe:
+            raise CheckpointError(f"--moe-layer-freq {m.moe_layer_freq!r}: not a layer "
+                                  f"frequency of the model's {m.num_layers} layers") from None
+        return 1
+
+
+# What Megatron-LM's save_checkpoint stores as the checkpoint's content metadata (its
+# _build_sharded_state_dict_metadata without the process group and optimizer entries).
+CONTENT_METADATA = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
 
 
 def _one_process_topology(moe: bool):
@@ -145,11 +196,12 @@ def export(path: str, out: str, params: str = "global", worker: Optional[int] = 
                          meta.get("tokenizer"))
     args.params_dtype, args.bf16, args.fp16 = dtype, dtype == torch.bfloat16, \
         dtype == torch.float16
-    state = {"model": model.sharded_state_dict(), "args": args,
+    state = {"model": sharded_model_state(model, args.moe_layer_freq), "args": args,
              "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
              "num_floating_point_operations_so_far": 0}
     # One writer thread, synchronous: the files are there when it returns.
     dist_checkpointing.save(state, directory,
-                            sharded_strategy=TorchDistSaveShardedStrategy("torch_dist", 1))
+                            sharded_strategy=TorchDistSaveShardedStrategy("torch_dist", 1),
+                            content_metadata=dict(CONTENT_METADATA))
     atomic_write(os.path.join(out, TRACKER), RELEASE if iteration == 0 else str(iteration))
     return directory

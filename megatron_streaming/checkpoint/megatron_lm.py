@@ -17,6 +17,14 @@ would from an initialisation. The optimizer state, the RNG states, the data iter
 learning-rate scheduler of the checkpoint are not read (Megatron-LM's ``--no-load-optim
 --no-load-rng``); the iteration is the checkpoint's, or 0 with ``--finetune``.
 
+megatron-core keys the layers one of two ways, by the TransformerConfig's ``moe_layer_freq``:
+the int 1 (Megatron-LM's default ``--moe-layer-freq``: every dense model, and an MoE model
+with every layer MoE) stacks them (``decoder.layers.<name>``, layer axis in front); any other
+int or a list keys each layer apart (``decoder.layers.<i>.<name>``). The worker's MoE model
+holds a list, so the form is chosen per checkpoint (``sharded_model_state``): the stored
+keys' for a load, the one Megatron-LM's parser gives the ``--moe-layer-freq`` flag
+(``megatron_layer_freq``) for an export.
+
 ``common.pt`` holds Megatron-LM's ``args`` (an ``argparse.Namespace``): it is read with
 ``torch.load(weights_only=True)`` allowing only megatron-core's safe classes, never by
 unpickling code, and torch's ``.metadata`` through the restricted unpickler; the model flags
@@ -28,15 +36,16 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Union
 
 from .resume import CheckpointError
 from .store import RELEASE, TRACKER, is_megatron_lm, iteration_directory, legacy_megatron_lm
 
 __all__ = ["MegatronCheckpoint", "RELEASE", "check_compatible", "is_megatron_lm",
-           "iteration_directory", "load_weights", "model_config_of", "open_checkpoint",
-           "read_common"]
+           "iteration_directory", "load_weights", "megatron_layer_freq", "model_config_of",
+           "open_checkpoint", "read_common", "sharded_model_state", "stacked_layers"]
 
 CHECKPOINT_VERSION = 3.0  # what Megatron-LM's torch_dist saves write
 
@@ -134,6 +143,8 @@ def model_config_of(args: argparse.Namespace):
     elif not get("add_position_embedding", True) and position == "learned_absolute":
         position = "none"
     experts = get("num_experts")
+    # An int, a list (Megatron-LM's parsed flag) or a string (an export of ours before it
+    # wrote Megatron-LM's types): each reads as our flag's text.
     freq = get("moe_layer_freq", 1)
     return ModelConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size,
@@ -202,6 +213,22 @@ def _show(value) -> str:
     return "(absent)" if value is None else str(value)
 
 
+def checkpoint_tokens(args) -> Optional[int]:
+    """The size of the tokenizer a Megatron-LM checkpoint was trained with, where its ``args``
+    say it: NullTokenizer's ``--vocab-size V`` is V ids plus the end-of-document one that
+    Megatron-LM's NullTokenizer adds (V + 1 tokens, ``args.vocab_size`` keeps V); args without
+    a tokenizer type (exports of ours before they wrote one) hold the tokenizer's size. Other
+    tokenizers' ``--vocab-size`` is no size (unused, or TikTokenizer's cap): None, and only
+    the padded size is compared, as Megatron-LM's loader does (the tensors' shapes)."""
+    saved = getattr(args, "vocab_size", None)
+    kind = getattr(args, "tokenizer_type", None)
+    if saved is None:
+        return None
+    if kind in ("NullTokenizer", "NullMultimodalTokenizer"):
+        return saved + 1
+    return saved if kind is None else None
+
+
 def _check_vocabulary(root: str, args, vocab_size: Optional[int]) -> None:
     """The tokenizer's vocabulary is the one the checkpoint's padded vocabulary was made from
     (Megatron-LM pads it to a multiple of --make-vocab-size-divisible-by x its TP size)."""
@@ -210,10 +237,13 @@ def _check_vocabulary(root: str, args, vocab_size: Optional[int]) -> None:
     padded = getattr(args, "padded_vocab_size", None)
     if vocab_size is None or padded is None:
         return
-    saved = getattr(args, "vocab_size", None)
-    if saved is not None and saved != vocab_size:
-        raise CheckpointError(f"--load {root}: the Megatron-LM checkpoint's vocabulary has "
-                              f"{saved} tokens, this run's tokenizer {vocab_size} "
+    tokens = checkpoint_tokens(args)
+    if tokens is not None and tokens != vocab_size:
+        kind = getattr(args, "tokenizer_type", None)
+        how = (f" (--tokenizer-type {kind} --vocab-size {args.vocab_size}: {args.vocab_size} "
+               "ids and the end-of-document one)") if kind else ""
+        raise CheckpointError(f"--load {root}: the Megatron-LM checkpoint's tokenizer has "
+                              f"{tokens} tokens{how}, this run's tokenizer {vocab_size} "
                               "(--tokenizer-type / --tokenizer-model / --vocab-size)")
     multiple = getattr(args, "make_vocab_size_divisible_by", 128) or 1
     tp = getattr(args, "tensor_model_parallel_size", 1) or 1
@@ -223,6 +253,72 @@ def _check_vocabulary(root: str, args, vocab_size: Optional[int]) -> None:
                               f"{multiple} x TP {tp}), which this run's tokenizer of "
                               f"{vocab_size} tokens does not pad to (--tokenizer-type / "
                               "--tokenizer-model / --vocab-size)")
+
+
+# ---- the layers' two key forms ---------------------------------------------------------------
+
+_PER_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+def megatron_layer_freq(freq, num_layers: int) -> Union[int, List[int]]:
+    """``--moe-layer-freq`` as Megatron-LM's parser leaves it in ``args`` (its
+    ``moe_freq_type``): an int for ``N`` (or ``"N"``), the list of 0 / 1 per layer for a list
+    expression (``"([1]*3+[0]*1)"``); an int or a list (a checkpoint's args) is kept. Raises
+    ValueError naming the flag."""
+    from ..config.schema import moe_layer_pattern
+
+    if isinstance(freq, int) and not isinstance(freq, bool):
+        moe_layer_pattern(str(freq), num_layers)  # validated (>= 1)
+        return freq
+    if isinstance(freq, (list, tuple)):
+        freq = str(list(freq))
+    text = str(freq).strip()
+    if "[" in text:
+        return moe_layer_pattern(text, num_layers)
+    moe_layer_pattern(text, num_layers)
+    return int(text)
+
+
+def stacked_layers(keys) -> Optional[bool]:
+    """Whether these sharded keys hold the layers stacked (``decoder.layers.<name>``, the
+    TransformerConfig's ``moe_layer_freq`` the int 1) rather than one key set per layer
+    (``decoder.layers.<i>.<name>``); None when they hold no layer."""
+    layers = [k for k in keys if k.startswith("decoder.layers.")]
+    if not layers:
+        return None
+    return not any(_PER_LAYER.match(k) for k in layers)
+
+
+def sharded_model_state(model, layer_freq) -> dict:
+    """``model.sharded_state_dict()`` keyed as megatron-core keys a model whose
+    TransformerConfig's ``moe_layer_freq`` is ``layer_freq`` (the int 1: layers stacked; any
+    other: each layer apart). The key form is all that field changes once the model is
+    built (megatron-core's ``TransformerBlock.sharded_state_dict`` reads it; the layer specs
+    were made from our pattern), so it is set on the model's configs for this call only."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    configs = {id(c): c for c in (getattr(m, "config", None) for m in model.modules())
+               if isinstance(c, TransformerConfig)}
+    kept = {k: c.moe_layer_freq for k, c in configs.items()}
+    try:
+        for c in configs.values():
+            c.moe_layer_freq = layer_freq
+        return model.sharded_state_dict()
+    finally:
+        for k, c in configs.items():
+            c.moe_layer_freq = kept[k]
+
+
+def _layer_freq_for(model, stacked: Optional[bool]):
+    """The ``moe_layer_freq`` that keys ``model``'s layers as a checkpoint does: the int 1
+    when it stacks them, else the model's own per-layer pattern (a list)."""
+    config = model.config
+    if stacked or stacked is None:
+        return 1
+    freq = config.moe_layer_freq
+    if isinstance(freq, list):
+        return freq
+    return [1 if i % freq == 0 else 0 for i in range(config.num_layers)]
 
 
 # ---- the weights, into this rank's model slice ---------------------------------------------
@@ -248,15 +344,18 @@ def load_weights(model, ckpt: MegatronCheckpoint) -> List[str]:
 
     root, directory = ckpt.root, ckpt.directory
     stored = stored_shapes(directory)
+    stacked = stacked_layers(stored)
     request, rows, notes = {}, {}, []
-    for name, item in model.sharded_state_dict().items():
+    sharded = sharded_model_state(model, _layer_freq_for(model, stacked))
+    for name, item in sharded.items():
         if isinstance(item, ShardedObject):  # _extra_state (Transformer Engine's FP8 meta)
             continue
         key = item.key
         if key not in stored:
             raise CheckpointError(f"--load {root}: the Megatron-LM checkpoint holds no tensor "
                                   f"{key!r}, which this run's model has ({name}); check the "
-                                  "model flags")
+                                  "model flags (--num-experts, --moe-layer-freq, "
+                                  "--disable-bias-linear, ...)")
         if isinstance(item, ShardedTensor) and stored[key] != tuple(item.global_shape):
             request[name] = _whole_rows(root, item, stored[key])
             rows[name] = item
@@ -304,15 +403,26 @@ def _rows_of(item, full, current):
 
 def _check_layers(root: str, stored: Dict[str, tuple], requested: set) -> None:
     """A layer tensor the checkpoint has and this model does not (a bias, a norm it lacks)
-    would be left out silently: refused. Every pipeline stage asks for every layer key (the
-    layers are stacked along one axis); an MoE model's MLP keys differ between stages that
-    hold only dense or only MoE layers, and its expert count was compared already.
-    Optimizer, RNG and other keys that are not the model's are ignored."""
+    would be left out silently: refused. Stacked layers: every pipeline stage asks for every
+    layer key (the layers share one axis); an MoE model's MLP keys differ between stages that
+    hold only dense or only MoE layers, and its expert count was compared already. Layers
+    keyed apart: a stage asks for its own layers' keys, all of them. Optimizer, RNG and
+    other keys that are not the model's are ignored."""
     moe = any(".mlp.experts." in k for k in stored)
-    extra = sorted(k for k in stored if k.startswith("decoder.layers.") and
-                   not k.endswith("_extra_state") and k not in requested and
-                   not (moe and ".mlp." in k))
+    mine = {m.group(1) for m in map(_PER_LAYER.match, requested) if m}
+
+    def unasked(key: str) -> bool:
+        if not key.startswith("decoder.layers.") or key.endswith("_extra_state") or \
+                key in requested:
+            return False
+        layer = _PER_LAYER.match(key)
+        if layer:
+            return layer.group(1) in mine  # another stage's layer: not this rank's to read
+        return not (moe and ".mlp." in key)
+
+    extra = sorted(k for k in stored if unasked(k))
     if extra:
         raise CheckpointError(f"--load {root}: the Megatron-LM checkpoint holds {extra[0]!r}, "
                               "which this run's model has no parameter for; check the model "
-                              "flags (--disable-bias-linear, --num-experts, ...)")
+                              "flags (--disable-bias-linear, --num-experts, --moe-layer-freq, "
+                              "...)")

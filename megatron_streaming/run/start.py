@@ -141,6 +141,9 @@ def resume_source(cfg: Config, layout, vocab_size: int):
         return None, None, None
     if c.save and os.path.abspath(c.load) == os.path.abspath(c.save) and \
             not has_checkpoint(c.load):
+        from ..checkpoint.checkpoint_args import missing_lines
+
+        cfg.warnings.extend(missing_lines(c.load))  # Megatron-LM's words, said once at start
         return None, None, None
     if megatron_lm.is_megatron_lm(c.load):
         if c.save and os.path.abspath(c.load) == os.path.abspath(c.save):
