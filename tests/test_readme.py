@@ -53,11 +53,13 @@ def test_quickstart_trains_two_workers_and_reports(tmp_path):
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
     scalars = events.Tags()["scalars"]
-    for tag in ("train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s",
-                "valid/loss", "test/loss", "streaming/drift", "streaming/skipped_fragments",
+    for tag in ("lm loss", "learning-rate", "grad-norm", "batch-size", "train/tokens_per_s",
+                "lm loss validation", "lm loss test", "streaming/drift",
+                "streaming/skipped_fragments",
                 *(f"streaming/fragment_{p}/{name}" for p in (0, 1) for name in (
                     "outer_grad_norm", "bytes_sent", "bytes_received", "send_to_merge_s",
                     "merge_wait_s", "quant_rel_error", "drift", "skipped"))):
         assert tag in scalars
-    assert [e.step for e in events.Scalars("train/loss")] == list(range(10, 101, 10))
+    # A point with each progress line (--log-interval 10; no --tensorboard-log-interval).
+    assert [e.step for e in events.Scalars("lm loss")] == list(range(10, 101, 10))
     assert (tmp_path / "checkpoints" / "iter_0000100" / "worker0" / "metadata.json").is_file()

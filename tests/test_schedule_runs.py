@@ -8,6 +8,7 @@ import json
 import pytest
 
 from harness import REPO, TINY, read_jsonl, run
+from megatron_streaming.run.metrics import is_old_name
 from megatron_streaming.cli.arguments import parse_args, validate
 from seams import lr_at
 
@@ -17,6 +18,15 @@ RAMP = [*TINY, "--diloco-workers", "2", "--global-batch-size", "8", "--rampup-ba
         "--lr-warmup-samples", "4", "--eval-iters", "1",
         "--decoupled-lr", "3e-3", "--decoupled-min-lr", "2e-4"]
 BATCHES = [2, 2, 4, 6, 8, 8, 8, 8]
+
+
+def tensorboard_scalars(log_dir) -> dict:
+    from tensorboard.backend.event_processing.event_accumulator import (SCALARS,
+                                                                        EventAccumulator)
+
+    acc = EventAccumulator(str(log_dir), size_guidance={SCALARS: 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()[SCALARS]}
 
 
 def _train_records(path):
@@ -30,7 +40,8 @@ def test_rampup_in_two_workers_resumes_mid_ramp_exactly(tmp_path):
                   "FAKE_WANDB_LOG": str(wandb_calls)}
     run(2, [*RAMP, "--save", str(ckpt), "--save-interval", "3", "--log-jsonl",
             str(tmp_path / "full.jsonl"), "--summary-json", str(tmp_path / "full.json"),
-            "--wandb-project", "ramp", "--wandb-exp-name", "full"], extra_env=fake_wandb)
+            "--wandb-project", "ramp", "--wandb-exp-name", "full",
+            "--tensorboard-dir", str(tmp_path / "tb")], extra_env=fake_wandb)
     full = _train_records(tmp_path / "full.jsonl")
     assert [r["iteration"] for r in full] == list(range(1, 9))
     assert [r["train/global_batch_size"] for r in full] == BATCHES
@@ -43,12 +54,23 @@ def test_rampup_in_two_workers_resumes_mid_ramp_exactly(tmp_path):
     assert [r["train/lr"] for r in full] == [lr_at(i, cfg) for i in range(8)]
     assert [r["train/decoupled_lr"] for r in full] == [
         lr_at(i, cfg, max_lr=3e-3, min_lr=2e-4) for i in range(8)]
-    # The same scalars reached W&B, step by step.
+    # The same scalars reached W&B, step by step, under Megatron-LM's names (the JSON lines'
+    # old names aside), and TensorBoard has the same keys.
     logged = [c for c in read_jsonl(wandb_calls) if c["call"] == "log"]
-    train_logged = [c for c in logged if "train/loss" in c["data"]]
+    train_logged = [c for c in logged if "lm loss" in c["data"]]
     assert [c["step"] for c in train_logged] == list(range(1, 9))
     assert [c["data"] for c in train_logged] == [
-        {k: v for k, v in r.items() if k != "iteration" and v is not None} for r in full]
+        {k: v for k, v in r.items() if k != "iteration" and v is not None
+         and not is_old_name(k)} for r in full]
+    assert [c["data"]["lm loss"] for c in train_logged] == [r["train/loss"] for r in full]
+    assert [c["data"]["batch-size"] for c in train_logged] == BATCHES
+    assert [c["data"]["learning-rate"] for c in train_logged] == [r["train/lr"] for r in full]
+    assert [c["data"]["samples vs steps"] for c in train_logged] == [2 * c for c in consumed]
+    tags = tensorboard_scalars(tmp_path / "tb")
+    wandb_keys = {k for c in logged for k in c["data"]} - {"samples vs steps"}
+    assert {t for t in tags if not t.endswith(" vs samples")} == wandb_keys
+    assert [v for _, v in tags["batch-size"]] == BATCHES
+    assert tags["batch-size vs samples"] == [(2 * c, b) for c, b in zip(consumed, BATCHES)]
 
     # Resume from iteration 3 (mid-ramp): make that checkpoint the latest again.
     (ckpt / "latest_checkpointed_iteration.txt").write_text("3\n")

@@ -529,16 +529,22 @@ def test_wandb_writer_logs_the_same_scalars(tmp_path, monkeypatch):
     cfg = parse_args([*MOCK, "--wandb-project", "proj", "--wandb-exp-name", "run1", "--save",
                       str(tmp_path / "ckpt"), "--log-jsonl", str(tmp_path / "log.jsonl")])
     writer = make_writer(cfg.logging, True, cfg)
-    writer.scalars(3, {"train/loss": 2.5, "train/grad_norm": None})
+    writer.scalars(3, {"lm loss": 2.5, "grad-norm": None}, samples=24,
+                   legacy={"train/loss": 2.5})
+    writer.scalars(3, {}, legacy={"timers/optimizer-time": 1.0})  # nothing for W&B
     writer.close()
     calls = [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
     assert [c["call"] for c in calls] == ["init", "log", "finish"]
     assert (calls[0]["project"], calls[0]["name"], calls[0]["dir"]) == \
         ("proj", "run1", str(tmp_path / "ckpt" / "wandb"))  # Megatron's default: --save/wandb
     assert "training" in calls[0]["config_keys"]
-    assert calls[1] == {"call": "log", "data": {"train/loss": 2.5}, "step": 3}
-    assert json.loads((tmp_path / "log.jsonl").read_text()) == \
-        {"iteration": 3, "train/loss": 2.5, "train/grad_norm": None}
+    # Megatron-LM's keys, and its "samples vs steps"; the old names stay out of W&B.
+    assert calls[1] == {"call": "log", "data": {"lm loss": 2.5, "samples vs steps": 24},
+                        "step": 3}
+    assert [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()] \
+        == [{"iteration": 3, "lm loss": 2.5, "grad-norm": None, "train/loss": 2.5,
+             "samples vs steps": 24},
+            {"iteration": 3, "timers/optimizer-time": 1.0}]
     assert not make_writer(cfg.logging, False, cfg)._writers  # only the logging rank writes
 
 
@@ -549,7 +555,8 @@ def test_wandb_missing_is_one_line_and_no_crash(tmp_path, monkeypatch, caplog):
     cfg = parse_args([*MOCK, "--wandb-project", "proj", "--wandb-exp-name", "run1"])
     with caplog.at_level(logging.INFO, logger="megatron_streaming"):
         writer = make_writer(cfg.logging, True, cfg)
-        writer.scalars(1, {"train/loss": 1.0})
+        writer.scalars(1, {"lm loss": 1.0})
         writer.close()
     assert [r.getMessage() for r in caplog.records] == [
-        "--wandb-project proj: wandb is not installed; not logging to W&B (pip install wandb)"]
+        "--wandb-project proj: wandb is not installed, so nothing goes to W&B; install it "
+        "with: .venv/bin/pip install wandb==0.31.0"]

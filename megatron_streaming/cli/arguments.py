@@ -241,6 +241,9 @@ def validate(cfg: Config, world_size: int) -> None:
     _require(o.lr_warmup_iters >= 0, f"--lr-warmup-iters must be >= 0, got {o.lr_warmup_iters}")
     _require(cfg.logging.log_interval > 0,
              f"--log-interval must be > 0, got {cfg.logging.log_interval}")
+    interval = cfg.logging.tensorboard_log_interval
+    _require(interval is None or interval > 0,
+             f"--tensorboard-log-interval must be > 0, got {interval}")
     _require(not cfg.logging.wandb_project or cfg.logging.wandb_exp_name,
              f"--wandb-project {cfg.logging.wandb_project} needs --wandb-exp-name (the run's "
              "name, as in Megatron-LM)")

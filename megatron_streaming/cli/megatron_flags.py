@@ -148,6 +148,15 @@ def _without_load(flag: str, what: str) -> Callable:
     return act
 
 
+def _checkpoint_flag(name: str) -> Callable:
+    """Megatron-LM's checkpoint flags that act at parse time (``checkpoint.checkpoint_args``)."""
+    def act(cfg, value, given):
+        from ..checkpoint import checkpoint_args
+
+        getattr(checkpoint_args, name)(cfg, value, given)
+    return act
+
+
 def _no_dropping(cfg, value, given):
     cfg.model.moe_expert_capacity_factor = None
 
@@ -171,7 +180,8 @@ def deepspeed_moe_defaults(cfg, given: set) -> List[str]:
 
 
 _FUSION = "a CUDA kernel-fusion switch: the math is the same fused or not"
-_LOG_ALWAYS = "TensorBoard always gets this here (see docs/running.md, Monitoring)"
+_LOG_ALWAYS = ("written at every point, as by Megatron-LM core_v0.16 (which has dropped the "
+               "flag)")
 _NO_EFFECT_LOG = "a logging option of a report this project does not make; no effect"
 _FLASH = ("--attention-backend flash on every device: torch's fused scaled_dot_product_attention "
           "on the local layers, Transformer Engine's flash kernel on its own")
@@ -211,19 +221,16 @@ FLAGS: List[ForeignFlag] = [
     ForeignFlag("--empty-unused-memory-level", ACCEPTED,
                 "empties the CUDA caching allocator; no effect on CPU, no math", ONE),
     # --- logging ---------------------------------------------------------------------------
+    # (--tensorboard-log-interval, --log-timers-to-tensorboard, --log-throughput,
+    # --log-params-norm, --log-memory-to-tensorboard, --log-world-size-to-tensorboard,
+    # --log-validation-ppl-to-tensorboard, --[no-]log-loss-scale-to-tensorboard are ours:
+    # config.LoggingConfig.)
     *[ForeignFlag(flag, ACCEPTED, _LOG_ALWAYS) for flag in (
-        "--log-throughput", "--log-learning-rate-to-tensorboard",
-        "--log-loss-scale-to-tensorboard")],
-    ForeignFlag("--log-timers-to-tensorboard", ACCEPTED,
-                "the timers go to TensorBoard (timers/<name>-time) whenever --timing-log-level "
-                "is 1 or 2"),
+        "--log-learning-rate-to-tensorboard", "--log-batch-size-to-tensorboard")],
     *[ForeignFlag(flag, ACCEPTED, _NO_EFFECT_LOG) for flag in (
-        "--log-batch-size-to-tensorboard", "--log-validation-ppl-to-tensorboard",
-        "--log-memory-to-tensorboard", "--log-world-size-to-tensorboard",
-        "--log-params-norm", "--log-num-zeros-in-grad", "--log-optimizer-states-to-tensorboard",
-        "--log-progress")],
-    *[ForeignFlag(flag, ACCEPTED, _NO_EFFECT_LOG, ONE) for flag in (
-        "--tensorboard-queue-size", "--tensorboard-log-interval")],
+        "--log-num-zeros-in-grad", "--log-optimizer-states-to-tensorboard", "--log-progress")],
+    ForeignFlag("--tensorboard-queue-size", ACCEPTED,
+                "every point is flushed to the event file as it is written", ONE),
     # --- our equivalent --------------------------------------------------------------------
     ForeignFlag("--use-distributed-optimizer", MAPPED,
                 "ZeRO stage 1 (--zero-stage 1) over the worker's data-parallel ranks",
@@ -297,6 +304,14 @@ FLAGS: List[ForeignFlag] = [
                   _without_load(flag, what))
       for flag, what in (("--no-load-optim", "optimizer and outer state"),
                          ("--no-load-rng", "random-number generators' state"))],
+    ForeignFlag("--use-checkpoint-args", MAPPED,
+                "the model flags (and the tokenizer) of --load's checkpoint, Megatron-LM's or "
+                "ours, as Megatron-LM takes them: a shape flag the launch leaves out, every "
+                "other model flag always", SWITCH, _checkpoint_flag("use_checkpoint_args")),
+    ForeignFlag("--exit-on-missing-checkpoint", ACCEPTED,
+                "a --load with no checkpoint stops the launch with Megatron-LM's message "
+                "(exit status 0) instead of starting from random", SWITCH,
+                _checkpoint_flag("exit_on_missing")),
     # --- Megatron-DeepSpeed's DeepSpeed-MoE flags ---------------------------------------------
     ForeignFlag("--mlp-type", ACCEPTED,
                 "standard: the MoE layer replaces the MLP; residual (PR-MoE) is refused", ONE,

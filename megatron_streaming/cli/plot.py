@@ -5,7 +5,8 @@
 
 Reads what ``pretrain_gpt.py --tensorboard-dir`` wrote (the directory itself, or one that holds
 it somewhere below), with TensorBoard's own reader, so the picture shows exactly what
-TensorBoard would. Left: ``train/loss`` (line) and ``valid/loss`` (dots) against
+TensorBoard would. Left: ``lm loss`` (line) and ``lm loss validation`` (dots), Megatron-LM's
+names (``train/loss`` and ``valid/loss`` in event files written before), against
 ``train/tokens``. Right, on a log axis: ``streaming/cross_worker_bytes`` (the transport's own
 count) for a run with the sync on, else ``traffic/data_parallel_bytes`` (the ring all-reduce
 volume a data-parallel run's gradients would need, ``megatron_streaming.comm.traffic``); the legend
@@ -29,6 +30,9 @@ EVENT_FILE_PREFIX = "events.out.tfevents."
 TRAFFIC_TAGS = {"streaming/cross_worker_bytes": "measured, streaming sync",
                 "traffic/data_parallel_bytes": "computed, data-parallel ring all-reduce"}
 Series = List[Tuple[int, float]]  # (step, value), by step
+# Megatron-LM's name, then the one runs wrote before they took it.
+TRAIN_LOSS_TAGS = ("lm loss", "train/loss")
+VALID_LOSS_TAGS = ("lm loss validation", "valid/loss")
 
 
 @dataclass
@@ -73,7 +77,10 @@ def load_run(run_dir: str, label: Optional[str] = None) -> RunCurves:
     event_dir = event_directory(run_dir)
     scalars = read_scalars(event_dir)
     traffic_tag = next((t for t in TRAFFIC_TAGS if t in scalars), None)
-    missing = [t for t in ("train/loss", "train/tokens") if t not in scalars]
+    train_tag = next((t for t in TRAIN_LOSS_TAGS if t in scalars), None)
+    valid_tag = next((t for t in VALID_LOSS_TAGS if t in scalars), None)
+    missing = [] if train_tag else [" or ".join(TRAIN_LOSS_TAGS)]
+    missing += [t for t in ("train/tokens",) if t not in scalars]
     if traffic_tag is None:
         missing.append(" or ".join(TRAFFIC_TAGS))
     if missing:
@@ -81,7 +88,7 @@ def load_run(run_dir: str, label: Optional[str] = None) -> RunCurves:
                          f"{', '.join(missing)} (written by pretrain_gpt.py with the sync on, "
                          "or with one worker of several data-parallel ranks)")
     name = label or os.path.basename(os.path.normpath(os.path.abspath(run_dir)))
-    return RunCurves(name, scalars["train/loss"], scalars.get("valid/loss", []),
+    return RunCurves(name, scalars[train_tag], scalars.get(valid_tag, []),
                      scalars["train/tokens"], scalars[traffic_tag], traffic_tag)
 
 

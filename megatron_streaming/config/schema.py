@@ -519,11 +519,40 @@ class LoggingConfig:
     timing_log_level: int = arg(
         0, "Per-phase step timers (Megatron's): 1 = forward-backward and optimizer, 2 = also "
         "the Streaming DiLoCo hook inside the optimizer step; 0 = none. Reported per "
-        "iteration under each progress line and to TensorBoard (timers/<name>-time).",
+        "iteration under each progress line; to TensorBoard and W&B (<name>-time, seconds) "
+        "with --log-timers-to-tensorboard.",
         choices=[0, 1, 2])
     timing_log_option: str = arg(
         "minmax", "How timers are reported over the worker's ranks: max, minmax or all.",
         choices=["max", "minmax", "all"])
+    # Megatron-LM's logging flags (its LoggerConfig: names, defaults and meanings). The
+    # scalars go to TensorBoard, W&B and --log-jsonl alike (run.report).
+    tensorboard_log_interval: Optional[int] = arg(
+        None, "Write the training scalars (lm loss, learning-rate, ...) every this many "
+        "iterations (default: with each progress line, --log-interval, and the last "
+        "iteration; Megatron-LM's default is 1); timers, iteration-time and throughput "
+        "follow --log-interval.")
+    log_timers_to_tensorboard: bool = arg(
+        False, "Write iteration-time (and, with --log-throughput, throughput) at every "
+        "--log-interval, and the --timing-log-level timers as <name>-time.")
+    log_loss_scale_to_tensorboard: bool = arg(
+        True, "Write loss-scale (1 without --fp16's dynamic scaling).")
+    log_validation_ppl_to_tensorboard: bool = arg(
+        False, "Also write the validation perplexity, lm loss validation ppl = exp(min(20, "
+        "loss)).")
+    log_memory_to_tensorboard: bool = arg(
+        False, "Write the logging rank's CUDA allocator statistics (mem-reserved-bytes, "
+        "mem-allocated-bytes, mem-max-allocated-bytes, mem-allocated-count); on a CPU run "
+        "its resident memory instead (memory/rss-bytes, memory/max-rss-bytes).")
+    log_world_size_to_tensorboard: bool = arg(
+        False, "Write world-size: the ranks of the whole job, every worker's.")
+    log_params_norm: bool = arg(
+        False, "Compute the L2 norm of the model's parameters at every point and write it "
+        "(params-norm; each parameter counted once across tensor and pipeline ranks).")
+    log_throughput: bool = arg(
+        False, "Print the throughput per GPU (TFLOP/s/GPU, Megatron-LM's count of a GPT's "
+        "floating-point operations) and, with --log-timers-to-tensorboard, write it "
+        "(throughput).")
 
 
 @dataclass

@@ -16,29 +16,61 @@ from typing import Callable, Dict, Optional
 log = logging.getLogger("megatron_streaming")
 
 
-class ScalarWriter:
-    """Interface: scalars by name and step. The base class drops them."""
+# Megatron-LM's scalars that it also writes against the consumed training samples
+# ("<name> vs samples", TensorBoard only: W&B gets "samples vs steps" instead).
+VS_SAMPLES = frozenset((
+    "lm loss", "learning-rate", "batch-size", "loss-scale", "world-size", "grad-norm",
+    "num-zeros", "params-norm", "lm loss validation", "lm loss validation ppl"))
+SAMPLES_VS_STEPS = "samples vs steps"
+# The names written before Megatron-LM's, and the Megatron-LM name each became: the JSON
+# lines keep them beside the new ones for one release (TensorBoard and W&B have the new only).
+# train/step_seconds (the last step's time) has no twin: iteration-time is the mean over the
+# --log-interval, with --log-timers-to-tensorboard; timers/<name>-time was in ms, <name>-time
+# is in seconds, also with --log-timers-to-tensorboard only.
+OLD_NAMES = {"train/loss": "lm loss", "train/lr": "learning-rate",
+             "train/grad_norm": "grad-norm", "train/global_batch_size": "batch-size",
+             "train/loss_scale": "loss-scale", "valid/loss": "lm loss validation",
+             "test/loss": "lm loss test", "train/step_seconds": None}
 
-    def scalars(self, step: int, values: Dict[str, float]) -> None:
+
+def is_old_name(key: str) -> bool:
+    return key in OLD_NAMES or key.startswith("timers/")
+
+
+class ScalarWriter:
+    """Interface: one point of scalars by name at ``step`` (the iteration). ``samples``: the
+    training samples consumed by then (Megatron's second axis); ``legacy``: the names this
+    project wrote before it took Megatron-LM's, for the JSON lines only (one release). The
+    base class drops them."""
+
+    def scalars(self, step: int, values: Dict[str, float], samples: Optional[int] = None,
+                legacy: Optional[Dict[str, float]] = None) -> None:
         pass
 
     def close(self) -> None:
         pass
 
 
+def _present(values: Dict[str, float]) -> Dict[str, float]:
+    return {k: v for k, v in values.items() if v is not None}
+
+
 class TensorBoardWriter(ScalarWriter):
     """Scalars as TensorBoard stores them: float32, so cumulative byte counts past 2^24 keep
-    only their leading 24 bits; --log-jsonl and --summary-json keep them exact."""
+    only their leading 24 bits; --log-jsonl and --summary-json keep them exact. Megatron's
+    training and validation scalars also go against the consumed samples (``VS_SAMPLES``)."""
 
     def __init__(self, log_dir: str):
         from torch.utils.tensorboard import SummaryWriter
 
         self._writer = SummaryWriter(log_dir=log_dir)
 
-    def scalars(self, step: int, values: Dict[str, float]) -> None:
-        for name, value in values.items():
-            if value is not None:
-                self._writer.add_scalar(name, value, step)
+    def scalars(self, step: int, values: Dict[str, float], samples: Optional[int] = None,
+                legacy: Optional[Dict[str, float]] = None) -> None:
+        for name, value in _present(values).items():
+            self._writer.add_scalar(name, value, step)
+            if samples is not None and name in VS_SAMPLES:
+                self._writer.add_scalar(f"{name} vs samples", value, samples)
         self._writer.flush()
 
     def close(self) -> None:
@@ -46,14 +78,19 @@ class TensorBoardWriter(ScalarWriter):
 
 
 class JsonLinesWriter(ScalarWriter):
-    """One JSON object per call: machine-readable progress for scripts and tests."""
+    """One JSON object per point: machine-readable progress for scripts and tests. The keys
+    are W&B's, plus the names written before Megatron-LM's (``legacy``) for one release."""
 
     def __init__(self, path: str):
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         self._file = open(path, "a")
 
-    def scalars(self, step: int, values: Dict[str, float]) -> None:
-        self._file.write(json.dumps({"iteration": step, **values}) + "\n")
+    def scalars(self, step: int, values: Dict[str, float], samples: Optional[int] = None,
+                legacy: Optional[Dict[str, float]] = None) -> None:
+        line = {"iteration": step, **values, **(legacy or {})}
+        if samples is not None:
+            line[SAMPLES_VS_STEPS] = samples
+        self._file.write(json.dumps(line) + "\n")
         self._file.flush()
 
     def close(self) -> None:
@@ -74,19 +111,30 @@ class WandbWriter(ScalarWriter):
             options["dir"] = save_dir
         self._run = wandb.init(**options)
 
-    def scalars(self, step: int, values: Dict[str, float]) -> None:
-        self._run.log({k: v for k, v in values.items() if v is not None}, step=step)
+    def scalars(self, step: int, values: Dict[str, float], samples: Optional[int] = None,
+                legacy: Optional[Dict[str, float]] = None) -> None:
+        point = _present(values)
+        if not point:
+            return
+        if samples is not None:
+            point[SAMPLES_VS_STEPS] = samples
+        self._run.log(point, step=step)
 
     def close(self) -> None:
         self._run.finish()
+
+
+# The W&B release this project was checked against (its stand-in: tests/fake_wandb).
+WANDB_PIN = "wandb==0.31.0"
+WANDB_INSTALL = f".venv/bin/pip install {WANDB_PIN}"
 
 
 def _wandb_writer(logging_cfg, cfg) -> Optional[ScalarWriter]:
     try:
         import wandb
     except ImportError:
-        log.warning("--wandb-project %s: wandb is not installed; not logging to W&B "
-                    "(pip install wandb)", logging_cfg.wandb_project)
+        log.warning("--wandb-project %s: wandb is not installed, so nothing goes to W&B; "
+                    "install it with: %s", logging_cfg.wandb_project, WANDB_INSTALL)
         return None
     save_dir = logging_cfg.wandb_save_dir
     if save_dir is None and cfg is not None and cfg.checkpoint.save:
@@ -98,9 +146,10 @@ class Writers(ScalarWriter):
     def __init__(self, writers):
         self._writers = writers
 
-    def scalars(self, step: int, values: Dict[str, float]) -> None:
+    def scalars(self, step: int, values: Dict[str, float], samples: Optional[int] = None,
+                legacy: Optional[Dict[str, float]] = None) -> None:
         for w in self._writers:
-            w.scalars(step, values)
+            w.scalars(step, values, samples, legacy)
 
     def close(self) -> None:
         for w in self._writers:
@@ -132,13 +181,20 @@ def setup_logging(is_logging_rank: bool) -> None:
 
 class Throughput:
     """Tokens per second over the iterations since the last report; ``tokens_through(i)`` is
-    the tokens trained in iterations ``0 .. i - 1`` (the batch may ramp up)."""
+    the tokens trained in iterations ``0 .. i - 1`` (the batch may ramp up). Also Megatron-LM's
+    ``iteration-time``: the wall time since the last progress line per iteration, without the
+    evaluations in between (``exclude``), as Megatron-LM stops its interval timer for them;
+    like Megatron-LM's, none for the run's first iteration (it carries the start-up), whose
+    time goes into the next interval."""
 
     def __init__(self, tokens_through: Callable[[int], int], start_iteration: int = 0):
         self.tokens_through = tokens_through
         self.start = time.perf_counter()
         self._last_time = self.start
         self._last_iteration = start_iteration
+        self._interval_start, self._interval_iteration = self.start, start_iteration
+        self._excluded = 0.0
+        self.first_iteration = start_iteration + 1
 
     def rate(self, iteration: int) -> float:
         now = time.perf_counter()
@@ -146,6 +202,21 @@ class Throughput:
         elapsed = now - self._last_time
         self._last_time, self._last_iteration = now, iteration
         return done / max(elapsed, 1e-9)
+
+    def exclude(self, seconds: float) -> None:
+        """Time spent outside training steps (an evaluation) since the last interval."""
+        self._excluded += seconds
+
+    def seconds_per_iteration(self, iteration: int) -> Optional[float]:
+        """Wall seconds per iteration since the last call (evaluations excluded); None when
+        no iteration ran since."""
+        if iteration == self.first_iteration:
+            return None
+        now = time.perf_counter()
+        iterations = iteration - self._interval_iteration
+        elapsed = now - self._interval_start - self._excluded
+        self._interval_start, self._interval_iteration, self._excluded = now, iteration, 0.0
+        return max(elapsed, 0.0) / iterations if iterations > 0 else None
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.start

@@ -4,9 +4,37 @@ the summary needs (parameters, bytes across workers, peak memory) and the summar
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 log = logging.getLogger("megatron_streaming")
+
+
+def memory_scalars() -> dict:
+    """--log-memory-to-tensorboard: this rank's CUDA caching allocator, as Megatron-LM writes
+    it (``torch.cuda.memory_stats``: current reserved and allocated bytes, the allocated
+    peak, the live allocations); without CUDA, the process's resident memory (current, from
+    /proc/self/statm, and its peak), under names of our own."""
+    import resource
+
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        stats = torch.cuda.memory_stats()
+        return {"mem-reserved-bytes": stats["reserved_bytes.all.current"],
+                "mem-allocated-bytes": stats["allocated_bytes.all.current"],
+                "mem-max-allocated-bytes": stats["allocated_bytes.all.peak"],
+                "mem-allocated-count": stats["allocation.all.current"]}
+    out = {}
+    try:
+        with open("/proc/self/statm") as f:
+            out["memory/rss-bytes"] = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:  # not Linux: the peak only
+        pass
+    # The kernel updates its high-water mark lazily: never below what was just read.
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    out["memory/max-rss-bytes"] = max(peak, out.get("memory/rss-bytes", 0))
+    return out
 
 
 class RunReport:
@@ -25,19 +53,43 @@ class RunReport:
                 model, m.num_layers, m.num_experts, m.moe_router_topk,
                 counts_tokens=cfg.parallel.sequence_parallel or topology.tp_rank == 0)
 
+    def due(self, iteration: int) -> bool:
+        """Whether ``log_step`` runs after this iteration: a progress line (every
+        --log-interval, and the last iteration) or a point (every --tensorboard-log-interval)."""
+        return self._at_log(iteration) or self._at_point(iteration)
+
+    def _at_log(self, iteration: int) -> bool:
+        return iteration % self.cfg.logging.log_interval == 0 or \
+            iteration == self.cfg.training.train_iters
+
+    def _at_point(self, iteration: int) -> bool:
+        # Not given: with each progress line, so that a step that prints nothing reads
+        # nothing on the host (Megatron-LM's default, 1, reads the loss after every step).
+        interval = self.cfg.logging.tensorboard_log_interval
+        if interval is None:
+            return self._at_log(iteration)
+        return interval > 0 and iteration % interval == 0
+
     def log_step(self, iteration: int, result, throughput, data, writer,
                  step_seconds: float) -> None:
-        """Called on every rank: the sync's scalars and the timers are reduced over the worker
-        first; the logging rank prints the progress line and writes the scalars."""
+        """Called on every rank where ``due``: the sync's scalars, the timers and the
+        parameters' norm are reduced over the worker first; the logging rank prints the
+        progress line (every --log-interval) and writes a point (every
+        --tensorboard-log-interval), under Megatron-LM's names and conditions
+        (``megatron_scalars``) beside this project's own (``streaming/``, ``traffic/``,
+        ``moe/``, ``train/tokens``...)."""
         from ..streaming import report
         from ..worker import timers
         from .metrics import progress_line
 
-        topo = self.topology
+        topo, log_cfg = self.topology, self.cfg.logging
+        at_log, at_point = self._at_log(iteration), self._at_point(iteration)
         scalars = report.worker_scalars(self.sync, topo.groups["worker"],
                                         topo.cross.control_bytes)
-        report.reset_interval_stats(self.sync)
-        times = self.engine.timers.report(topo.groups["worker"])
+        if at_point:  # the per-interval counts cover the iterations since the last point
+            report.reset_interval_stats(self.sync)
+        # Megatron-LM's timers follow --log-interval (its normalizer), not the points.
+        times = self.engine.timers.report(topo.groups["worker"]) if at_log else {}
         if topo.layout.workers == 1:  # also beside one worker's outer optimizer (no bytes)
             step_bytes = self.data_parallel_step_bytes()
             if step_bytes:
@@ -47,9 +99,14 @@ class RunReport:
 
             group = topo.groups["worker"]
             scalars.update(self.expert_load.scalars(group, device_of(group)))
+        params_norm = self.params_norm() if log_cfg.log_params_norm else None
         if not topo.is_logging_rank():
             return
         rate = throughput.rate(iteration)
+        per_iteration = throughput.seconds_per_iteration(iteration) if at_log else None
+        samples = data.samples_through(iteration)
+        step_samples = samples - data.samples_through(iteration - 1)
+        tflops = self.tflops_per_gpu(step_samples, per_iteration) if per_iteration else None
         extra = ""
         if self.sync.enabled:
             extra = (f" | sync bytes {scalars['streaming/worker_bytes_sent']:,.0f} | drift "
@@ -57,26 +114,109 @@ class RunReport:
         for name in ("load_balancing_loss", "seq_load_balancing_loss", "z_loss"):
             if f"moe/{name}" in scalars:  # Megatron-LM's names, mean over the MoE layers
                 extra += f" | {name.replace('_', ' ')} {scalars[f'moe/{name}']:.6f}"
+        legacy = {}
         if result.decoupled_lr is not None:  # as Megatron-LM logged it
             extra += f" | decoupled lr {result.decoupled_lr:.3e}"
             scalars["train/decoupled_lr"] = result.decoupled_lr
         if result.loss_scale is not None:  # --fp16, as Megatron reports it (this worker's)
             skipped = self.engine.skipped_iterations
             extra += f" | loss scale {result.loss_scale:g} | skipped iterations {skipped}"
-            scalars.update({"train/loss_scale": result.loss_scale,
-                            "train/skipped_iterations": skipped})
-        log.info(progress_line(iteration, self.cfg.training.train_iters, result.loss,
-                               result.lr, result.grad_norm, rate, throughput.elapsed(), extra))
+            scalars["train/skipped_iterations"] = skipped
+            legacy["train/loss_scale"] = result.loss_scale
+        if params_norm is not None:
+            extra += f" | params norm {params_norm:.3f}"
+        if tflops is not None and log_cfg.log_throughput:
+            extra += f" | throughput per GPU (TFLOP/s/GPU) {tflops:.1f}"
+        if at_log:
+            log.info(progress_line(iteration, self.cfg.training.train_iters, result.loss,
+                                   result.lr, result.grad_norm, rate, throughput.elapsed(),
+                                   extra))
         if times:
             log.info(timers.format_report(times, self.engine.timers.option))
-            scalars.update(timers.scalars(times))
-        writer.scalars(iteration, {
-            "train/loss": result.loss, "train/lr": result.lr,
-            "train/grad_norm": result.grad_norm, "train/tokens_per_s": rate,
-            "train/step_seconds": step_seconds,
-            "train/tokens": data.tokens_through(iteration),
-            "train/global_batch_size": data.batches.global_batch(iteration - 1),
-            **scalars})
+            legacy.update(timers.scalars(times))  # ms, whatever --log-timers-to-tensorboard
+        point = {}
+        if at_point:
+            point.update(self.megatron_scalars(result, data.batches.global_batch(iteration - 1),
+                                               params_norm))
+            point.update({"train/tokens_per_s": rate,
+                          "train/tokens": data.tokens_through(iteration), **scalars})
+            legacy.update({"train/loss": result.loss, "train/lr": result.lr,
+                           "train/grad_norm": result.grad_norm,
+                           "train/global_batch_size": data.batches.global_batch(iteration - 1),
+                           "train/step_seconds": step_seconds,
+                           "train/tokens_per_s": rate,
+                           "train/tokens": data.tokens_through(iteration)})
+        if at_log and log_cfg.log_timers_to_tensorboard:
+            point["iteration-time"] = per_iteration
+            if log_cfg.log_throughput:
+                point["throughput"] = tflops
+            # Megatron-LM's timers: the worker's maximum, seconds per iteration.
+            point.update({f"{name}-time": max(values) for name, values in times.items()})
+        if point or legacy:
+            writer.scalars(iteration, point, samples=samples if at_point else None,
+                           legacy=legacy)
+
+    def megatron_scalars(self, result, batch_size: int, params_norm) -> dict:
+        """One point's training scalars as Megatron-LM's ``training_log`` names them, under
+        its flags: ``lm loss`` (the step's loss), ``learning-rate``, ``batch-size`` (a
+        worker's global batch, --global-batch-size), ``grad-norm`` (before clipping),
+        ``loss-scale`` (1 without --fp16), ``world-size`` (every worker's ranks),
+        ``params-norm`` and the memory statistics."""
+        log_cfg = self.cfg.logging
+        out = {"lm loss": result.loss, "learning-rate": result.lr, "batch-size": batch_size,
+               "grad-norm": result.grad_norm}
+        if log_cfg.log_loss_scale_to_tensorboard:
+            out["loss-scale"] = result.loss_scale if result.loss_scale is not None else 1.0
+        if log_cfg.log_world_size_to_tensorboard:
+            out["world-size"] = self.topology.layout.world_size
+        if params_norm is not None:
+            out["params-norm"] = params_norm
+        if log_cfg.log_memory_to_tensorboard:
+            out.update(memory_scalars())
+        return out
+
+    def tflops_per_gpu(self, step_samples: int, seconds_per_iteration: float) -> float:
+        """Megatron-LM's ``throughput``: the step's operations (``flops``: every worker's
+        samples) over the iteration time and every rank of the job, in TFLOP/s."""
+        from ..config.shape import padded_vocab_size
+        from .flops import floating_point_operations
+
+        m = self.cfg.model
+        vocab = getattr(self.model, "vocab_size", None) or 0
+        padded = padded_vocab_size(vocab, m.make_vocab_size_divisible_by, self.topology.layout.tp)
+        operations = floating_point_operations(m, padded, step_samples)
+        return operations / (seconds_per_iteration * 1e12 * self.topology.layout.world_size)
+
+    def params_norm(self) -> float:
+        """Megatron-LM's ``params-norm``: the L2 norm of the whole model's parameters, each
+        counted once (collective over TP x PP, and EP for the experts): a tensor-parallel
+        shard on its rank, a replicated one (norms, biases) on TP rank 0, the tied embedding
+        on the first stage only. Under ZeRO (stages 0-2) every data-parallel rank holds the
+        whole model's working parameters (bf16/fp16 with mixed precision, where Megatron-LM
+        reads the fp32 main copy): the norm is of those, the same on every data-parallel
+        rank, so no reduction over them."""
+        import torch
+        import torch.distributed as dist
+
+        from ..parallel.topology import device_of
+        from ..worker.grads import tied_embedding_weight
+        from ..worker.moe import is_expert
+
+        topo = self.topology
+        replica = tied_embedding_weight(self.model, topo)
+        skip = replica if (replica is not None and not topo.is_first_stage) else None
+        group = topo.groups["mp"]
+        device = device_of(group)
+        squares = torch.zeros(2, dtype=torch.float64, device=device)  # [dense, experts]
+        for name, p in self.model.named_parameters():
+            if p is not skip and (getattr(p, "tensor_model_parallel", False) or
+                                  topo.tp_rank == 0):
+                squares[int(is_expert(name))] += \
+                    p.detach().double().pow(2).sum().to(device)
+        if topo.layout.ep > 1:
+            dist.all_reduce(squares[1:], group=topo.groups["ep"])
+        dist.all_reduce(squares, group=group)
+        return float(squares.sum().sqrt().item())
 
     def data_parallel_step_bytes(self) -> int:
         """What one step's gradient all-reduce over the data-parallel ranks moves (ring, fp32):

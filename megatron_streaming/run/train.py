@@ -91,6 +91,7 @@ class Run:
         self.last_valid = (None, None)  # (iteration, loss) of the latest evaluation
         self.last_saved = None  # iteration of the latest checkpoint this run wrote
         self.step_seconds = []
+        self._throughput = None  # made by ``train``: evaluations are taken out of its times
         run_state = self._take_state()
         from ..data.inputs import RunData
         from .metrics import make_writer
@@ -200,12 +201,17 @@ class Run:
         return None if losses[0] is None else sum(losses) / len(losses)
 
     def _report_eval(self, split: str) -> Optional[float]:
+        started = time.perf_counter()
         self.collector.before_eval()
         loss = self.evaluate(split)
         self.collector.after_eval()
+        if self._throughput is not None:  # not in Megatron-LM's iteration-time either
+            self._throughput.exclude(time.perf_counter() - started)
         if loss is not None and self.topology.is_logging_rank():
             log.info("%s loss at iteration %d: %.6f", split, self.iteration, loss)
-            self.writer.scalars(self.iteration, {f"{split}/loss": loss})
+            self.writer.scalars(self.iteration, eval_scalars(split, loss, self.cfg.logging),
+                                samples=self.data.samples_through(self.iteration),
+                                legacy={f"{split}/loss": loss})
         return loss
 
     # ---- training -----------------------------------------------------------------------
@@ -213,7 +219,7 @@ class Run:
         from .metrics import Throughput
 
         cfg, t = self.cfg, self.cfg.training
-        throughput = Throughput(self.data.tokens_through, self.iteration)
+        throughput = self._throughput = Throughput(self.data.tokens_through, self.iteration)
         iterator = self.data.train_iterator(self.iteration)
         # The latest step's report: its loss is read on the host (a wait for the device) at
         # log steps only, and once at the end.
@@ -242,7 +248,7 @@ class Run:
             if self.elastic.stopping:  # too few workers alive: a checkpoint, then out
                 self.stopped_by = "too-few-workers"
                 break
-            if self.iteration % cfg.logging.log_interval == 0 or self.iteration == t.train_iters:
+            if self.report.due(self.iteration):
                 self.report.log_step(self.iteration, result, throughput, self.data,
                                      self.writer, self.step_seconds[-1])
             if t.eval_interval and self.iteration % t.eval_interval == 0:
@@ -421,6 +427,21 @@ class Run:
         return failure
 
 
+def eval_scalars(split: str, loss: float, logging_cfg) -> dict:
+    """An evaluation's scalars as Megatron-LM's ``evaluate_and_print_results`` names them:
+    ``lm loss validation`` and, with --log-validation-ppl-to-tensorboard, ``lm loss
+    validation ppl`` = exp(min(20, loss)). The test split is ``lm loss test`` (Megatron-LM
+    writes its test loss as a second ``lm loss validation`` point at the last iteration,
+    which no dashboard can tell from the validation one)."""
+    import math
+
+    name = "lm loss validation" if split == "valid" else f"lm loss {split}"
+    out = {name: loss}
+    if logging_cfg.log_validation_ppl_to_tensorboard:
+        out[f"{name} ppl"] = math.exp(min(20.0, loss))
+    return out
+
+
 def pretrain(cfg: Config, extensions=()) -> Optional[dict]:
     """Train (unless --skip-train), evaluate, save; returns the summary on the logging rank.
     ``extensions``: see ``Run``.
@@ -475,6 +496,9 @@ def _train_and_report(run: Run) -> Optional[dict]:
     if run.topology.is_logging_rank():
         summary = run.report.summary(run, train_loss, valid_loss, test_loss, peak, sync_bytes,
                                      parameters, control_bytes)
+        if run.sync.enabled:  # the job-wide count, the summary's: one source for both
+            run.writer.scalars(run.iteration,
+                               {"streaming/cross_worker_control_bytes": control_bytes})
         if cfg.logging.summary_json:
             write_summary(cfg.logging.summary_json, summary)
         log.info("done: %s", summary)

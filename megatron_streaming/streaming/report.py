@@ -6,7 +6,8 @@ cross-worker wire (one layout: the same shards; different layouts: lanes of the 
 so traffic totals are the reporting worker's times M; outer-gradient norms and drift are the
 reporting worker's own (with workers of different batches they differ between workers).
 
-Per-fragment bytes count the exchanges merged since the last report;
+Per-fragment bytes count the exchanges merged since the last point (a report at which the
+caller resets them, ``reset_interval_stats``);
 ``streaming/cross_worker_bytes`` is the whole job's cumulative count, for plotting traffic
 against steps: the transport's own, as in the summary's ``cross_worker_bytes``, so an exchange
 counts once it completes, which with overlap may be a step or more before its merge.
@@ -64,8 +65,11 @@ def worker_scalars(sync: StreamingSync, worker_group,
     out["streaming/skipped_fragments"] = float(sums[:P, 3].sum())
     # sync.workers is M (with workers of one size, the size of this rank's data group).
     out["streaming/cross_worker_bytes"] = float(sums[P, 0]) * sync.workers
-    # Control (stop flag, checkpoint agreement, door, heartbeats): this worker's, times M.
-    out["streaming/cross_worker_control_bytes"] = float(sums[P, 1]) * sync.workers
+    # Control (stop flags, checkpoint agreement, ...): this worker's ranks' own count, as
+    # counted so far. Not times M: the door and the heartbeats cross at the workers without
+    # the store only. The job-wide total (``streaming/cross_worker_control_bytes``) takes a
+    # collective across workers: it is written once, at the end, with the summary's value.
+    out["streaming/worker_control_bytes"] = float(sums[P, 1])
     return out
 
 
