@@ -33,6 +33,8 @@ Phases (each chooses from the records of the ones before it, so ``--phases`` may
 * ``ladder``: data parallel and M=2 and 4, plain and Nesterov, at the lower rungs, seed 1.
 * ``m1``: one worker's outer optimizer (refused until the library runs it): its outer-lr sweep,
   then the top rung with every seed, then the lower rungs.
+* ``ablate``: M=2 under plain averaging at the tuning rung, seed 1, with one change at a time
+  (``ABLATIONS``: fp32 outer gradients, tau 0, one fragment, H=15): which carries the gap.
 
 Corpus: every ``.py`` file of ``.venv`` (sorted by path, one document per distinct content:
 duplicates by SHA-1 dropped, empty files too); a file is held out when crc32 of its path
@@ -187,19 +189,33 @@ def corpus_flags(out: Path, results: Path, root: Path) -> tuple[list[str], dict]
 
 
 # ---- runs -----------------------------------------------------------------------------------
-def method_name(workers: int, outer_lr) -> str:
-    """``dp``; ``m2-plain`` (outer lr 1, no momentum); ``m2-nesterov0.6``."""
+# One change at a time to the sync of M=2 under plain averaging (phase ``ablate``): which of
+# them carries the gap. name -> (what, the flags that replace the protocol's).
+ABLATIONS = {
+    "fp32": ("outer gradients in fp32, no quantization", {"--diloco-quantize": "none"}),
+    "tau0": ("tau 0: merged at the send, no inner step lost to the overlap",
+             {"--diloco-overlap-steps": "0"}),
+    "p1": ("one fragment (plain DiLoCo)", {"--diloco-fragments": "1"}),
+    "h15": ("H=15: twice the outer steps", {"--diloco-inner-steps": "15"}),
+}
+
+
+def method_name(workers: int, outer_lr, change=None) -> str:
+    """``dp``; ``m2-plain`` (outer lr 1, no momentum); ``m2-nesterov0.6``; ``m2-plain+fp32``
+    (an ablation)."""
     if workers == 0:
         return "dp"
-    return f"m{workers}-" + ("plain" if outer_lr is None else f"nesterov{outer_lr:g}")
+    return f"m{workers}-" + ("plain" if outer_lr is None else f"nesterov{outer_lr:g}") + (
+        f"+{change}" if change else "")
 
 
-def job(rung, workers, outer_lr, lr, batch, seed) -> dict:
-    """One run. ``workers`` 0 is data parallel; ``outer_lr`` None is plain averaging. The
-    lrs are kept as their labels print them, so a job and its record's label compare equal."""
+def job(rung, workers, outer_lr, lr, batch, seed, change=None) -> dict:
+    """One run. ``workers`` 0 is data parallel; ``outer_lr`` None is plain averaging;
+    ``change`` one of ``ABLATIONS``. The lrs are kept as their labels print them, so a job and
+    its record's label compare equal."""
     lr, outer_lr = float(f"{lr:g}"), None if outer_lr is None else float(f"{outer_lr:g}")
     return {"rung": rung, "workers": workers, "outer_lr": outer_lr, "lr": lr, "batch": batch,
-            "seed": seed, "method": method_name(workers, outer_lr)}
+            "seed": seed, "method": method_name(workers, outer_lr, change), "change": change}
 
 
 def label(j: dict) -> str:
@@ -208,14 +224,15 @@ def label(j: dict) -> str:
 
 def parse_label(text: str) -> dict:
     rung, method, lr, batch, seed = text.split("/")
-    workers, outer_lr = 0, None
+    workers, outer_lr, change = 0, None, None
     if method != "dp":
+        method, _, change = method.partition("+")
         m, outer = method.split("-")
         workers = int(m.removeprefix("m"))
         outer_lr = None if outer == "plain" else float(outer.removeprefix("nesterov"))
     return job(float(rung.removeprefix("tpp")), workers, outer_lr,
                float(lr.removeprefix("lr")), int(batch.removeprefix("b")),
-               int(seed.removeprefix("seed")))
+               int(seed.removeprefix("seed")), change or None)
 
 
 def steps_of(rung: float, batch: int) -> int:
@@ -253,6 +270,9 @@ def run_args(j: dict, data: list[str], eval_samples: int) -> tuple[list[str], in
               str(max(1, steps // 20)), "--train-iters", str(steps), "--eval-interval",
               str(eval_interval(steps)), "--eval-iters", str(eval_samples // per_eval_iter),
               "--seed", str(j["seed"])]
+    if j.get("change"):
+        for flag, value in ABLATIONS[j["change"]][1].items():
+            flags[flags.index(flag) + 1] = value
     return [*COMMON, *data, *flags], ranks
 
 
@@ -314,6 +334,8 @@ def phase_jobs(phase: str, opts, rows):
     lower = [x for x in opts.rungs if x != top]
     if phase == "dp":
         return [job(top, 0, None, *dp, s) for s in opts.seeds], True
+    if phase == "ablate":
+        return [job(rung, 2, None, *dp, 1, change) for change in ABLATIONS], True
     if phase in ("outer", "m1-outer"):
         ms = [1] if phase == "m1-outer" else [m for m in opts.workers if m > 1]
         return [job(rung, m, olr, *dp, 1) for m in ms for olr in (None, *opts.outer_lrs)], True
@@ -332,7 +354,7 @@ def phase_jobs(phase: str, opts, rows):
     raise SystemExit(f"--phases: unknown phase {phase!r}")
 
 
-PHASES = ["tune", "dp", "outer", "top", "ladder", "m1"]
+PHASES = ["tune", "dp", "outer", "top", "ladder", "m1", "ablate"]
 M1_PHASES = ["m1-outer", "m1-top", "m1-ladder"]
 
 

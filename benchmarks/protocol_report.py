@@ -75,6 +75,8 @@ def _gap_along(mine: list[dict], dps: list[dict]) -> list:
 
 
 def tables(rows: list[dict], opts) -> str:
+    ablated = [r for r in rows if r["change"]]
+    rows = [r for r in rows if not r["change"]]
     rung, top = opts.tune_rung, max(opts.rungs)
     dp = best_dp(rows, rung)
     if dp is None:
@@ -138,11 +140,37 @@ def tables(rows: list[dict], opts) -> str:
             g = dict(c["gap_along"])
             lines.append(f"| {c['workers']} | {c['outer']} | " + " | ".join(
                 f"{g[f]:+.1f} %" if f in g else "-" for f in fractions) + " |")
-    return "\n".join(lines)
+    return "\n".join(lines + ablation_table(ablated, rows, dp))
+
+
+def ablation_table(ablated: list[dict], rows: list[dict], dp) -> list[str]:
+    """M=2 under plain averaging with one change at a time (phase ``ablate``), against the
+    unchanged run and data parallel at the same rung and seed."""
+    if not ablated:
+        return []
+    from benchmarks.protocol import ABLATIONS
+
+    out = ["", "One change at a time to M=2 under plain averaging (held-out loss, gap to data "
+           "parallel; seed 1):", "", "| tokens per parameter | change | held-out loss | gap to "
+           "data parallel | unchanged |", "|---|---|---|---|---|"]
+    for r in sorted(ablated, key=lambda r: (r["rung"], r["change"])):
+        same = [x for x in rows if (x["rung"], x["seed"], x["lr"], x["batch"]) ==
+                (r["rung"], r["seed"], r["lr"], r["batch"])]
+        ref = next((x for x in same if x["method"] == "dp"), None)
+        base = next((x for x in same if x["method"] == "m2-plain"), None)
+
+        def gap(x):
+            return "-" if x is None or ref is None else \
+                f"{100 * (_held_out(x) / _held_out(ref) - 1):+.2f} %"
+        out.append(f"| {r['rung']:g} | {ABLATIONS[r['change']][0]} | {_loss(_held_out(r))} | "
+                   f"{gap(r)} | {gap(base)} |")
+    return out
 
 
 def plot(rows: list[dict], opts, path: Path) -> None:
     import matplotlib
+
+    rows = [r for r in rows if not r["change"]]
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -193,11 +221,12 @@ def report(opts, results: Path, meta: dict) -> str:
         raise SystemExit(f"no finished runs in {results / 'records'}")
     dp = best_dp(rows, opts.tune_rung)
     best = {m: best_outer_lr(rows, opts.tune_rung, m, dp) for m in (1, 2, 4)}
+    cell_rows = [r for r in rows if not r["change"]]
     (results / "protocol.json").write_text(json.dumps(
         {"command": " ".join([Path(sys.executable).name, *sys.argv]), "common_flags": COMMON,
          "parameters": parameters(), "corpus": meta,
          "held": {"lr": dp and dp[0], "batch": dp and dp[1], "outer_lr": best},
-         "cells": cells(rows, dp, best) if dp else [],
+         "cells": cells(cell_rows, dp, best) if dp else [],
          "runs": [{k: v for k, v in r.items()} for r in rows]}, indent=1))
     text = tables(rows, opts)
     (results / "protocol.md").write_text(text + "\n")

@@ -186,3 +186,17 @@ def test_protocol_gap_pairs_seeds_and_follows_the_run():
     assert cells["m2-nesterov0.6"]["gap"] == pytest.approx(100 * (2.3 / 2.1 - 1))
     assert not cells["m2-nesterov0.6"]["paired"]
     assert cells["m2-plain"]["outer_steps"] == protocol.steps_of(20, 32) // 30
+
+
+def test_protocol_ablations_change_one_flag_of_m2_plain_and_keep_their_labels():
+    from megatron_streaming.cli.arguments import parse_args
+
+    plain, _ = protocol.run_args(protocol.job(5, 2, None, 4e-3, 16, 1), ["--mock-data"], 256)
+    for change, (_, flags) in protocol.ABLATIONS.items():
+        j = protocol.job(5, 2, None, 4e-3, 16, 1, change)
+        assert protocol.parse_label(protocol.label(j)) == j
+        args, ranks = protocol.run_args(j, ["--mock-data"], 256)
+        assert ranks == 2 and len(args) == len(plain)
+        differ = {plain[i - 1]: a for i, a in enumerate(args) if a != plain[i]}
+        assert differ == flags, change
+        parse_args(args)
