@@ -34,7 +34,8 @@ Phases (each chooses from the records of the ones before it, so ``--phases`` may
 * ``m1``: one worker's outer optimizer (refused until the library runs it): its outer-lr sweep,
   then the top rung with every seed, then the lower rungs.
 * ``ablate``: M=2 under plain averaging at the tuning rung, seed 1, with one change at a time
-  (``ABLATIONS``: fp32 outer gradients, tau 0, one fragment, H=15): which carries the gap.
+  (``ABLATIONS``: fp32 outer gradients, tau 0, one fragment, H=15, the inner lr doubled, outer
+  lr 1.4, each worker data parallel's batch): which carries the gap.
 
 Corpus: every ``.py`` file of ``.venv`` (sorted by path, one document per distinct content:
 duplicates by SHA-1 dropped, empty files too); a file is held out when crc32 of its path
@@ -189,14 +190,21 @@ def corpus_flags(out: Path, results: Path, root: Path) -> tuple[list[str], dict]
 
 
 # ---- runs -----------------------------------------------------------------------------------
-# One change at a time to the sync of M=2 under plain averaging (phase ``ablate``): which of
-# them carries the gap. name -> (what, the flags that replace the protocol's).
+# One change at a time to M=2 under plain averaging (phase ``ablate``): which of them carries
+# the gap. name -> (what, the flags that replace the protocol's, the factor on the global
+# batch: 2 runs each worker at data parallel's batch for half the steps, compared with data
+# parallel at that batch).
 ABLATIONS = {
-    "fp32": ("outer gradients in fp32, no quantization", {"--diloco-quantize": "none"}),
+    "fp32": ("outer gradients in fp32, no quantization", {"--diloco-quantize": "none"}, 1),
     "tau0": ("tau 0: merged at the send, no inner step lost to the overlap",
-             {"--diloco-overlap-steps": "0"}),
-    "p1": ("one fragment (plain DiLoCo)", {"--diloco-fragments": "1"}),
-    "h15": ("H=15: twice the outer steps", {"--diloco-inner-steps": "15"}),
+             {"--diloco-overlap-steps": "0"}, 1),
+    "p1": ("one fragment (plain DiLoCo)", {"--diloco-fragments": "1"}, 1),
+    "h15": ("H=15: twice the outer steps", {"--diloco-inner-steps": "15"}, 1),
+    "lr2x": ("inner lr doubled (0.008, min 0.0008)", {"--lr": "0.008", "--min-lr": "0.0008"}, 1),
+    "olr1.4": ("outer lr 1.4 without momentum (the sqrt(2) two independent updates lose)",
+               {"--diloco-outer-lr": "1.4"}, 1),
+    "b2x": ("global batch doubled: each worker data parallel's batch, half the steps (against "
+            "data parallel at the doubled batch)", {}, 2),
 }
 
 
@@ -335,7 +343,8 @@ def phase_jobs(phase: str, opts, rows):
     if phase == "dp":
         return [job(top, 0, None, *dp, s) for s in opts.seeds], True
     if phase == "ablate":
-        return [job(rung, 2, None, *dp, 1, change) for change in ABLATIONS], True
+        return [job(rung, 2, None, dp[0], dp[1] * factor, 1, change)
+                for change, (_, _, factor) in ABLATIONS.items()], True
     if phase in ("outer", "m1-outer"):
         ms = [1] if phase == "m1-outer" else [m for m in opts.workers if m > 1]
         return [job(rung, m, olr, *dp, 1) for m in ms for olr in (None, *opts.outer_lrs)], True

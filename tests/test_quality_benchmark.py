@@ -191,9 +191,11 @@ def test_protocol_gap_pairs_seeds_and_follows_the_run():
 def test_protocol_ablations_change_one_flag_of_m2_plain_and_keep_their_labels():
     from megatron_streaming.cli.arguments import parse_args
 
-    plain, _ = protocol.run_args(protocol.job(5, 2, None, 4e-3, 16, 1), ["--mock-data"], 256)
-    for change, (_, flags) in protocol.ABLATIONS.items():
-        j = protocol.job(5, 2, None, 4e-3, 16, 1, change)
+    for change, (_, flags, factor) in protocol.ABLATIONS.items():
+        # Against M=2 plain at the same global batch (b2x: each worker 16, half the steps).
+        plain, _ = protocol.run_args(protocol.job(5, 2, None, 4e-3, 16 * factor, 1),
+                                     ["--mock-data"], 256)
+        j = protocol.job(5, 2, None, 4e-3, 16 * factor, 1, change)
         assert protocol.parse_label(protocol.label(j)) == j
         args, ranks = protocol.run_args(j, ["--mock-data"], 256)
         assert ranks == 2 and len(args) == len(plain)
