@@ -4,7 +4,7 @@ found syncing harmful and nowhere else, its advice parses, and a run warns once 
 import pytest
 
 from harness import TINY, run
-from megatron_streaming.cli.arguments import parse_args
+from megatron_streaming.cli.arguments import parse_args, validate
 from megatron_streaming.streaming import rule
 
 RUN = ["--mock-data", "--diloco-workers", "2", "--diloco-inner-steps", "30",
@@ -14,7 +14,7 @@ PAPERS = ["--diloco-outer-lr", "0.7", "--diloco-outer-momentum", "0.9"]
 
 def _warnings(*flags):
     cfg = parse_args([*RUN, *flags])
-    return rule.warnings(cfg.streaming, cfg.optimizer.lr)
+    return rule.warnings(cfg.streaming, cfg.optimizer.lr, cfg.training.train_iters)
 
 
 def test_the_defaults_draw_no_warning_and_are_plain_averaging():
@@ -27,14 +27,27 @@ def test_the_defaults_draw_no_warning_and_are_plain_averaging():
     assert _warnings(*PAPERS, "--no-diloco-sync") == []
 
 
-def test_the_papers_momentum_warns_whatever_the_number_of_outer_steps():
+def test_the_papers_momentum_warns_up_to_the_outer_steps_where_harm_was_measured():
     (line,) = _warnings(*PAPERS, "--lr", "2e-3")
     assert line.startswith("--diloco-outer-lr 0.7 with --diloco-outer-momentum 0.9 ")
     assert "7.0x" in line and "as if the inner --lr 0.002 were 0.014" in line
-    # Heavy ball builds up the same step; so do more outer steps (H=5: 240 of them, worse).
+    # Heavy ball builds up the same step; so do more outer steps up to the most measured
+    # (H=5 over 1200 steps: 240 per fragment, worse).
     assert len(_warnings(*PAPERS, "--no-diloco-nesterov")) == 1
-    assert len(_warnings(*PAPERS, "--train-iters", "30000")) == 1
+    assert len(_warnings(*PAPERS, "--train-iters", str(30 * 240))) == 1
     assert rule.outer_steps(30000, 30) == 1000 and rule.outer_steps(None, 30) is None
+    # Past them, where the papers find it helps: no warning, a note that says it is untested.
+    cfg = parse_args([*RUN, *PAPERS, "--num-layers", "3", "--train-iters", str(30 * 241)])
+    validate(cfg, 2)
+    assert cfg.warnings == [] and cfg.notes[-1].startswith(
+        "--diloco-outer-lr 0.7 with --diloco-outer-momentum 0.9: 241 outer steps per fragment, "
+        "past the 240 up to which")
+    assert parse_args([*RUN, *PAPERS]).notes == []
+    one = parse_args(["--mock-data", "--diloco-workers", "1", *PAPERS, "--diloco-inner-steps",
+                      "30", "--diloco-overlap-steps", "1", "--train-iters", str(30 * 241)])
+    validate(one, 1)
+    assert [w.split(" ")[0] for w in one.warnings] == ["--diloco-overlap-steps"]
+    assert "241 outer steps per fragment" in one.notes[-1]
 
 
 def test_alpha_above_zero_warns():

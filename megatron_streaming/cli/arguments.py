@@ -103,6 +103,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> Config:
     if problems:
         raise ConfigError("\n".join(problems))
     _apply_one_worker(cfg, given, parser)
+    from ..streaming import rule
+
+    past = rule.past_measured(cfg.streaming, cfg.training.train_iters)
+    cfg.notes += [past] if past else []  # where validate's warning on outer momentum is not
     return cfg
 
 
@@ -233,7 +237,7 @@ def validate(cfg: Config, world_size: int) -> None:
     _validate_schedules(cfg, dp)
     from ..streaming import rule
 
-    cfg.warnings += rule.warnings(cfg.streaming, cfg.optimizer.lr)
+    cfg.warnings += rule.warnings(cfg.streaming, cfg.optimizer.lr, cfg.training.train_iters)
     _validate_batches(cfg, dp)
     _require(o.lr >= 0 and o.min_lr >= 0, f"--lr ({o.lr}) and --min-lr ({o.min_lr}) must be "
              ">= 0")

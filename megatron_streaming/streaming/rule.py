@@ -34,6 +34,9 @@ from typing import List, Optional
 SAFE_EFFECTIVE_LR = 1.5
 # Outer steps per fragment the benchmark's H=30 runs had (1200 / 30); fewer, untested.
 MIN_OUTER_STEPS = 40
+# The most outer steps per fragment at which outer momentum was measured harmful (the quality
+# benchmark's H=5: 1200 / 5); past them the start-up says it is untested instead of warning.
+MEASURED_OUTER_STEPS = 240
 # One worker (the papers' M=1), 0.7 / 0.9 at H=30 against data parallel, held-out loss, %.
 ONE_WORKER_HARM = 14.8
 ONE_WORKER_MEASURED = "1200 steps, 40 outer steps, 1.5M parameters, code"
@@ -130,24 +133,50 @@ def advise(train_iters: int, num_layers: int, max_inner_steps: Optional[int] = N
     return Advice(h, fragments, overlap, 1.0, 0.0, 0.0, "fp4-e2m1", reasons, lag, eager)
 
 
-def warnings(s, inner_lr: float) -> List[str]:
+def _outer_step_warning(s, what: str, inner_lr: float = 0.0) -> List[str]:
+    """The line for an outer step above ``SAFE_EFFECTIVE_LR``: the flags as typed, then
+    ``what`` (``{eff}``: the effective outer lr, ``{eff_lr}``: the inner lr it amounts to)."""
+    eff = effective_outer_lr(s.diloco_outer_lr, s.diloco_outer_momentum)
+    if eff <= SAFE_EFFECTIVE_LR:
+        return []
+    typed = (f"--diloco-outer-lr {s.diloco_outer_lr:g} with --diloco-outer-momentum "
+             f"{s.diloco_outer_momentum:g} ")
+    return [typed + what.format(eff=eff, eff_lr=f"{eff * inner_lr:.2g}")]
+
+
+def past_measured(s, train_iters: Optional[int]) -> Optional[str]:
+    """The note for an outer step above ``SAFE_EFFECTIVE_LR`` in a run of more outer steps per
+    fragment than any where it was measured harmful (``MEASURED_OUTER_STEPS``), where the papers
+    find it helps: no warning there, but what was and was not measured; None otherwise."""
+    steps = outer_steps(train_iters, s.diloco_inner_steps)
+    eff = effective_outer_lr(s.diloco_outer_lr, s.diloco_outer_momentum)
+    if not s.diloco_sync or eff <= SAFE_EFFECTIVE_LR or not steps or \
+            steps <= MEASURED_OUTER_STEPS:
+        return None
+    return (f"--diloco-outer-lr {s.diloco_outer_lr:g} with --diloco-outer-momentum "
+            f"{s.diloco_outer_momentum:g}: {steps} outer steps per fragment, past the "
+            f"{MEASURED_OUTER_STEPS} up to which the quality benchmarks found an effective outer "
+            f"lr above {SAFE_EFFECTIVE_LR:g} worse than plain averaging (docs/RESULTS.md); "
+            "untested here, the regime where the papers find it helps")
+
+
+def warnings(s, inner_lr: float, train_iters: Optional[int] = None) -> List[str]:
     """One line per setting where the benchmark found syncing harmful; ``s`` is the
-    StreamingConfig, ``inner_lr`` the peak --lr. Empty when the sync is off (the parser
-    leaves it on for one worker only where its outer optimizer was asked for)."""
+    StreamingConfig, ``inner_lr`` the peak --lr, ``train_iters`` the run's steps (outer
+    momentum is not warned against past the outer steps it was measured at: ``past_measured``).
+    Empty when the sync is off (the parser leaves it on for one worker only where its outer
+    optimizer was asked for)."""
     if not s.diloco_sync:
         return []
+    past = past_measured(s, train_iters) is not None
     if s.diloco_workers == 1:
-        return one_worker_warnings(s)
-    out = []
-    eff = effective_outer_lr(s.diloco_outer_lr, s.diloco_outer_momentum)
-    if eff > SAFE_EFFECTIVE_LR:
-        out.append(
-            f"--diloco-outer-lr {s.diloco_outer_lr:g} with --diloco-outer-momentum "
-            f"{s.diloco_outer_momentum:g} moves the global parameters up to {eff:.1f}x the "
-            f"workers' mean change, as if the inner --lr {inner_lr:g} were {eff * inner_lr:.2g} "
-            "along their common direction; the quality benchmark found such settings worse "
-            "than not syncing at all, at H=5 and H=30 and with the inner lr up to 7x lower "
-            "(docs/RESULTS.md); outer lr 1 and momentum 0 (the defaults) never were")
+        return one_worker_warnings(s, momentum=not past)
+    out = [] if past else _outer_step_warning(
+        s, "moves the global parameters up to {eff:.1f}x the workers' mean change, as if the "
+        f"inner --lr {inner_lr:g} were {{eff_lr}} along their common direction; the quality "
+        "benchmark found such settings worse than not syncing at all, at H=5 and H=30 and with "
+        "the inner lr up to 7x lower (docs/RESULTS.md); outer lr 1 and momentum 0 (the "
+        "defaults) never were", inner_lr)
     if s.diloco_alpha > 0:
         out.append(
             f"--diloco-alpha {s.diloco_alpha:g}: keeping part of the local parameters at the "
@@ -157,19 +186,16 @@ def warnings(s, inner_lr: float) -> List[str]:
     return out
 
 
-def one_worker_warnings(s) -> List[str]:
+def one_worker_warnings(s, momentum: bool = True) -> List[str]:
     """One worker's outer optimizer (``--diloco-workers 1`` with outer-loop flags): what the
-    quality benchmark measured of it, and what its loop loses by construction."""
-    out = []
-    eff = effective_outer_lr(s.diloco_outer_lr, s.diloco_outer_momentum)
-    if eff > SAFE_EFFECTIVE_LR:
-        out.append(
-            f"--diloco-outer-lr {s.diloco_outer_lr:g} with --diloco-outer-momentum "
-            f"{s.diloco_outer_momentum:g} on one worker moves its parameters up to {eff:.1f}x "
-            "their own change over a round; the quality benchmark's one worker with the "
-            f"papers' 0.7 / 0.9 at H=30 ({ONE_WORKER_MEASURED}) ended "
-            f"{ONE_WORKER_HARM:+.1f} % in held-out loss against the same run without it "
-            "(docs/RESULTS.md); outer lr 1 and momentum 0 train as without it, bit for bit")
+    quality benchmark measured of it (``momentum``: of its outer step), and what its loop loses
+    by construction."""
+    out = [] if not momentum else _outer_step_warning(
+        s, "on one worker moves its parameters up to {eff:.1f}x their own change over a "
+        "round; the quality benchmark's one worker with the papers' 0.7 / 0.9 at H=30 "
+        f"({ONE_WORKER_MEASURED}) ended {ONE_WORKER_HARM:+.1f} % in held-out loss against the "
+        "same run without it (docs/RESULTS.md); outer lr 1 and momentum 0 train as without it, "
+        "bit for bit")
     tau = s.diloco_overlap_steps
     if tau and s.diloco_alpha < 1:
         lost = "are lost" if s.diloco_alpha == 0 else \
