@@ -11,6 +11,7 @@ import torch
 
 from harness import TINY, read_jsonl, run
 from megatron_streaming import checkpoint
+from megatron_streaming.checkpoint import save_load  # where a save checks the free space
 
 RESUME = [*TINY, "--train-iters", "6", "--eval-iters", "1", "--zero-stage", "2", "--bf16"]
 
@@ -337,7 +338,7 @@ def test_async_commit_goes_a_stage_per_flag_without_a_collective(tmp_path, monke
     def no_space(directory, tensor_bytes):
         raise OSError(28, f"No space left on device: {tensor_bytes} bytes")
 
-    monkeypatch.setattr(checkpoint, "_check_space", no_space)
+    monkeypatch.setattr(save_load, "_check_space", no_space)
     pending = ckpt.start_save(root, 8, state, {"iteration": 8}, background=True)
     pending.write.wait()
     assert pending.error is None and isinstance(pending.write.error, OSError)  # the thread's
@@ -417,7 +418,7 @@ def test_saves_of_one_structure_are_planned_once(tmp_path, monkeypatch, megatron
     def full(*args):
         raise OSError(28, "No space left on device for the checkpoint")
 
-    monkeypatch.setattr(checkpoint, "_check_space", full)
+    monkeypatch.setattr(save_load, "_check_space", full)
     with pytest.raises(checkpoint.CheckpointWriteError) as failure:
         ckpt.save(root, 4, wider, {"iteration": 4})
     assert str(failure.value) == (

@@ -27,32 +27,36 @@ def _modules():
     return out
 
 
+def _imports(name, is_package, source, modules):
+    """The package's modules (keys of ``modules``) that ``source``, module ``name`` (a
+    package's ``__init__`` when ``is_package``), imports anywhere in its body: at the top and
+    inside functions alike."""
+    def owner(imported):
+        while imported and imported not in modules:
+            imported = imported.rpartition(".")[0]
+        return imported
+
+    here = name.split(".") if is_package else name.split(".")[:-1]
+    deps = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            deps.update(owner(a.name) for a in node.names if a.name.startswith(PACKAGE))
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join(here[:len(here) - node.level + 1] + [node.module or ""]) \
+                if node.level else node.module or ""
+            base = base.rstrip(".")
+            if base.startswith(PACKAGE):
+                deps.update(owner(f"{base}.{a.name}") for a in node.names)
+    deps.discard(name)
+    deps.discard("")
+    return deps
+
+
 def import_graph():
     """Module -> the package's modules it imports (anywhere in its body)."""
     modules = _modules()
-
-    def owner(name):
-        while name and name not in modules:
-            name = name.rpartition(".")[0]
-        return name
-
-    graph = {}
-    for name, path in modules.items():
-        here = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
-        deps = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                deps.update(owner(a.name) for a in node.names if a.name.startswith(PACKAGE))
-            elif isinstance(node, ast.ImportFrom):
-                base = ".".join(here[:len(here) - node.level + 1] + [node.module or ""]) \
-                    if node.level else node.module or ""
-                base = base.rstrip(".")
-                if base.startswith(PACKAGE):
-                    deps.update(owner(f"{base}.{a.name}") for a in node.names)
-        deps.discard(name)
-        deps.discard("")
-        graph[name] = deps
-    return graph
+    return {name: _imports(name, path.name == "__init__.py", path.read_text(), modules)
+            for name, path in modules.items()}
 
 
 def _folder(module):
@@ -76,12 +80,16 @@ def test_every_module_lives_in_a_folder_of_the_order():
                                            .read_text())), package
 
 
+def _upward(graph):
+    """(module, what it imports) for every import of ``graph`` that runs up the order."""
+    return [(m, d) for m, deps in sorted(graph.items()) if not _is_entry_point(m)
+            for d in sorted(deps) if _folder(d) in ORDER and _folder(m) in ORDER
+            and ORDER.index(_folder(d)) > ORDER.index(_folder(m))]
+
+
 def test_imports_run_down_the_order_and_close_no_circle():
     graph = import_graph()
-    upward = [(m, d) for m, deps in sorted(graph.items()) if not _is_entry_point(m)
-              for d in sorted(deps) if _folder(d) in ORDER and _folder(m) in ORDER
-              and ORDER.index(_folder(d)) > ORDER.index(_folder(m))]
-    assert upward == []
+    assert _upward(graph) == []
 
     # No circle among modules either (within a folder): depth-first search for a back edge.
     state, stack, circles = {}, [], []
@@ -101,6 +109,21 @@ def test_imports_run_down_the_order_and_close_no_circle():
         if m not in state:
             visit(m)
     assert circles == []
+
+
+def test_an_import_inside_a_function_counts_as_one_at_the_top():
+    """The way an upward import hides: inside a function. ``cli`` importing ``run`` there is
+    caught; ``cli`` importing ``checkpoint`` there (``megatron_flags``' Megatron-LM check of a
+    --load) runs down the order, as any later folder's import of an earlier one does."""
+    modules = _modules()
+    module = f"{PACKAGE}.cli.example"
+    up = "def act():\n    from ..run.train import pretrain\n"
+    down = "def act(cfg):\n    from ..checkpoint.megatron_lm import is_megatron_lm\n"
+    assert _imports(module, False, up, modules) == {f"{PACKAGE}.run.train"}
+    assert _upward({module: _imports(module, False, up, modules)}) == [
+        (module, f"{PACKAGE}.run.train")]
+    assert _imports(module, False, down, modules) == {f"{PACKAGE}.checkpoint.megatron_lm"}
+    assert _upward({module: _imports(module, False, down, modules)}) == []
 
 
 def test_the_order_is_the_one_the_package_and_design_state():

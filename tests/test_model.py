@@ -23,6 +23,15 @@ def test_transformer_engine_is_optional(monkeypatch):
     assert model.resolve_transformer_impl("auto") == "local"
     assert "opt-in (--transformer-impl transformer_engine)" in \
         model.transformer_impl_note("auto")
+    # --help says the same (it once said auto meant Transformer Engine on a GPU).
+    from megatron_streaming.cli.arguments import build_parser
+
+    text = " ".join(build_parser().format_help().split())
+    assert "megatron-core's local spec (auto, local), or Transformer Engine's " \
+        "(transformer_engine: opt-in" in text
+    # A flag on by default: its help once, on the positive form; the negative one names it.
+    assert "--no-diloco-sync Turns --diloco-sync off. --diloco-sync (on by default) Run the " \
+        "Streaming DiLoCo sync." in text
     assert model.resolve_transformer_impl("transformer_engine") == "transformer_engine"
     assert "not run in this project's tests" in \
         model.transformer_impl_note("transformer_engine")

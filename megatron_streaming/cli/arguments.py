@@ -31,12 +31,13 @@ def _add_field(group, f: dataclasses.Field, hints) -> None:
     default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
     if tp is bool:
         if default:
-            group.add_argument(*["--no-" + flag[2:] for flag in flags], dest=f.name,
-                               action="store_false", help=f"Turn off: {help_text}")
-            # The positive form too: it changes no value, but a flag typed can mean something
+            # The help once, on the positive form (the help text says what is on); the
+            # positive form changes no value, but a flag typed can mean something
             # (``_apply_one_worker``: --diloco-sync asks one worker for its outer optimizer).
+            group.add_argument(*["--no-" + flag[2:] for flag in flags], dest=f.name,
+                               action="store_false", help=f"Turns {flags[0]} off.")
             group.add_argument(*flags, dest=f.name, action="store_true", default=True,
-                               help=f"Turn on (the default): {help_text}")
+                               help=f"(on by default) {help_text}")
         else:
             group.add_argument(*flags, dest=f.name, action="store_true", help=help_text)
         return
@@ -248,6 +249,13 @@ def validate(cfg: Config, world_size: int) -> None:
     interval = cfg.logging.tensorboard_log_interval
     _require(interval is None or interval > 0,
              f"--tensorboard-log-interval must be > 0, got {interval}")
+    # TensorBoard reads a queue size of 0 as "unbounded": nothing would reach the disk
+    # until the writer's timer or the end.
+    _require(cfg.logging.tensorboard_queue_size > 0,
+             f"--tensorboard-queue-size must be > 0, got {cfg.logging.tensorboard_queue_size}")
+    _require(not cfg.logging.log_optimizer_states_to_tensorboard or o.optimizer == "adam",
+             f"--log-optimizer-states-to-tensorboard writes Adam's moments; --optimizer "
+             f"{o.optimizer} keeps none")
     _require(not cfg.logging.wandb_project or cfg.logging.wandb_exp_name,
              f"--wandb-project {cfg.logging.wandb_project} needs --wandb-exp-name (the run's "
              "name, as in Megatron-LM)")

@@ -182,7 +182,6 @@ def deepspeed_moe_defaults(cfg, given: set) -> List[str]:
 _FUSION = "a CUDA kernel-fusion switch: the math is the same fused or not"
 _LOG_ALWAYS = ("written at every point, as by Megatron-LM core_v0.16 (which has dropped the "
                "flag)")
-_NO_EFFECT_LOG = "a logging option of a report this project does not make; no effect"
 _FLASH = ("--attention-backend flash on every device: torch's fused scaled_dot_product_attention "
           "on the local layers, Transformer Engine's flash kernel on its own")
 
@@ -221,16 +220,13 @@ FLAGS: List[ForeignFlag] = [
     ForeignFlag("--empty-unused-memory-level", ACCEPTED,
                 "empties the CUDA caching allocator; no effect on CPU, no math", ONE),
     # --- logging ---------------------------------------------------------------------------
-    # (--tensorboard-log-interval, --log-timers-to-tensorboard, --log-throughput,
-    # --log-params-norm, --log-memory-to-tensorboard, --log-world-size-to-tensorboard,
-    # --log-validation-ppl-to-tensorboard, --[no-]log-loss-scale-to-tensorboard are ours:
-    # config.LoggingConfig.)
+    # (--tensorboard-log-interval, --tensorboard-queue-size, --log-timers-to-tensorboard,
+    # --log-throughput, --log-params-norm, --log-num-zeros-in-grad, --log-progress,
+    # --log-memory-to-tensorboard, --log-world-size-to-tensorboard,
+    # --log-validation-ppl-to-tensorboard, --log-optimizer-states-to-tensorboard,
+    # --[no-]log-loss-scale-to-tensorboard are ours: config.LoggingConfig.)
     *[ForeignFlag(flag, ACCEPTED, _LOG_ALWAYS) for flag in (
         "--log-learning-rate-to-tensorboard", "--log-batch-size-to-tensorboard")],
-    *[ForeignFlag(flag, ACCEPTED, _NO_EFFECT_LOG) for flag in (
-        "--log-num-zeros-in-grad", "--log-optimizer-states-to-tensorboard", "--log-progress")],
-    ForeignFlag("--tensorboard-queue-size", ACCEPTED,
-                "every point is flushed to the event file as it is written", ONE),
     # --- our equivalent --------------------------------------------------------------------
     ForeignFlag("--use-distributed-optimizer", MAPPED,
                 "ZeRO stage 1 (--zero-stage 1) over the worker's data-parallel ranks",

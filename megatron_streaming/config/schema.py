@@ -115,8 +115,9 @@ class ModelConfig:
         "and local megatron-core's own; auto the faster: the fused one (docs/RESULTS.md).",
         choices=["auto", "flash", "fused", "unfused", "local"])
     transformer_impl: str = arg(
-        "auto", "Layer implementation: Transformer Engine when importable on a GPU (auto), "
-        "or megatron-core's local spec.", choices=["auto", "local", "transformer_engine"])
+        "auto", "Layer implementation: megatron-core's local spec (auto, local), or Transformer "
+        "Engine's (transformer_engine: opt-in, needs the package and a GPU; untested here).",
+        choices=["auto", "local", "transformer_engine"])
     recompute_granularity: Optional[str] = arg(
         None, "Activation recompute: a whole layer's activations (full) or only the core "
         "attention's (selective), recomputed in the backward.", choices=["full", "selective"])
@@ -553,6 +554,21 @@ class LoggingConfig:
         False, "Print the throughput per GPU (TFLOP/s/GPU, Megatron-LM's count of a GPT's "
         "floating-point operations) and, with --log-timers-to-tensorboard, write it "
         "(throughput).")
+    log_num_zeros_in_grad: bool = arg(
+        False, "Count the zeros of the gradient the optimizer steps on (unscaled and clipped; "
+        "the whole model's, each element once) at every point: num-zeros, and in the "
+        "progress line.")
+    log_optimizer_states_to_tensorboard: bool = arg(
+        False, "Megatron-DeepSpeed's: write the L2 and L1 norms and the largest magnitude of "
+        "Adam's variance, its square root, the momentum and the fp32 weights at every point "
+        "(optimizer/variance_l2 ..., each also vs tokens); needs --optimizer adam.")
+    tensorboard_queue_size: int = arg(
+        1000, "Events TensorBoard's writer queues before it writes them to disk (its "
+        "max_queue; also every 2 minutes and at the end).")
+    log_progress: bool = arg(
+        False, "Append to progress.txt in --save a line when the job starts and one per "
+        "checkpoint with the job's and the cumulative throughput (TFLOP/s/GPU), the "
+        "operations and the tokens so far, as Megatron-LM does.")
 
 
 @dataclass

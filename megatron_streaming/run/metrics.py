@@ -47,6 +47,10 @@ class ScalarWriter:
                 legacy: Optional[Dict[str, float]] = None) -> None:
         pass
 
+    def vs_tokens(self, tokens: int, values: Dict[str, float]) -> None:
+        """Megatron-DeepSpeed's second axis: ``<name> vs tokens`` at the consumed training
+        tokens (TensorBoard only, as there)."""
+
     def close(self) -> None:
         pass
 
@@ -58,12 +62,15 @@ def _present(values: Dict[str, float]) -> Dict[str, float]:
 class TensorBoardWriter(ScalarWriter):
     """Scalars as TensorBoard stores them: float32, so cumulative byte counts past 2^24 keep
     only their leading 24 bits; --log-jsonl and --summary-json keep them exact. Megatron's
-    training and validation scalars also go against the consumed samples (``VS_SAMPLES``)."""
+    training and validation scalars also go against the consumed samples (``VS_SAMPLES``).
+    The events reach the file as Megatron-LM's writer lets them: when ``queue_size``
+    (--tensorboard-queue-size) are pending, every 2 minutes, and at ``close``, which the run
+    calls on every way out but a killed process."""
 
-    def __init__(self, log_dir: str):
+    def __init__(self, log_dir: str, queue_size: int = 1000):
         from torch.utils.tensorboard import SummaryWriter
 
-        self._writer = SummaryWriter(log_dir=log_dir)
+        self._writer = SummaryWriter(log_dir=log_dir, max_queue=queue_size)
 
     def scalars(self, step: int, values: Dict[str, float], samples: Optional[int] = None,
                 legacy: Optional[Dict[str, float]] = None) -> None:
@@ -71,7 +78,10 @@ class TensorBoardWriter(ScalarWriter):
             self._writer.add_scalar(name, value, step)
             if samples is not None and name in VS_SAMPLES:
                 self._writer.add_scalar(f"{name} vs samples", value, samples)
-        self._writer.flush()
+
+    def vs_tokens(self, tokens: int, values: Dict[str, float]) -> None:
+        for name, value in _present(values).items():
+            self._writer.add_scalar(f"{name} vs tokens", value, tokens)
 
     def close(self) -> None:
         self._writer.close()
@@ -151,6 +161,10 @@ class Writers(ScalarWriter):
         for w in self._writers:
             w.scalars(step, values, samples, legacy)
 
+    def vs_tokens(self, tokens: int, values: Dict[str, float]) -> None:
+        for w in self._writers:
+            w.vs_tokens(tokens, values)
+
     def close(self) -> None:
         for w in self._writers:
             w.close()
@@ -160,7 +174,8 @@ def make_writer(logging_cfg, is_writer: bool, cfg=None) -> ScalarWriter:
     """The logging rank's writers; ``cfg`` (the whole Config) goes to W&B as the run config."""
     writers = []
     if is_writer and logging_cfg.tensorboard_dir:
-        writers.append(TensorBoardWriter(logging_cfg.tensorboard_dir))
+        writers.append(TensorBoardWriter(logging_cfg.tensorboard_dir,
+                                         logging_cfg.tensorboard_queue_size))
     if is_writer and logging_cfg.log_jsonl:
         writers.append(JsonLinesWriter(logging_cfg.log_jsonl))
     if is_writer and logging_cfg.wandb_project:

@@ -44,6 +44,12 @@ class RunReport:
         self.cfg, self.topology, self.model = cfg, topology, model
         self.engine, self.sync = engine, sync
         self._dp_step_bytes = None
+        self.grad_zeros = None  # --log-num-zeros-in-grad: counts in the optimizer's step
+        if cfg.logging.log_num_zeros_in_grad:
+            from .optimizer_report import GradZeros
+
+            self.grad_zeros = GradZeros(engine, topology, model, self.due)
+            engine.step_hooks.append(self.grad_zeros)
         self.expert_load = None  # the MoE routers' counts and losses
         if cfg.model.moe:
             from ..worker.expert_load import ExpertLoad
@@ -68,14 +74,14 @@ class RunReport:
         interval = self.cfg.logging.tensorboard_log_interval
         if interval is None:
             return self._at_log(iteration)
-        return interval > 0 and iteration % interval == 0
+        return iteration % interval == 0
 
     def log_step(self, iteration: int, result, throughput, data, writer,
                  step_seconds: float) -> None:
-        """Called on every rank where ``due``: the sync's scalars, the timers and the
-        parameters' norm are reduced over the worker first; the logging rank prints the
-        progress line (every --log-interval) and writes a point (every
-        --tensorboard-log-interval), under Megatron-LM's names and conditions
+        """Called on every rank where ``due``: the sync's scalars, the timers, the
+        parameters' norm and what the optimizer holds are reduced over the worker first;
+        the logging rank prints the progress line (every --log-interval) and writes a point
+        (every --tensorboard-log-interval), under Megatron-LM's names and conditions
         (``megatron_scalars``) beside this project's own (``streaming/``, ``traffic/``,
         ``moe/``, ``train/tokens``...)."""
         from ..streaming import report
@@ -100,6 +106,7 @@ class RunReport:
             group = topo.groups["worker"]
             scalars.update(self.expert_load.scalars(group, device_of(group)))
         params_norm = self.params_norm() if log_cfg.log_params_norm else None
+        zeros, optimizer_states = self._optimizer_reports(at_point)
         if not topo.is_logging_rank():
             return
         rate = throughput.rate(iteration)
@@ -123,6 +130,8 @@ class RunReport:
             extra += f" | loss scale {result.loss_scale:g} | skipped iterations {skipped}"
             scalars["train/skipped_iterations"] = skipped
             legacy["train/loss_scale"] = result.loss_scale
+        if zeros is not None:
+            extra += f" | num zeros {zeros}"
         if params_norm is not None:
             extra += f" | params norm {params_norm:.3f}"
         if tflops is not None and log_cfg.log_throughput:
@@ -136,16 +145,18 @@ class RunReport:
             legacy.update(timers.scalars(times))  # ms, whatever --log-timers-to-tensorboard
         point = {}
         if at_point:
-            point.update(self.megatron_scalars(result, data.batches.global_batch(iteration - 1),
-                                               params_norm))
-            point.update({"train/tokens_per_s": rate,
-                          "train/tokens": data.tokens_through(iteration), **scalars})
+            batch = data.batches.global_batch(iteration - 1)
+            tokens = data.tokens_through(iteration)
+            point.update(self.megatron_scalars(result, batch, params_norm, zeros))
+            point.update({"train/tokens_per_s": rate, "train/tokens": tokens, **scalars})
+            point.update(optimizer_states or {})
             legacy.update({"train/loss": result.loss, "train/lr": result.lr,
                            "train/grad_norm": result.grad_norm,
-                           "train/global_batch_size": data.batches.global_batch(iteration - 1),
+                           "train/global_batch_size": batch,
                            "train/step_seconds": step_seconds,
-                           "train/tokens_per_s": rate,
-                           "train/tokens": data.tokens_through(iteration)})
+                           "train/tokens_per_s": rate, "train/tokens": tokens})
+            if optimizer_states:  # Megatron-DeepSpeed's second axis for them
+                writer.vs_tokens(tokens, optimizer_states)
         if at_log and log_cfg.log_timers_to_tensorboard:
             point["iteration-time"] = per_iteration
             if log_cfg.log_throughput:
@@ -156,15 +167,27 @@ class RunReport:
             writer.scalars(iteration, point, samples=samples if at_point else None,
                            legacy=legacy)
 
-    def megatron_scalars(self, result, batch_size: int, params_norm) -> dict:
+    def _optimizer_reports(self, at_point: bool):
+        """(``num-zeros``, the ``optimizer/...`` scalars), each where its flag asks for it
+        (collective over the worker)."""
+        zeros = self.grad_zeros.total() if self.grad_zeros is not None else None
+        if not (at_point and self.cfg.logging.log_optimizer_states_to_tensorboard):
+            return zeros, None
+        from .optimizer_report import optimizer_states
+
+        return zeros, optimizer_states(self.engine, self.topology, self.model)
+
+    def megatron_scalars(self, result, batch_size: int, params_norm, zeros=None) -> dict:
         """One point's training scalars as Megatron-LM's ``training_log`` names them, under
         its flags: ``lm loss`` (the step's loss), ``learning-rate``, ``batch-size`` (a
         worker's global batch, --global-batch-size), ``grad-norm`` (before clipping),
-        ``loss-scale`` (1 without --fp16), ``world-size`` (every worker's ranks),
-        ``params-norm`` and the memory statistics."""
+        ``num-zeros`` (after it), ``loss-scale`` (1 without --fp16), ``world-size`` (every
+        worker's ranks), ``params-norm`` and the memory statistics."""
         log_cfg = self.cfg.logging
         out = {"lm loss": result.loss, "learning-rate": result.lr, "batch-size": batch_size,
                "grad-norm": result.grad_norm}
+        if zeros is not None:
+            out["num-zeros"] = zeros
         if log_cfg.log_loss_scale_to_tensorboard:
             out["loss-scale"] = result.loss_scale if result.loss_scale is not None else 1.0
         if log_cfg.log_world_size_to_tensorboard:
@@ -178,23 +201,33 @@ class RunReport:
     def tflops_per_gpu(self, step_samples: int, seconds_per_iteration: float) -> float:
         """Megatron-LM's ``throughput``: the step's operations (``flops``: every worker's
         samples) over the iteration time and every rank of the job, in TFLOP/s."""
+        return self.operations(step_samples) / \
+            (seconds_per_iteration * 1e12 * self.topology.layout.world_size)
+
+    def operations(self, samples: int) -> float:
+        """Megatron-LM's count of the floating-point operations of training on ``samples``
+        sequences (``flops``)."""
         from ..config.shape import padded_vocab_size
         from .flops import floating_point_operations
 
         m = self.cfg.model
         vocab = getattr(self.model, "vocab_size", None) or 0
         padded = padded_vocab_size(vocab, m.make_vocab_size_divisible_by, self.topology.layout.tp)
-        operations = floating_point_operations(m, padded, step_samples)
-        return operations / (seconds_per_iteration * 1e12 * self.topology.layout.world_size)
+        return floating_point_operations(m, padded, samples)
 
     def params_norm(self) -> float:
         """Megatron-LM's ``params-norm``: the L2 norm of the whole model's parameters, each
-        counted once (collective over TP x PP, and EP for the experts): a tensor-parallel
-        shard on its rank, a replicated one (norms, biases) on TP rank 0, the tied embedding
-        on the first stage only. Under ZeRO (stages 0-2) every data-parallel rank holds the
-        whole model's working parameters (bf16/fp16 with mixed precision, where Megatron-LM
-        reads the fp32 main copy): the norm is of those, the same on every data-parallel
-        rank, so no reduction over them."""
+        counted once (``_whole_model``). Under ZeRO (stages 0-2) every data-parallel rank holds
+        the whole model's working parameters (bf16/fp16 with mixed precision, where
+        Megatron-LM reads the fp32 main copy): the norm is of those, the same on every
+        data-parallel rank, so no reduction over them."""
+        return self._whole_model(lambda p: p.detach().double().pow(2).sum()) ** 0.5
+
+    def _whole_model(self, value) -> float:
+        """The sum of ``value(parameter)`` over the whole model, each parameter counted once
+        (collective over TP x PP, and EP for the experts): a tensor-parallel shard on its
+        rank, a replicated one (norms, biases) on TP rank 0, the tied embedding on the first
+        stage only."""
         import torch
         import torch.distributed as dist
 
@@ -207,16 +240,16 @@ class RunReport:
         skip = replica if (replica is not None and not topo.is_first_stage) else None
         group = topo.groups["mp"]
         device = device_of(group)
-        squares = torch.zeros(2, dtype=torch.float64, device=device)  # [dense, experts]
+        sums = torch.zeros(2, dtype=torch.float64, device=device)  # [dense, experts]
         for name, p in self.model.named_parameters():
             if p is not skip and (getattr(p, "tensor_model_parallel", False) or
                                   topo.tp_rank == 0):
-                squares[int(is_expert(name))] += \
-                    p.detach().double().pow(2).sum().to(device)
+                sums[int(is_expert(name))] += torch.as_tensor(value(p), dtype=torch.float64,
+                                                              device=device)
         if topo.layout.ep > 1:
-            dist.all_reduce(squares[1:], group=topo.groups["ep"])
-        dist.all_reduce(squares, group=group)
-        return float(squares.sum().sqrt().item())
+            dist.all_reduce(sums[1:], group=topo.groups["ep"])
+        dist.all_reduce(sums, group=group)
+        return float(sums.sum().item())
 
     def data_parallel_step_bytes(self) -> int:
         """What one step's gradient all-reduce over the data-parallel ranks moves (ring, fp32):
@@ -260,27 +293,7 @@ class RunReport:
 
     def parameter_count(self) -> int:
         """Parameters of the whole model, each counted once (collective over TP x PP)."""
-        import torch
-        import torch.distributed as dist
-
-        from ..parallel.topology import device_of
-        from ..worker.grads import tied_embedding_weight
-        from ..worker.moe import is_expert
-
-        topo = self.topology
-        replica = tied_embedding_weight(self.model, topo)
-        skip = replica if (replica is not None and not topo.is_first_stage) else None
-        counts = [0, 0]  # [dense, routed experts]: each EP rank holds experts of its own
-        for name, p in self.model.named_parameters():
-            if p is not skip and (getattr(p, "tensor_model_parallel", False) or
-                                  topo.tp_rank == 0):
-                counts[is_expert(name)] += p.numel()
-        group = topo.groups["mp"]
-        total = torch.tensor(counts, dtype=torch.float64, device=device_of(group))
-        if topo.layout.ep > 1:
-            dist.all_reduce(total[1:], group=topo.groups["ep"])
-        dist.all_reduce(total, group=group)
-        return int(total.sum().item())
+        return int(self._whole_model(lambda p: p.numel()))
 
     def cross_worker_bytes(self) -> int:
         """Collective over the worker; 0 without the sync."""

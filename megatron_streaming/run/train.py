@@ -35,11 +35,11 @@ class Run:
         self.start_time = time.perf_counter()
         self.rejoin = None  # the membership record of a running job this worker rejoins
         self.launch_environment = dict(os.environ)  # as launched: a restart to rejoin uses it
-        self._staging_pending = False  # --async-save's buffer still to make (``train``)
         self.collector = None  # Python's garbage collector in training (``collector``)
 
     def setup(self) -> "Run":
         """Everything a rank needs, built in dependency order."""
+        from ..checkpoint.saves import Saves
         from ..job.elastic import Elastic
         from ..job.lifecycle import Liveness, StopAgreement, StopRequest
         from . import build
@@ -64,9 +64,6 @@ class Run:
                                  saves=bool(cfg.checkpoint.save))
         self.stop = StopAgreement(self.topology, self.stop_request,
                                   cfg.streaming.diloco_control_lag)
-        self.saving = None  # --async-save: the checkpoint being written (``PendingSave``)
-        if cfg.checkpoint.async_save:
-            self.stop.saves = self._save_progress
         self.reports = self.topology.is_logging_rank()  # progress lines, the writers
         setup_logging(self.reports)
         say_at_start(cfg, started)
@@ -78,6 +75,10 @@ class Run:
                                                              self.job)
         self.checkpointer, self.job_state = build.build_checkpointing(
             cfg, self.topology, self.model, self.engine, self.sync, self.tokenizer.vocab_size)
+        self.saves = Saves(self.checkpointer, self.job_state, cfg.checkpoint,
+                           self.topology.cross.failed)  # from start to commit, one at a time
+        if cfg.checkpoint.async_save:
+            self.stop.saves = self.saves.progress
         self.sync.attach(self.engine.inner_optimizer, self.engine.step_hooks)
         self.report = RunReport(cfg, self.topology, self.model, self.engine, self.sync)
         self.collector = GarbageCollection.from_config(cfg.training)
@@ -89,7 +90,6 @@ class Run:
             self.engine.step_hooks.append(make(self))
         self.iteration = 0
         self.last_valid = (None, None)  # (iteration, loss) of the latest evaluation
-        self.last_saved = None  # iteration of the latest checkpoint this run wrote
         self.step_seconds = []
         self._throughput = None  # made by ``train``: evaluations are taken out of its times
         run_state = self._take_state()
@@ -99,17 +99,17 @@ class Run:
         self.data = RunData(self.cfg, self.topology, self.tokenizer, self.job)
         self._check_data_position(run_state)
         self.writer = make_writer(self.cfg.logging, self.reports, self.cfg)
-        # --async-save's host buffer is sized after the first step, once the optimizer has
-        # made its state (DeepSpeed makes the Adam moments at the first step).
-        self._staging_pending = bool(cfg.checkpoint.async_save and cfg.checkpoint.save)
+        from .progress_log import ProgressLog
+
+        self.progress = ProgressLog.of(self)  # --log-progress: progress.txt in --save
+        self.progress.job_started()
+        self.saves.progress_log = self.progress  # a line per save started and committed
         return self
 
-    def _reserve_staging(self) -> None:
-        self._staging_pending = False
-        staged = self.checkpointer.reserve_staging(self.job_state)
-        log.info("--async-save: %.2f GiB of host memory on this rank for the copies of the "
-                 "checkpoints written in the background, made beside the next steps; the "
-                 "saves' plan made now", staged / 2**30)
+    @property
+    def last_saved(self) -> Optional[int]:
+        """The iteration of the latest checkpoint this run wrote (None: none yet)."""
+        return self.saves.last_saved
 
     def _take_state(self) -> Optional[dict]:
         """The state to start from: a live worker's (a restarted worker rejoining), the
@@ -232,8 +232,7 @@ class Run:
             self.engine.timers.add("diloco-sync", self.sync.take_hook_seconds())
             self.iteration += 1
             self.liveness.iteration = self.iteration
-            if self._staging_pending:  # every rank of the worker, after the same step
-                self._reserve_staging()
+            self.saves.reserve_staging()  # after the first step (--async-save)
             if self.iteration == t.train_iters:
                 merged = self.sync.finish()
                 if merged:
@@ -241,8 +240,8 @@ class Run:
                              "step", merged)
             members = self.topology.members
             self.elastic.end_of_step(self.iteration)  # a lost worker: the others go on
-            if self.saving is not None and set(self.topology.members) < set(members):
-                self._abandon_saving()
+            if set(self.topology.members) < set(members):
+                self.saves.abandon()  # a save in the background: dropped
             if self.elastic.catching_up:  # up to the step the other survivors reached: no
                 continue  # save, no stop flag (they are past this step's)
             if self.elastic.stopping:  # too few workers alive: a checkpoint, then out
@@ -263,8 +262,7 @@ class Run:
                 break
             self._check_duration()
             self.stopped_by = self.stop.should_stop()
-            if self.saving is not None:  # its commit's next stage, where due
-                self._advance_saving()
+            self.saves.advance(self.iteration, self.stop.saves_everywhere)  # where due
             if self.stopped_by:
                 log.info("stopping after iteration %d: %s", self.iteration, self.stopped_by)
                 break
@@ -293,138 +291,16 @@ class Run:
                         saved, self.iteration, self.data.samples_through(self.iteration))
 
     def save(self, wait: bool = False) -> None:
-        """Checkpoint this iteration; with --async-save (unless ``wait``) the files are
-        written in the background and committed by ``finish_saving``. A save in flight is
-        committed first: one save at a time."""
-        self.finish_saving("the next checkpoint is due")
-        c = self.cfg.checkpoint
-        background = c.async_save and not wait
+        """Checkpoint this iteration (``Saves.start``: in the background with --async-save,
+        unless ``wait``)."""
         run_state = {"iteration": self.iteration,
                      "consumed_samples": self.data.samples_through(self.iteration),
                      "tokens": self.data.tokens_through(self.iteration)}
-        try:
-            pending = self.checkpointer.start_save(c.save, self.iteration, self.job_state,
-                                                   run_state, background=background)
-        except Exception as e:
-            self._save_failed(e, self.iteration)
-            return
-        t = pending.timings
-        if background:
-            self.saving = pending
-            log.info("checkpoint of iteration %d: writing in the background (the step loop "
-                     "waited %.2f s: collect and copy out %.2f s, plan %.2f s)",
-                     self.iteration, sum(t.values()), t["collect"] + t["describe"], t["plan"])
-            return
-        self._commit(pending)
-
-    def _save_progress(self) -> list:
-        """The checkpoint being written's progress on this rank, for the stop flag
-        (``StopAgreement.saves``)."""
-        if self.saving is None:
-            return [0, 0, 0, 0]
-        return self.checkpointer.progress(self.saving)
-
-    def _advance_saving(self) -> None:
-        """The commit of the checkpoint being written, a stage further where every rank's
-        flags say so (``Checkpointer.advance``): no wait for another rank."""
-        pending = self.saving
-        try:
-            path = self.checkpointer.advance(pending, self.stop.saves_everywhere,
-                                             self.cfg.checkpoint.keep_last)
-        except Exception as e:
-            self.saving = None
-            self._save_failed(e, pending.iteration)
-            return
-        if path is not None:
-            self.saving = None
-            self.last_saved = pending.iteration
-            t = self.checkpointer.timings
-            log.info("saved checkpoint %s at iteration %d (written and hashed in the "
-                     "background in %.2f s, committed in the background, %d steps after "
-                     "the save; the step loop waited %.2f s at the start and %.2f s since)",
-                     path, self.iteration, t["write"], self.iteration - pending.iteration,
-                     t["collect"] + t["describe"] + t["plan"], t["advance"])
+        self.saves.start(self.iteration, run_state, wait)
 
     def finish_saving(self, why: Optional[str] = None) -> None:
-        """Commit the checkpoint being written, if any (waiting for its files; ``why``: the
-        reason to wait, logged). Collective: every rank calls it after the same step."""
-        pending, self.saving = self.saving, None
-        if pending is None:
-            return
-        if why and not pending.written():
-            log.info("waiting for the checkpoint of iteration %d to be written (%s)",
-                     pending.iteration, why)
-        self._commit(pending)
-
-    def _commit(self, pending) -> None:
-        try:
-            path = self.checkpointer.finish_save(pending, self.cfg.checkpoint.keep_last)
-        except Exception as e:
-            self._save_failed(e, pending.iteration)
-            return
-        self.last_saved = pending.iteration
-        t = self.checkpointer.timings
-        if pending.write.is_background():
-            log.info("saved checkpoint %s at iteration %d (written and hashed in the "
-                     "background in %.2f s; the step loop waited %.2f s at the start and "
-                     "%.2f s at the commit, %.2f s of it in the gather across workers)", path,
-                     self.iteration, t["write"], t["collect"] + t["describe"] + t["plan"],
-                     t["waited"] + t["finalize"] + t["gather"] + t["commit"], t["gather"])
-        else:
-            log.info("saved checkpoint %s in %.2f s (gather %.2f s, write and hash %.2f s)",
-                     path, sum(t.values()), t["collect"] + t["describe"],
-                     t["plan"] + t["write"])
-
-    def _abandon_saving(self) -> None:
-        """A worker was lost while a checkpoint was being written in the background: not
-        committed, as a synchronous save that loses a worker is not (its part and the
-        exchanges in flight went with it); training goes on. This rank's files and its
-        stage of the commit are let finish first; the partial directory stays, as after a
-        synchronous save's loss. A commit already begun (every part finalised) goes on."""
-        from ..checkpoint.background import COMMITTING
-
-        pending = self.saving
-        if pending.stage == COMMITTING:
-            return
-        self.saving = None
-        pending.write.wait()
-        if pending.task is not None:
-            pending.task.wait()
-        log.warning("the checkpoint of iteration %d was not written: a worker was lost while "
-                    "it was being written in the background; training goes on",
-                    pending.iteration)
-
-    def _save_failed(self, error: Exception, iteration: int) -> None:
-        # A worker lost during the save: not committed; elastic runs go on (anything else,
-        # or a run that tolerates no loss, raises here).
-        self.topology.cross.failed(error)
-        log.warning("the checkpoint of iteration %d was not written: a cross-worker "
-                    "collective failed during it (a lost worker); training goes on", iteration)
-
-    def failure(self, error: Exception) -> Exception:
-        """What to raise for ``error``: a communication failure becomes a ``JobFailure``
-        naming the lost (or stuck) ranks and the last good checkpoint; anything else (a bug,
-        bad input) is returned unchanged."""
-        from ..comm.failures import is_communication_error
-        from ..errors import JobFailure, UsageError
-        from ..job import lifecycle
-
-        if isinstance(error, UsageError) or not is_communication_error(error):
-            return error
-        survey, survey_error = None, None
-        try:
-            survey = self.liveness.survey()
-        except ConnectionError as e:
-            survey_error = str(e)
-        message = lifecycle.failure_message(
-            error, self.topology.layout, self.topology.rank, self.iteration, survey,
-            survey_error, lifecycle.checkpoint_advice(self.cfg.checkpoint.save),
-            self.rendezvous.hosted_by)
-        self.liveness.mark_exiting(message)
-        self.liveness.linger(survey["lost"] if survey else [])
-        failure = JobFailure(message)
-        failure.__cause__ = error
-        return failure
+        """Commit the checkpoint being written, if any (``Saves.finish``). Collective."""
+        self.saves.finish(self.iteration, why)
 
 
 def eval_scalars(split: str, loss: float, logging_cfg) -> dict:
@@ -458,9 +334,35 @@ def pretrain(cfg: Config, extensions=()) -> Optional[dict]:
                 raise
             outside, hosts_store = e, run.liveness.hosts_store()
         except Exception as e:
-            raise run.failure(e)
+            raise _failure(run, e)
     rejoin_when_reachable(outside, 60.0 * cfg.parallel.distributed_timeout_minutes,
                           hosts_store, run.rendezvous, run.launch_environment)
+
+
+def _failure(run: Run, error: Exception) -> Exception:
+    """What ``pretrain`` raises for ``error`` from ``run``: a communication failure becomes a
+    ``JobFailure`` naming the lost (or stuck) ranks and the last good checkpoint; anything
+    else (a bug, bad input) is returned unchanged."""
+    from ..comm.failures import is_communication_error
+    from ..errors import JobFailure, UsageError
+    from ..job import lifecycle
+
+    if isinstance(error, UsageError) or not is_communication_error(error):
+        return error
+    survey, survey_error = None, None
+    try:
+        survey = run.liveness.survey()
+    except ConnectionError as e:
+        survey_error = str(e)
+    message = lifecycle.failure_message(
+        error, run.topology.layout, run.topology.rank, run.iteration, survey,
+        survey_error, lifecycle.checkpoint_advice(run.cfg.checkpoint.save),
+        run.rendezvous.hosted_by)
+    run.liveness.mark_exiting(message)
+    run.liveness.linger(survey["lost"] if survey else [])
+    failure = JobFailure(message)
+    failure.__cause__ = error
+    return failure
 
 
 def _train_and_report(run: Run) -> Optional[dict]:
