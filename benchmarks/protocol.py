@@ -356,7 +356,7 @@ def phase_jobs(phase: str, opts, rows):
                          "rung yet (phase outer / m1)")
     if phase in ("top", "m1-top"):
         return [job(top, m, olr, *dp, s) for s in opts.seeds for m in ms
-                for olr in (best[m], None)], True
+                for olr in (None, best[m])], True  # the default, plain averaging, first
     if phase in ("ladder", "m1-ladder"):
         return [job(x, m, olr, *dp, 1) for x in lower for m in [0, *ms]
                 for olr in ((None,) if m == 0 else (best[m], None))], True
