@@ -68,8 +68,10 @@ def test_a_lost_worker_is_dropped_then_rejoins_and_every_step_matches_the_refere
     logs = {w: tmp_path / f"w{w}.log" for w in range(3)}
     procs = {}
     try:
-        procs[0] = start(RANKS[0], [*common, "--diloco-worker-index", "0"], logs[0], paced,
-                         DRIVER)
+        # Worker 0 also logs Megatron's world-size at every step (it follows the membership).
+        procs[0] = start(RANKS[0], [*common, "--diloco-worker-index", "0", "--log-interval",
+                                    "1", "--log-world-size-to-tensorboard", "--log-jsonl",
+                                    str(tmp_path / "w0.jsonl")], logs[0], paced, DRIVER)
         procs[1] = start(RANKS[1], [*common, *OWN[1], "--diloco-worker-index", "1"], logs[1],
                          {"MEGATRON_STREAMING_LEAVE_WORKER": f"1:{LEAVES_AFTER}"}, DRIVER)
         procs[2] = start(RANKS[2], [*common, *OWN[2], "--diloco-worker-index", "2"], logs[2],
@@ -106,6 +108,12 @@ def test_a_lost_worker_is_dropped_then_rejoins_and_every_step_matches_the_refere
     assert LEAVES_AFTER < noticed < admitted < 90
     print(f"worker 1 left after step {LEAVES_AFTER}; the others noticed after step "
           f"{noticed}; it rejoined after step {admitted}")
+    # Megatron's world-size: every worker's ranks, the survivors' while worker 1 is away.
+    sizes = {row["iteration"]: row["world-size"] for row in map(
+        json.loads, (tmp_path / "w0.jsonl").read_text().splitlines()) if "world-size" in row}
+    assert sizes[1] == sizes[90] == sum(RANKS) and set(sizes.values()) == {4, 2}, sizes
+    assert all(noticed <= i <= admitted + 1 for i, v in sizes.items() if v == 2), sizes
+    assert sizes[noticed + 2] == 2, sizes
     # The save after step 30 was being written when the loss was noticed: dropped, training
     # went on; the final checkpoint has every worker's part.
     assert "the checkpoint of iteration 30 was not written: a worker was lost while it was " \
