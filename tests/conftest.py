@@ -74,7 +74,7 @@ QUICK_FILES = (
     "test_simulate.py", "test_topology.py", "test_quiet.py", "test_errors.py", "test_hf.py",
     "test_model.py", "test_attention.py", "test_ladder.py", "test_slurm.py", "test_launch.py",
     "test_checkpoint.py", "test_gpu_environment.py", "test_training.py", "test_moe.py",
-    "test_container.py", "test_pinned.py",
+    "test_container.py", "test_pinned.py", "test_sparse_codec.py",
 )
 QUICK_LEFT_OUT = {
     "test_container.py": ("test_the_container_command_keeps_the_containers_torch_and_trains",
