@@ -37,6 +37,14 @@ def memory_scalars() -> dict:
     return out
 
 
+def live_world_size(topology) -> int:
+    """The job's ranks now: those of the workers of the current membership (an elastic run's
+    survivors after a loss, every worker again after a rejoin), each worker its own size; the
+    launch's world where there is no membership yet."""
+    layout, members = topology.layout, topology.members
+    return sum(layout.worker_sizes[w] for w in members) if members else layout.world_size
+
+
 class RunReport:
     """Reports of a run over its collaborators (the ones that do not change during it)."""
 
@@ -182,7 +190,7 @@ class RunReport:
         its flags: ``lm loss`` (the step's loss), ``learning-rate``, ``batch-size`` (a
         worker's global batch, --global-batch-size), ``grad-norm`` (before clipping),
         ``num-zeros`` (after it), ``loss-scale`` (1 without --fp16), ``world-size`` (the ranks
-        of every worker of the current membership: ``live_world_size``), ``params-norm`` and the memory statistics."""
+        of the current membership's workers: ``live_world_size``), ``params-norm`` and the memory statistics."""
         log_cfg = self.cfg.logging
         out = {"lm loss": result.loss, "learning-rate": result.lr, "batch-size": batch_size,
                "grad-norm": result.grad_norm}
@@ -191,19 +199,12 @@ class RunReport:
         if log_cfg.log_loss_scale_to_tensorboard:
             out["loss-scale"] = result.loss_scale if result.loss_scale is not None else 1.0
         if log_cfg.log_world_size_to_tensorboard:
-            out["world-size"] = self.live_world_size()
+            out["world-size"] = live_world_size(self.topology)
         if params_norm is not None:
             out["params-norm"] = params_norm
         if log_cfg.log_memory_to_tensorboard:
             out.update(memory_scalars())
         return out
-
-    def live_world_size(self) -> int:
-        """The job's ranks now: those of the workers of the current membership (an elastic
-        run's survivors after a loss, every worker again after a rejoin), each worker its own
-        size; the launch's world where there is no membership yet."""
-        layout, members = self.topology.layout, self.topology.members
-        return sum(layout.worker_sizes[w] for w in members) if members else layout.world_size
 
     def tflops_per_gpu(self, step_samples: int, seconds_per_iteration: float) -> float:
         """Megatron-LM's ``throughput``: the step's operations (``flops``: every worker's
