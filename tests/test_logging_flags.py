@@ -253,10 +253,10 @@ def test_each_element_is_counted_on_one_rank():
 
 
 def test_grad_zeros_counts_in_the_optimizers_step_where_due():
-    from megatron_streaming.run.optimizer_report import GradZeros
+    from megatron_streaming.run.optimizer_report import CountedSpans, GradZeros
 
     model, engine, (partition,) = _model_and_engine(zero=True)
-    zeros = GradZeros(engine, _topology(), model, due=lambda step: step % 2 == 0)
+    zeros = GradZeros(CountedSpans(engine, _topology(), model), due=lambda step: step % 2 == 0)
     # The gradient as the step sees it: 2 zeros among the embedding's 6, 1 in the padding.
     partition.grad = torch.tensor([0.0, 1.0, 0.0, 2.0, 3.0, 4.0, 0.0])
     counts = []
@@ -274,7 +274,7 @@ def test_grad_zeros_counts_in_the_optimizers_step_where_due():
     model, engine, params = _model_and_engine(zero=False)
     for p in params:
         p.grad = torch.zeros_like(p)
-    zeros = GradZeros(engine, _topology(dp=1), model, due=lambda step: True)
+    zeros = GradZeros(CountedSpans(engine, _topology(dp=1), model), due=lambda step: True)
     zeros.before_step(1)
     engine.inner_optimizer.step()
     assert int(zeros._count) == 0

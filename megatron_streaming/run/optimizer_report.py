@@ -57,6 +57,21 @@ def stepped_tensors(optimizer) -> List[torch.Tensor]:
     return [t for group in optimizer.param_groups for t in group["params"]]
 
 
+class CountedSpans:
+    """``counted_spans`` made once and again only should the optimizer's tensors ever be
+    replaced (each report reads them, at its points only)."""
+
+    def __init__(self, engine, topology, model):
+        self.engine, self.topology, self.model = engine, topology, model
+        self._spans: Optional[Spans] = None
+
+    def get(self) -> Spans:
+        if self._spans is None or any(id(t) not in self._spans
+                                      for t in stepped_tensors(self.engine.inner_optimizer)):
+            self._spans = counted_spans(self.engine, self.topology, self.model)
+        return self._spans
+
+
 # Elements read at once: the statistics are taken in float64, a copy of this many elements at
 # a time rather than of a whole ZeRO partition.
 _CHUNK = 1 << 24
@@ -77,20 +92,19 @@ class GradZeros:
     clipping); ``total`` sums them over the worker. A step the optimizer skipped (an fp16
     overflow) counts nothing, and Megatron-LM writes no num-zeros for it either."""
 
-    def __init__(self, engine, topology, model, due: Callable[[int], bool]):
-        self.engine, self.topology, self.model, self.due = engine, topology, model, due
-        self._spans: Optional[Spans] = None
+    def __init__(self, spans: CountedSpans, due: Callable[[int], bool]):
+        self.spans, self.due = spans, due
+        self.engine, self.topology = spans.engine, spans.topology
+        self._spans: Optional[Spans] = None  # the armed step's
         self._armed = False
         self._count: Optional[torch.Tensor] = None  # on the gradients' device
-        self._handle = engine.inner_optimizer.register_step_pre_hook(self._on_inner_step)
+        self._handle = self.engine.inner_optimizer.register_step_pre_hook(self._on_inner_step)
 
     # ---- a step hook of the engine (``WorkerEngine.step_hooks``) ----------------------------
     def before_step(self, step: int) -> None:
         self._armed, self._count = self.due(step), None
-        # Once; again should the optimizer's tensors ever be replaced.
-        if self._armed and (self._spans is None or any(
-                id(t) not in self._spans for t in stepped_tensors(self.engine.inner_optimizer))):
-            self._spans = counted_spans(self.engine, self.topology, self.model)
+        if self._armed:
+            self._spans = self.spans.get()
 
     def after_step(self) -> None:
         self._armed = False
@@ -130,7 +144,7 @@ class GradZeros:
 _MOMENTS = ("variance", "variance_sqrt", "momentum", "weight")
 
 
-def optimizer_states(engine, topology, model) -> dict:
+def optimizer_states(spans: CountedSpans) -> dict:
     """--log-optimizer-states-to-tensorboard (collective over the worker): over the whole
     model's elements, each once, of Adam's variance v (``exp_avg_sq``), its square root, the
     momentum m (``exp_avg``) and the fp32 weights w, as Megatron-DeepSpeed names them:
@@ -141,7 +155,7 @@ def optimizer_states(engine, topology, model) -> dict:
 
     from ..parallel.topology import device_of
 
-    spans = counted_spans(engine, topology, model)
+    engine, topology, spans = spans.engine, spans.topology, spans.get()
     optimizer = engine.inner_optimizer
     group = topology.groups["worker"]
     device = device_of(group)

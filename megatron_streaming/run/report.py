@@ -52,11 +52,13 @@ class RunReport:
         self.cfg, self.topology, self.model = cfg, topology, model
         self.engine, self.sync = engine, sync
         self._dp_step_bytes = None
+        # What the reports of the optimizer's tensors count on this rank, made once.
+        from .optimizer_report import CountedSpans, GradZeros
+
+        self.counted = CountedSpans(engine, topology, model)
         self.grad_zeros = None  # --log-num-zeros-in-grad: counts in the optimizer's step
         if cfg.logging.log_num_zeros_in_grad:
-            from .optimizer_report import GradZeros
-
-            self.grad_zeros = GradZeros(engine, topology, model, self.due)
+            self.grad_zeros = GradZeros(self.counted, self.due)
             engine.step_hooks.append(self.grad_zeros)
         self.expert_load = None  # the MoE routers' counts and losses
         if cfg.model.moe:
@@ -183,14 +185,15 @@ class RunReport:
             return zeros, None
         from .optimizer_report import optimizer_states
 
-        return zeros, optimizer_states(self.engine, self.topology, self.model)
+        return zeros, optimizer_states(self.counted)
 
     def megatron_scalars(self, result, batch_size: int, params_norm, zeros=None) -> dict:
         """One point's training scalars as Megatron-LM's ``training_log`` names them, under
         its flags: ``lm loss`` (the step's loss), ``learning-rate``, ``batch-size`` (a
         worker's global batch, --global-batch-size), ``grad-norm`` (before clipping),
         ``num-zeros`` (after it), ``loss-scale`` (1 without --fp16), ``world-size`` (the ranks
-        of the current membership's workers: ``live_world_size``), ``params-norm`` and the memory statistics."""
+        of the current membership's workers: ``live_world_size``), ``params-norm`` and the
+        memory statistics."""
         log_cfg = self.cfg.logging
         out = {"lm loss": result.loss, "learning-rate": result.lr, "batch-size": batch_size,
                "grad-norm": result.grad_norm}

@@ -43,12 +43,13 @@ from typing import Callable, Dict, List, Optional, Union
 import torch
 
 from ..comm.codec import ErrorFeedback
+from .global_view import GlobalView
 from .membership import MembershipChanges
 from .outer import OuterOptimizer, eager_grad, merge
 from .saved import OuterStateful
 from .schedule import SyncSchedule
 from ..comm import pinned
-from ..comm.transport import Pending, Transport, pinned_host_copy
+from ..comm.transport import Pending, Transport
 
 log = logging.getLogger("megatron_streaming")
 
@@ -118,7 +119,7 @@ class FragmentStats:
     skipped: int = 0
 
 
-class StreamingSync(OuterStateful, MembershipChanges):
+class StreamingSync(OuterStateful, MembershipChanges, GlobalView):
     """The sync of one rank; what a checkpoint keeps of it: ``saved.OuterStateful``; what a
     change of the job's members does to it: ``membership.MembershipChanges``."""
 
@@ -360,16 +361,6 @@ class StreamingSync(OuterStateful, MembershipChanges):
         self._event("merge", g)
         return result.mean
 
-    def _local_on(self, g: ShardGroup, device: torch.device) -> torch.Tensor:
-        """The shard's local parameters on ``device`` (the outer state's; from a GPU to an
-        offloaded outer state through pinned memory)."""
-        local = g.read()
-        if local.device == device:
-            return local
-        if local.is_cuda and device.type == "cpu":
-            return pinned_host_copy(local)
-        return local.to(device)
-
     def _apply(self, g: ShardGroup, grad: torch.Tensor, unchanged: bool = False) -> None:
         """Outer step on the shard's ``theta_g`` with ``grad``, then the local merge;
         ``unchanged``: the local parameters are still those whose outer gradient ``grad``
@@ -404,33 +395,6 @@ class StreamingSync(OuterStateful, MembershipChanges):
                 # The exact value keeps such a run the plain training it is, bit for bit.
                 theta_g.copy_(local)
         merge(local, theta_g.to(local.device, non_blocking=offloaded), self.alpha)
-
-    # ---- evaluation with the global parameters ------------------------------------------
-    @contextlib.contextmanager
-    def global_parameters(self):
-        saved = [g.read().clone() for g in self.groups]
-        for g, theta in zip(self.groups, self.theta_g):
-            g.write(theta.to(saved[g.index].device))
-        self.push_to_model()
-        try:
-            yield
-        finally:
-            for g, local in zip(self.groups, saved):
-                g.write(local)
-            self.push_to_model()
-
-    def drift_terms(self) -> torch.Tensor:
-        """Per fragment: [||theta_local - theta_g||^2, ||theta_g||^2] on this rank.
-
-        Runs at every progress report: one difference and two dot products per shard (fp32
-        accumulation, plenty for a monitoring ratio), about a third of the cost of squaring
-        in fp64 with temporaries."""
-        out = torch.zeros(self.schedule.num_fragments, 2, dtype=torch.float64)
-        for g, theta in zip(self.groups, self.theta_g):
-            diff = torch.sub(self._local_on(g, theta.device), theta)
-            out[g.fragment, 0] += float(torch.dot(diff, diff))
-            out[g.fragment, 1] += float(torch.dot(theta, theta))
-        return out
 
     def _exchange_failed(self, error: BaseException) -> None:
         """Skip a failed exchange if the communicator says the run goes on; else raise."""
