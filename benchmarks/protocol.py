@@ -33,6 +33,8 @@ Phases (each chooses from the records of the ones before it, so ``--phases`` may
 * ``ladder``: data parallel and M=2 and 4, plain and Nesterov, at the lower rungs, seed 1.
 * ``m1``: one worker's outer optimizer (refused until the library runs it): its outer-lr sweep,
   then the top rung with every seed, then the lower rungs.
+* ``sparse``: M=2 and 4 under plain averaging at the tuning rung, seed 1, with the dense FP4
+  exchange and the sparse one at two densities (``SPARSE``): held-out loss and bytes.
 * ``ablate``: M=2 under plain averaging at the tuning rung, seed 1, with one change at a time
   (``ABLATIONS``: fp32 outer gradients, tau 0, one fragment, H=15, the inner lr doubled, outer
   lr 1.4, each worker data parallel's batch): which carries the gap.
@@ -206,6 +208,16 @@ ABLATIONS = {
     "b2x": ("global batch doubled: each worker data parallel's batch, half the steps (against "
             "data parallel at the doubled batch)", {}, 2),
 }
+# The sparse exchange (phase ``sparse``, M = 2 and 4 under plain averaging at the tuning rung,
+# seed 1) at two densities, against the dense FP4 exchange and data parallel: SparseLoCo's
+# chunk of 4,096, 2-bit values and accumulator decay 0.95 (the flags' defaults).
+SPARSE = {
+    "sparse64": ("sparse: 64 of every 4,096 (1.6 %), 2-bit values, decay 0.95",
+                 {"--diloco-quantize": "sparse", "--diloco-sparse-k": "64"}, 1),
+    "sparse128": ("sparse: 128 of every 4,096 (3.1 %), 2-bit values, decay 0.95",
+                  {"--diloco-quantize": "sparse", "--diloco-sparse-k": "128"}, 1),
+}
+CHANGES = {**ABLATIONS, **SPARSE}
 
 
 def method_name(workers: int, outer_lr, change=None) -> str:
@@ -272,15 +284,19 @@ def run_args(j: dict, data: list[str], eval_samples: int) -> tuple[list[str], in
             f"{MOMENTUM:g}", "--diloco-nesterov"]
         # One worker has no exchange to hide: tau 0 (tau 1 would throw away each merged
         # fragment's step in between, the one-worker warning's case), nothing to quantize.
-        flags += [*streaming_flags(0 if M == 1 else 1), "--diloco-quantize", "none" if M == 1 else "fp4-e2m1", *outer]
+        flags += [*streaming_flags(0 if M == 1 else 1), "--diloco-quantize",
+                  "none" if M == 1 else "fp4-e2m1", *outer]
     lr = j["lr"]
     flags += ["--lr", f"{lr:g}", "--min-lr", f"{lr / 10:g}", "--lr-warmup-iters",
               str(max(1, steps // 20)), "--train-iters", str(steps), "--eval-interval",
               str(eval_interval(steps)), "--eval-iters", str(eval_samples // per_eval_iter),
               "--seed", str(j["seed"])]
     if j.get("change"):
-        for flag, value in ABLATIONS[j["change"]][1].items():
-            flags[flags.index(flag) + 1] = value
+        for flag, value in CHANGES[j["change"]][1].items():
+            if flag in flags:
+                flags[flags.index(flag) + 1] = value
+            else:
+                flags += [flag, value]
     return [*COMMON, *data, *flags], ranks
 
 
@@ -345,6 +361,9 @@ def phase_jobs(phase: str, opts, rows):
     if phase == "ablate":
         return [job(rung, 2, None, dp[0], dp[1] * factor, 1, change)
                 for change, (_, _, factor) in ABLATIONS.items()], True
+    if phase == "sparse":  # with the dense exchange's run beside each (phase outer has it)
+        return [job(rung, m, None, *dp, 1, change) for m in opts.workers if m > 1
+                for change in (None, *SPARSE)], True
     if phase in ("outer", "m1-outer"):
         ms = [1] if phase == "m1-outer" else [m for m in opts.workers if m > 1]
         return [job(rung, m, olr, *dp, 1) for m in ms for olr in (None, *opts.outer_lrs)], True
@@ -363,7 +382,7 @@ def phase_jobs(phase: str, opts, rows):
     raise SystemExit(f"--phases: unknown phase {phase!r}")
 
 
-PHASES = ["tune", "dp", "outer", "top", "ladder", "m1", "ablate"]
+PHASES = ["tune", "dp", "outer", "top", "ladder", "m1", "ablate", "sparse"]
 M1_PHASES = ["m1-outer", "m1-top", "m1-ladder"]
 
 

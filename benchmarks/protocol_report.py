@@ -75,7 +75,10 @@ def _gap_along(mine: list[dict], dps: list[dict]) -> list:
 
 
 def tables(rows: list[dict], opts) -> str:
-    ablated = [r for r in rows if r["change"]]
+    from benchmarks.protocol import SPARSE
+
+    ablated = [r for r in rows if r["change"] and r["change"] not in SPARSE]
+    sparse = [r for r in rows if r["change"] in SPARSE]
     rows = [r for r in rows if not r["change"]]
     rung, top = opts.tune_rung, max(opts.rungs)
     dp = best_dp(rows, rung)
@@ -140,7 +143,7 @@ def tables(rows: list[dict], opts) -> str:
             g = dict(c["gap_along"])
             lines.append(f"| {c['workers']} | {c['outer']} | " + " | ".join(
                 f"{g[f]:+.1f} %" if f in g else "-" for f in fractions) + " |")
-    return "\n".join(lines + ablation_table(ablated, rows, dp))
+    return "\n".join(lines + ablation_table(ablated, rows, dp) + sparse_table(sparse, rows))
 
 
 def ablation_table(ablated: list[dict], rows: list[dict], dp) -> list[str]:
@@ -164,6 +167,40 @@ def ablation_table(ablated: list[dict], rows: list[dict], dp) -> list[str]:
                 f"{100 * (_held_out(x) / _held_out(ref) - 1):+.2f} %"
         out.append(f"| {r['rung']:g} | {ABLATIONS[r['change']][0]} | {_loss(_held_out(r))} | "
                    f"{gap(r)} | {gap(base)} |")
+    return out
+
+
+def sparse_table(sparse: list[dict], rows: list[dict]) -> list[str]:
+    """The sparse exchange at two densities (phase ``sparse``) beside the dense FP4 one and
+    data parallel at the same rung, seed, lr and batch: held-out loss, its gap, the bytes
+    across workers and data parallel's for the same steps (``comm.traffic``: a ring
+    all-reduce of fp32 gradients over the M workers every step) over them."""
+    if not sparse:
+        return []
+    from benchmarks.protocol import SPARSE
+    from megatron_streaming.comm.traffic import ring_all_reduce_bytes
+
+    out = ["", "The sparse exchange against the dense FP4 one (plain averaging, H=30, P=3, tau=1; "
+           "held-out loss, seed 1; bytes: all workers' cross-worker sends, data parallel's: a ring "
+           "all-reduce of fp32 gradients over the M workers at every step):", "",
+           "| tokens per parameter | M | exchange | held-out loss | gap to data parallel | bytes "
+           "across workers | data parallel's bytes / these |", "|---|---|---|---|---|---|---|"]
+    keys = sorted({(r["rung"], r["workers"], r["seed"], r["lr"], r["batch"]) for r in sparse})
+    for rung, m, seed, lr, batch in keys:
+        same = [x for x in [*rows, *sparse] if (x["rung"], x["seed"], x["lr"], x["batch"]) ==
+                (rung, seed, lr, batch)]
+        ref = next((x for x in same if x["method"] == "dp"), None)
+        runs = [x for x in same if x["workers"] == m and x["outer_lr"] is None and
+                (x["change"] is None or x["change"] in SPARSE)]
+        for r in sorted(runs, key=lambda x: (x["change"] is not None, x["change"] or "")):
+            s = r["summary"]
+            dp_bytes = ring_all_reduce_bytes(s["parameters"], m) * s["iteration"]
+            sent = s["cross_worker_bytes"]
+            gap = "-" if ref is None else f"{100 * (_held_out(r) / _held_out(ref) - 1):+.2f} %"
+            what = "dense FP4 (E2M1, block 128)" if r["change"] is None else \
+                SPARSE[r["change"]][0]
+            out.append(f"| {rung:g} | {m} | {what} | {_loss(_held_out(r))} | {gap} | "
+                       f"{sent / 1e6:.2f} MB | {dp_bytes / sent:,.0f}x |")
     return out
 
 

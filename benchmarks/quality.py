@@ -75,6 +75,9 @@ PLAIN = ["--diloco-outer-lr", "1", "--diloco-outer-momentum", "0", "--no-diloco-
          "--diloco-alpha", "0", "--diloco-overlap-steps", "0"]
 PAPER = ["--diloco-outer-lr", "0.7", "--diloco-outer-momentum", "0.9"]
 STREAM = ["--diloco-fragments", "3", "--diloco-overlap-steps", "1"]
+# Periodic averaging, one fragment, no overlap: typed since the library chooses P and tau
+# where they are not (their old defaults, 1 and 0, were what these variants ran with).
+P1 = ["--diloco-fragments", "1", "--diloco-overlap-steps", "0"]
 
 # name -> (what changes, flags on top of DILOCO; None = data parallel). Later flags win.
 VARIANTS = {
@@ -82,19 +85,19 @@ VARIANTS = {
     "alone": ("one worker alone (--no-diloco-sync), half the tokens",
               ["--no-diloco-sync", "--eval-params", "local"]),
     "h1": ("averaging every step (H=1, P=1, outer lr 1, no momentum, alpha 0, fp32)",
-           [*PLAIN, "--diloco-inner-steps", "1", "--diloco-quantize", "none"]),
+           [*PLAIN, "--diloco-inner-steps", "1", "--diloco-quantize", "none", *P1]),
     "h30": ("averaging every 30 steps (P=1, fp32)",
-            [*PLAIN, "--diloco-inner-steps", "30", "--diloco-quantize", "none"]),
+            [*PLAIN, "--diloco-inner-steps", "30", "--diloco-quantize", "none", *P1]),
     # The number of outer steps: 1200 / H per fragment (240 at H=5, 40 at H=30).
     "h5": ("averaging every 5 steps (P=1, fp32)",
-           [*PLAIN, "--diloco-inner-steps", "5", "--diloco-quantize", "none"]),
+           [*PLAIN, "--diloco-inner-steps", "5", "--diloco-quantize", "none", *P1]),
     "h5_nesterov": ("h5 + outer lr 0.7, Nesterov momentum 0.9 (the papers')",
-                    ["--diloco-inner-steps", "5", "--diloco-quantize", "none", *PAPER]),
+                    ["--diloco-inner-steps", "5", "--diloco-quantize", "none", *PAPER, *P1]),
     "h30_nesterov": ("h30 + outer lr 0.7, Nesterov momentum 0.9 (the papers')",
-                     ["--diloco-inner-steps", "30", "--diloco-quantize", "none", *PAPER]),
+                     ["--diloco-inner-steps", "30", "--diloco-quantize", "none", *PAPER, *P1]),
     "h30_heavyball": ("h30 + outer lr 0.7, heavy-ball momentum 0.9",
                       ["--diloco-inner-steps", "30", "--diloco-quantize", "none", *PAPER,
-                       "--no-diloco-nesterov"]),
+                       "--no-diloco-nesterov", *P1]),
     "p3": ("h30 + P=3 fragments",
            [*PLAIN, "--diloco-inner-steps", "30", "--diloco-quantize", "none",
             "--diloco-fragments", "3"]),
@@ -148,7 +151,7 @@ VARIANTS = {
     # As many syncs, placed at equal shares of the summed lr (often early, seldom late).
     "h30_lr_spaced": ("h30 with --diloco-sync-spacing lr",
                       [*PLAIN, "--diloco-inner-steps", "30", "--diloco-quantize", "none",
-                       "--diloco-sync-spacing", "lr"]),
+                       "--diloco-sync-spacing", "lr", *P1]),
     "defaults_lr_spaced": ("defaults with --diloco-sync-spacing lr",
                            ["--diloco-inner-steps", "30", *STREAM, "--diloco-quantize", "fp4",
                             "--diloco-sync-spacing", "lr"]),
@@ -164,11 +167,12 @@ VARIANTS = {
     # One worker (the papers' M=1 row): data parallel's ranks and batch, the outer optimizer
     # on top of them (its flags typed turn it on), no wire and no quantization.
     "m1_h30_nesterov": ("dp + one worker's outer optimizer every 30 steps: outer lr 0.7, "
-                        "Nesterov 0.9 (the papers' M=1)", ["--diloco-inner-steps", "30", *PAPER]),
+                        "Nesterov 0.9 (the papers' M=1)",
+                        ["--diloco-inner-steps", "30", *PAPER, *P1]),
     "m1_h30": ("dp + one worker's outer optimizer every 30 steps, plain averaging (outer lr 1, "
                "no momentum): dp itself, bit for bit",
                ["--diloco-inner-steps", "30", "--diloco-outer-lr", "1",
-                "--diloco-outer-momentum", "0"]),
+                "--diloco-outer-momentum", "0", *P1]),
 }
 LADDER = list(VARIANTS)
 # Variants run as data parallel runs (one worker of 2 ranks, batch B), their flags on top.

@@ -7,7 +7,8 @@
 # The hostfile is the step's nodes in SLURM's order and this node's --node_rank its place in
 # it, so the worker's ranks are node-major, as in any hostfile run. The flags carry
 # --diloco-worker-index and the common --master-addr/--master-port, which take the
-# launcher's local ranks to global ones; the launcher's own --master_addr is then unused.
+# launcher's local ranks to global ones; the launcher's own --master_addr then names only the
+# host of the worker's own store (``distributed.join_worker_launch``).
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 slots=$1 devices=$2

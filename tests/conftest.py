@@ -74,9 +74,12 @@ QUICK_FILES = (
     "test_simulate.py", "test_topology.py", "test_quiet.py", "test_errors.py", "test_hf.py",
     "test_model.py", "test_attention.py", "test_ladder.py", "test_slurm.py", "test_launch.py",
     "test_checkpoint.py", "test_gpu_environment.py", "test_training.py", "test_moe.py",
-    "test_container.py", "test_pinned.py", "test_sparse_codec.py",
+    "test_container.py", "test_pinned.py", "test_sparse_codec.py", "test_doc_commands.py",
+    "test_sparse_transport.py",
 )
 QUICK_LEFT_OUT = {
+    "test_doc_commands.py": ("test_the_cpu_runnable_doc_commands_run_and_sync",
+                             "test_the_readme_two_clusters_run_on_one_machine"),
     "test_container.py": ("test_the_container_command_keeps_the_containers_torch_and_trains",
                           "test_the_container_command_refuses_a_python_without_torch_and_an_isolated_venv"),
     "test_checkpoint.py": ("test_resume_continues_the_uninterrupted_run_exactly",

@@ -297,6 +297,9 @@ class Reference:
         for p in self.schedule.sends_after(step):
             if self.failing:  # the exchange fails: its merge is skipped
                 continue
+            if self.cfg.streaming.diloco_quantize == "sparse":
+                self.pending[p] = self.sparse_mean(p, local)
+                continue
             self.pending[p] = {}
             for n in self.names:
                 if self.fragment[n] == p:
@@ -316,6 +319,47 @@ class Reference:
             if p in self.pending:  # else: sent under another schedule, merged at the resume
                 self.merge(p)
 
+
+    def sparse_mean(self, p, local):
+        """``--diloco-quantize sparse``: per shard (fragment p's parameters of one inner param
+        group, flat in the group's order, as ZeRO flattens them), each worker's outer gradient
+        (times its weight's share) into its accumulator e <- decay * e + delta, ``sparse_sent``
+        of it sent and taken out of it, the sent values summed in worker order over the
+        workers, then divided by their number."""
+        s, k = self.cfg.streaming, len(self.active)
+        weights = [self.weights[w] for w in self.active]
+        share = [k * x / sum(weights) if len(set(weights)) > 1 else 1.0 for x in weights]
+        accumulators = self.__dict__.setdefault("accumulators", {})
+        out = {}
+        for g, group in enumerate(self.opts[0].param_groups):
+            names = [self._name_of_local(param) for param in group["params"]]
+            names = [n for n in names if self.fragment[n] == p]
+            if not names:
+                continue
+            total = None
+            for w, x in zip(self.active, share):
+                delta = torch.cat([(self.theta_g[n].detach() - local[w][n].detach()).reshape(-1)
+                                   for n in names])
+                if x != 1.0:
+                    delta = delta * x
+                e = accumulators.get((w, g, p), torch.zeros_like(delta))
+                target = e * s.diloco_sparse_decay + delta
+                # A short last chunk is padded with zeros for the choice only.
+                padded = torch.nn.functional.pad(
+                    target, (0, -target.numel() % s.diloco_sparse_chunk))
+                sent = sparse_sent(padded, s.diloco_sparse_chunk, s.diloco_sparse_k,
+                                   s.diloco_sparse_value_bits)[:target.numel()]
+                accumulators[(w, g, p)] = target - sent
+                total = sent.clone() if total is None else total + sent
+            mean, offset = total / k, 0
+            for n in names:
+                size = self.theta_g[n].numel()
+                out[n] = mean[offset:offset + size].view_as(self.theta_g[n])
+                offset += size
+        return out
+
+    def _name_of_local(self, param):
+        return next(n for n, q in self.models[0].named_parameters() if q is param)
 
     def eager_step(self, step, last, local):
         for p in self.schedule.sends_after(step):
@@ -347,6 +391,25 @@ class Reference:
         if sending:
             self.pending[p] = {n: sum(fresh[w][n] for w in range(M)) / M for n in names}
         self.theta_g = self.thetas[0]
+
+
+def sparse_sent(x, chunk, k, bits):
+    """What a worker sends of ``x`` (whole chunks), decoded, written apart from
+    ``comm.sparse``: per chunk, its k entries of largest magnitude (among equal ones the lower
+    position), each as its sign times the nearest of the 2^(bits-1) magnitudes s * 2^(m - L + 1)
+    below the chunk's absmax s (nearest in linear space: at or above the midpoint
+    0.75 * s * 2^(j - L + 1) it is magnitude j); zeros elsewhere."""
+    rows = x.view(-1, chunk)
+    order = torch.sort(rows.abs(), dim=1, descending=True, stable=True).indices[:, :k]
+    picked = rows.gather(1, order)
+    s = rows.abs().amax(dim=1, keepdim=True)
+    levels = 1 << (bits - 1)
+    m = torch.zeros_like(picked)
+    for j in range(1, levels):
+        m += (picked.abs() >= s * (0.75 * 2.0 ** (j - levels + 1))).float()
+    magnitude = s * torch.pow(2.0, m - levels + 1)
+    values = torch.where(picked < 0, -magnitude, magnitude)
+    return torch.zeros_like(rows).scatter(1, order, values).view(-1)
 
 
 def main():

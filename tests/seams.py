@@ -32,10 +32,25 @@ def all_reduce_mean(transport, x, step: int, tag: str, feedback=None):
     return transport.all_reduce_mean_many([x], step, [tag], [feedback])[0]
 
 
+def abandoned(transport, pending) -> Optional[str]:
+    """Let ``transport`` go (a membership change) and wait for ``pending``, its exchange held
+    before the wire: the ``GroupReleased`` message it ends with (None: it completed)."""
+    from megatron_streaming.comm.transport import GroupReleased
+
+    transport.abandon()
+    transport.gate.set()
+    try:
+        pending.future.result(timeout=60)
+        return None
+    except GroupReleased as e:
+        return str(e)
+
+
 def count_collectives(transport):
     """Count on ``transport.collectives`` the collectives its exchanges issue on the
     cross-worker group from now on: the all-to-all of ``_reduce_scatter`` and the all-gather
-    of ``_all_gather``, one each (2 per exchange), counted once they returned."""
+    of ``_all_gather``, one each (2 per exchange), counted once they returned (the sparse
+    exchange's one all-gather is its ``_all_gather``: 1 per exchange)."""
     transport.collectives = 0
     for name in ("_reduce_scatter", "_all_gather"):
         def counted(*args, _issue=getattr(transport, name)):

@@ -550,10 +550,13 @@ STREAMING = [*TINY, "--num-layers", "2", "--train-iters", "12", "--eval-iters", 
 _TAU = STREAMING.index("--diloco-overlap-steps")
 EAGER = STREAMING[:_TAU] + STREAMING[_TAU + 2:] + [
     "--diloco-eager", "--diloco-outer-lr", "0.7", "--diloco-outer-momentum", "0.9"]
+# The sparse exchange: each worker's accumulator is saved per worker and resumed.
+SPARSE = [*STREAMING, "--diloco-quantize", "sparse", "--diloco-sparse-chunk", "256",
+          "--diloco-sparse-k", "8"]
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("eager", [False, True], ids=["tau2", "eager"])
+@pytest.mark.parametrize("eager", [False, True, "sparse"], ids=["tau2", "eager", "sparse"])
 def test_resume_with_a_fragment_in_flight_continues_exactly(tmp_path, eager):
     """H=6, P=2, tau=2: fragment 0 is sent after step 6 and merged after step 8, so a
     checkpoint after step 7 holds an exchange in flight (and the FP4 error-feedback residual,
@@ -561,7 +564,9 @@ def test_resume_with_a_fragment_in_flight_continues_exactly(tmp_path, eager):
     copy and momentum are its own): fragment 1 sent after step 3 and fragment 0 after step 6
     are both in flight, applied at their next sends, 9 and 12. tau2 saves with --async-save
     while training goes on."""
-    if eager:
+    if eager == "sparse":
+        resumes_in_flight_exactly(tmp_path, SPARSE)
+    elif eager:
         resumes_in_flight_exactly(tmp_path, EAGER)
     else:
         resumes_async_save_in_flight_exactly(tmp_path, STREAMING)
@@ -594,7 +599,7 @@ def resumes_async_save_in_flight_exactly(tmp_path, args, extra_env=None):
 
 def resumes_in_flight_exactly(tmp_path, args, extra_env=None):
     """The body of the test above, for any flags that keep its schedule (the CUDA variant)."""
-    eager = "--diloco-eager" in args
+    eager = "--diloco-eager" in args  # (sparse: its accumulators, one per worker and shard)
     full_summary, resumed_summary = tmp_path / "full.json", tmp_path / "resumed.json"
     run(2, [*args, "--log-jsonl", str(tmp_path / "full.jsonl"),
             "--summary-json", str(full_summary)], extra_env=extra_env)

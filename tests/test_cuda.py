@@ -33,7 +33,7 @@ DETERMINISTIC = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
 # Two one-rank workers each (the reference's cases that fit one GPU).
 CASES = {
     "diloco_p1_tau0": ["--num-layers", "2", "--diloco-inner-steps", "4",
-                       "--diloco-fragments", "1"],
+                       "--diloco-fragments", "1", "--diloco-overlap-steps", "0"],
     "zero1_p3_tau1_alpha05": ["--num-layers", "3", "--zero-stage", "1",
                               "--diloco-inner-steps", "6", "--diloco-fragments", "3",
                               "--diloco-overlap-steps", "1", "--diloco-alpha", "0.5"],

@@ -30,14 +30,26 @@ def _fingerprint(*flags, vocab=512):
     return fingerprint(cfg, RankLayout(2, 2), _Vocab(vocab))
 
 
+def test_the_source_digest_reads_the_package_and_its_patches():
+    import hashlib
+
+    from megatron_streaming.job.door import source_digest
+
+    # The digest of no file at all is what a wrong root (the package's own folder) gives.
+    assert source_digest() != hashlib.sha256().hexdigest()[:16]
+    assert source_digest() == source_digest()
+
+
 def test_each_difference_is_named_with_both_values():
     base = _fingerprint()
     assert differences([{"fingerprint": base}, {"fingerprint": _fingerprint()}]) == []
     other = _fingerprint("--diloco-inner-steps", "30", "--hidden-size", "128",
                          "--diloco-worker-index", "1", "--diloco-timeout", "5")
     (line,) = differences([{"fingerprint": base}, {"fingerprint": other}])
-    # The worker's own index and its timeout may differ; the rest is named, sorted.
-    assert line == ("worker 0 and worker 1 differ: --diloco-inner-steps 100 vs 30; "
+    # The worker's own index and its timeout may differ; the rest is named, sorted, as
+    # resolved (20 steps: H=1, P=1, tau=0 where not typed; H=30 typed: P=2, tau=1).
+    assert line == ("worker 0 and worker 1 differ: --diloco-fragments 1 vs 2; "
+                    "--diloco-inner-steps 1 vs 30; --diloco-overlap-steps 0 vs 1; "
                     "--hidden-size 64 vs 128; parameters (from the model flags) "
                     f"{base['parameters (from the model flags)']} vs "
                     f"{other['parameters (from the model flags)']}")

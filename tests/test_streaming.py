@@ -92,10 +92,10 @@ DECOUPLED = ["--decoupled-lr", "3e-3", "--decoupled-min-lr", "3e-4"]
 CASES = {
     # P=1, tau=0, alpha=0: plain DiLoCo.
     "diloco_p1_tau0": (2, ["--num-layers", "2", "--diloco-inner-steps", "4",
-                           "--diloco-fragments", "1"]),
+                           "--diloco-fragments", "1", "--diloco-overlap-steps", "0"]),
     "tp2_p3_tau0_alpha05_strided": (4, [
         "--num-layers", "3", "--tensor-model-parallel-size", "2", "--diloco-inner-steps", "6",
-        "--diloco-fragments", "3", "--diloco-alpha", "0.5"]),
+        "--diloco-fragments", "3", "--diloco-alpha", "0.5", "--diloco-overlap-steps", "0"]),
     "pp2_p2_tau2_sequential": (4, [
         "--num-layers", "4", "--pipeline-model-parallel-size", "2", "--diloco-inner-steps", "6",
         "--diloco-fragments", "2", "--diloco-overlap-steps", "2",
@@ -157,6 +157,51 @@ def test_distributed_matches_single_process_reference(name, tmp_path):
             assert met["in_world"] and met["world"] == met["published"], (w, met)
         else:  # one: a store of its own in the process, nothing published
             assert met["world"] == "HashStore" and met["published"] is None, (w, met)
+
+
+# The sparse exchange (SparseLoCo) against the reference's own top-k, 2-bit values and
+# decaying accumulator, bit for bit: a top-k choice or a 2-bit rounding flips on the last bit
+# of an outer gradient, so the inner steps must agree to the bit too, which SGD without
+# clipping does between one-rank workers (Adam's and the clipping norm's reductions reorder).
+SPARSE = ["--diloco-quantize", "sparse", "--diloco-sparse-chunk", "64", "--diloco-sparse-k",
+          "4", "--optimizer", "sgd", "--lr", "0.1", "--clip-grad", "0"]
+SPARSE_CASES = {
+    "p1_tau0": (2, ["--num-layers", "2", "--diloco-inner-steps", "4", "--diloco-fragments",
+                    "1", "--diloco-overlap-steps", "0"]),
+    "p2_tau1_alpha05_3bit": (2, ["--num-layers", "2", "--diloco-inner-steps", "4",
+                                 "--diloco-fragments", "2", "--diloco-overlap-steps", "1",
+                                 "--diloco-alpha", "0.5", "--diloco-sparse-value-bits", "3"]),
+    "m3_p3_tau1_decay1_plain": (3, ["--diloco-workers", "3", "--num-layers", "3",
+                                    "--diloco-inner-steps", "6", "--diloco-fragments", "3",
+                                    "--diloco-overlap-steps", "1", "--diloco-sparse-decay", "1",
+                                    "--diloco-outer-lr", "1", "--diloco-outer-momentum", "0"]),
+}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", sorted(SPARSE_CASES))
+def test_sparse_exchange_matches_the_reference_bit_for_bit(name, tmp_path):
+    """Every parameter, local and global, of every worker equals the reference's; every rank
+    counted the closed form's bytes: per send, per shard of n elements, (M - 1) x (ceil(n /
+    C) x (ceil(k ceil(log2 C) / 8) + ceil(k b / 8) + 4) + 4)."""
+    from megatron_streaming.cli.arguments import parse_args
+    from megatron_streaming.streaming.settings import fragment_plan
+
+    nproc, extra = SPARSE_CASES[name]
+    args = [*BASE, *SPARSE, *extra]
+    matches_reference(nproc, args, tmp_path, whole_tol=0.0, worst_tol=0.0)
+    s = parse_args(args).streaming
+    plan, M, C, k = fragment_plan(parse_args(args)), s.diloco_workers, 64, 4
+    w0 = dumps(tmp_path, 0)
+    sizes = {}
+    for n, tensor in w0["local"].items():
+        key = (tensor.ndim > 1 and not n.endswith(".bias"), plan.fragment_of(n))
+        sizes[key] = sizes.get(key, 0) + tensor.numel()
+    sends = {(step, f) for step, kind, f, _ in w0["events"] if kind == "send"}
+    per_chunk = -(-k * 6 // 8) + -(-k * s.diloco_sparse_value_bits // 8) + 4  # log2 64 = 6
+    expected = sum((M - 1) * (-(-n // C) * per_chunk + 4) for _, f in sends
+                   for (_, g), n in sizes.items() if g == f)
+    assert w0["cross_worker_bytes"] == expected * M
 
 
 def matches_reference(nproc, args, out, whole_tol=1e-6, worst_tol=1e-5, extra_env=None):

@@ -591,20 +591,31 @@ def test_one_worker_runs_its_outer_optimizer_only_when_asked():
         "--diloco-workers 1 with --diloco-inner-steps, --diloco-outer-lr, "
         "--diloco-outer-momentum (--no-diloco-sync: plain training): one worker's outer "
         "optimizer: every 30 steps, outer lr 0.7, momentum 0.9 (Nesterov), 1 fragment, no "
-        "quantization"]
-    switch = cfg("--diloco-sync")
+        "quantization",
+        "--diloco-fragments, --diloco-overlap-steps not given: P=1, tau=0 for 20 steps of 2 "
+        "layers (docs/DESIGN.md, \"Choosing the sync settings\": H=30 where a fragment still "
+        "gets 40 outer steps, else train-iters / 40; P=3 where it divides the layers and H; "
+        "tau=1 where H/P > 1)"]
+    switch = cfg("--diloco-sync")  # 20 steps of 2 layers: H and P chosen, tau 0 (one worker)
     assert enabled(switch) and switch.notes[0].endswith(
-        "every 100 steps, outer lr 1, no momentum, 1 fragment, no quantization (plain "
+        "every step, outer lr 1, no momentum, 1 fragment, no quantization (plain "
         "averaging: the same training as without it, bit for bit)")
+    assert switch.notes[1].startswith("--diloco-inner-steps, --diloco-fragments, "
+                                      "--diloco-overlap-steps not given: H=1, P=1, tau=0 for "
+                                      "20 steps of 2 layers")
     assert enabled(cfg("--no-diloco-nesterov")) and enabled(cfg("--diloco-fragments", "2"))
     assert not enabled(cfg("--diloco-outer-lr", "0.7", "--no-diloco-sync"))
     quantized = cfg("--diloco-quantize", "int8", "--diloco-error-feedback")
     assert enabled(quantized) and quantized.streaming.diloco_quantize == "int8"
     assert "the outer gradient quantized locally as int8 with error feedback" in \
         quantized.notes[0]
-    several = cfg("--diloco-workers", "2")  # as before: on, FP4 on the wire, nothing said
+    several = cfg("--diloco-workers", "2")  # as before: on, FP4 on the wire; H, P, tau said
     assert enabled(several) and several.streaming.diloco_quantize == "fp4-e2m1"
-    assert several.notes == [] and not enabled(cfg("--diloco-workers", "2", "--no-diloco-sync"))
+    assert [n[:n.index(" for ")] for n in several.notes] == [
+        "--diloco-inner-steps, --diloco-fragments, --diloco-overlap-steps not given: H=1, P=1, "
+        "tau=0"]
+    off = cfg("--diloco-workers", "2", "--no-diloco-sync")
+    assert not enabled(off) and off.notes == []
     with pytest.raises(ConfigError, match=r"^--diloco-min-workers 1: elastic workers need "
                        r"--diloco-workers above 1"):
         validate(cfg("--diloco-outer-lr", "0.7", "--diloco-min-workers", "1"), 1)

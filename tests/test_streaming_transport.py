@@ -12,10 +12,10 @@ import torch
 
 from megatron_streaming.comm.codec import make_codec
 from megatron_streaming.streaming.outer import OuterOptimizer, merge
-from megatron_streaming.comm.transport import GroupReleased, SyncTimeout, Transport
+from megatron_streaming.comm.transport import SyncTimeout, Transport
 
 from conftest import spawn_gloo
-from seams import all_reduce_mean, count_collectives
+from seams import abandoned, all_reduce_mean, count_collectives
 
 
 def _gen(seed):
@@ -203,13 +203,7 @@ def _transport_worker(rank, world, group):
     # nothing on the group and fails; the next transport on the same group pairs up exactly.
     t = _GatedTransport(group, ranks, rank, make_codec("none"), 60.0)
     pending = all_reduce_mean(t, _worker_input(rank), 6, "abandoned")
-    t.abandon()
-    t.gate.set()
-    try:
-        pending.future.result(timeout=60)
-        out["abandoned"] = None
-    except GroupReleased as e:
-        out["abandoned"] = str(e)
+    out["abandoned"] = abandoned(t, pending)
     t = Transport(group, ranks, rank, make_codec("none"), 60.0)
     out["after_abandon"] = all_reduce_mean(t, _worker_input(rank) * 3, 7, "after").wait().mean
     t.close()

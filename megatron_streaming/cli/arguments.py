@@ -103,9 +103,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> Config:
     problems.extend(_apply_schedule_flags(cfg, given))
     if problems:
         raise ConfigError("\n".join(problems))
-    _apply_one_worker(cfg, given, parser)
     from ..streaming import rule
 
+    chosen = rule.choose_unset(cfg)  # before the one-worker line, which names H and P
+    _apply_one_worker(cfg, given, parser)
+    cfg.notes += [chosen] if chosen and cfg.streaming.diloco_sync else []
     past = rule.past_measured(cfg.streaming, cfg.training.train_iters)
     cfg.notes += [past] if past else []  # where validate's warning on outer momentum is not
     return cfg
@@ -371,8 +373,8 @@ def _validate_moe(cfg: Config, layout) -> None:
     # At EP > 1 the experts are optimizer groups of their own, which every stage must have
     # (DeepSpeed reduces each group's gradient norm over the pipeline stages together).
     _require(ep == 1 or not empty,
-             f"--moe-layer-freq {m.moe_layer_freq} leaves pipeline stage {empty[0] if empty else 0} "
-             f"without an MoE layer, which --expert-model-parallel-size {ep} needs on every "
+             f"--moe-layer-freq {m.moe_layer_freq} leaves pipeline stage "
+             f"{empty[0] if empty else 0} without an MoE layer, which --expert-model-parallel-size {ep} needs on every "
              "stage; change the frequency or the pipeline size")
     _require(etp is None or etp == p.tensor_model_parallel_size,
              f"--expert-tensor-parallel-size {etp}: only the tensor-parallel size "
@@ -486,7 +488,6 @@ def _check_cross_worker_nccl(cfg: Config, have_cuda: bool) -> None:
 def _validate_streaming(cfg: Config) -> None:
     """The sync's own checks (schedule, fragments, outer optimizer, codec), as flag errors."""
     from ..streaming import settings
-    from ..comm.codec import make_codec
 
     s, layers = cfg.streaming, cfg.model.num_layers
     if s.diloco_fragment_layers is not None:
@@ -508,6 +509,14 @@ def _validate_streaming(cfg: Config) -> None:
                  "(each worker's own global copy cannot be taken from another)")
     _require(s.diloco_control_lag >= 1,
              f"--diloco-control-lag must be >= 1, got {s.diloco_control_lag}")
+    if s.diloco_quantize == "sparse":
+        _require(2 <= s.diloco_sparse_chunk <= 1 << 24, "--diloco-sparse-chunk must be in "
+                 f"[2, 16777216], got {s.diloco_sparse_chunk}")
+        _require(1 <= s.diloco_sparse_k <= s.diloco_sparse_chunk, "--diloco-sparse-k must be "
+                 f"in [1, --diloco-sparse-chunk ({s.diloco_sparse_chunk})], got "
+                 f"{s.diloco_sparse_k}")
+        _require(0.0 <= s.diloco_sparse_decay <= 1.0,
+                 f"--diloco-sparse-decay must be in [0, 1], got {s.diloco_sparse_decay}")
     import torch
 
     _check_cross_worker_nccl(cfg, torch.cuda.is_available())
@@ -520,7 +529,7 @@ def _validate_streaming(cfg: Config) -> None:
         settings.fragment_plan(cfg)
         settings.sync_schedule(cfg)
         settings.outer_optimizer(cfg)
-        make_codec(s.diloco_quantize, s.diloco_quant_block)
+        settings.codec(cfg)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

@@ -119,6 +119,10 @@ class Codec(abc.ABC):
     def wire_bytes(self, numel: int) -> int:
         """Size of ``encode(x).nbytes()`` for ``numel`` elements, without encoding."""
 
+    def error_feedback(self, numel: int, device: torch.device | str) -> "ErrorFeedback":
+        """The error-feedback state of one shard of ``numel`` (padded) elements."""
+        return ErrorFeedback(self, numel, device)
+
     @staticmethod
     def _output(e: Encoded, out: Optional[torch.Tensor]) -> torch.Tensor:
         if out is None:

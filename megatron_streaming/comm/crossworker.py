@@ -87,10 +87,13 @@ class CrossWorker:
     def make_transport(self, codec, timeout: float, codec_device=None):
         """The quantized exchange over this rank's data group (one per rank); the codec runs
         on ``codec_device`` (default: the wire's, CUDA for NCCL, else the CPU)."""
+        from .sparse import SparseCodec
+        from .sparse_transport import SparseTransport
         from .transport import Transport
 
         nccl = self.backend == "nccl"
-        self.transport = Transport(
+        kind = SparseTransport if isinstance(codec, SparseCodec) else Transport
+        self.transport = kind(
             self.data_group, self.data_ranks, self.rank, codec, timeout,
             wire_device=f"cuda:{torch.cuda.current_device()}" if nccl else "cpu",
             use_cuda_stream=nccl, codec_device=codec_device)

@@ -79,7 +79,8 @@ class SparseCodec(Codec):
 
     name = "sparse"
 
-    def __init__(self, chunk: int = 4096, k: int = 64, value_bits: int = 2):
+    def __init__(self, chunk: int = 4096, k: int = 64, value_bits: int = 2,
+                 decay: float = 0.95):
         for what, value, low, high in (("chunk", chunk, 2, 1 << 24), ("k", k, 1, chunk),
                                        ("value_bits", value_bits, 1, 4)):
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
@@ -90,6 +91,7 @@ class SparseCodec(Codec):
         self.index_bits = (chunk - 1).bit_length()
         self.index_bytes = _ceil_div(k * self.index_bits, 8)  # per chunk
         self.value_bytes = _ceil_div(k * value_bits, 8)  # per chunk
+        self.decay = decay  # of each shard's accumulator (``error_feedback``)
 
     @property
     def density(self) -> float:
@@ -97,6 +99,9 @@ class SparseCodec(Codec):
 
     def wire_bytes(self, numel: int) -> int:
         return _ceil_div(numel, self.chunk) * (self.index_bytes + self.value_bytes + SCALE_BYTES)
+
+    def error_feedback(self, numel: int, device: torch.device | str) -> "SparseErrorFeedback":
+        return SparseErrorFeedback(self, numel, device, self.decay)
 
     def _rows(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` as (chunks, chunk) rows, the short last chunk padded with zeros."""

@@ -313,8 +313,14 @@ class StreamingConfig:
         "flag of the outer loop (--diloco-inner-steps, --diloco-outer-lr, ...) is typed: its "
         "outer optimizer every H steps, no traffic, no quantization unless --diloco-quantize is "
         "typed; otherwise plain training with no outer state.")
-    diloco_inner_steps: int = arg(100, "H: inner steps between two syncs of one fragment.")
-    diloco_fragments: int = arg(1, "P: number of fragments (each syncs every H steps).")
+    diloco_inner_steps: Optional[int] = arg(
+        None, "H: inner steps between two syncs of one fragment. Default: 30 (the setting "
+        "every published result used), lowered to train-iters / 40 (at least 1) for a run that "
+        "would give a fragment fewer than 40 outer steps; the value chosen is said at start.")
+    diloco_fragments: Optional[int] = arg(
+        None, "P: number of fragments (each syncs every H steps, one every H/P). Default: 3 "
+        "where it divides --num-layers and H and leaves more than one step between sends, "
+        "else 2, else 1.")
     diloco_fragment_layers: Optional[int] = arg(
         None, "Layers per fragment; sets --diloco-fragments to num-layers / this.")
     diloco_fragment_pattern: str = arg(
@@ -326,8 +332,9 @@ class StreamingConfig:
         "seldom at the end of its decay) or of its inverse square root (decay: seldom at the "
         "peak, often in the warm-up and at the end of the decay).",
         choices=["steps", "lr", "decay"])
-    diloco_overlap_steps: int = arg(
-        0, "tau: inner steps that overlap a fragment's exchange before its merge (< H/P).")
+    diloco_overlap_steps: Optional[int] = arg(
+        None, "tau: inner steps that overlap a fragment's exchange before its merge (< H/P). "
+        "Default: 1 where H/P > 1 with several workers and no --diloco-eager, else 0.")
     diloco_eager: bool = arg(
         False, "Eager outer updates (arXiv 2502.12996): at a fragment's send the worker takes an "
         "outer step at once, its own fresh outer gradient standing in for its share of the "
@@ -347,11 +354,27 @@ class StreamingConfig:
     diloco_nesterov: bool = arg(True, "Nesterov outer momentum.")
     diloco_quantize: str = arg(
         "fp4-e2m1", "Outer-gradient wire format: 4-bit E2M1 with a scale per block (fp4-e2m1), "
-        "the Streaming DiLoCo paper's E3M0 in the same bytes (fp4), int8, bf16, or fp32 "
-        "(none).", choices=["none", "bf16", "int8", "fp4", "fp4-e2m1"])
+        "the Streaming DiLoCo paper's E3M0 in the same bytes (fp4), int8, bf16, fp32 "
+        "(none), or sparse (SparseLoCo, arXiv 2508.15706: the --diloco-sparse-k largest "
+        "entries of every --diloco-sparse-chunk elements at --diloco-sparse-value-bits bits, "
+        "the rest kept in a per-worker accumulator that decays by --diloco-sparse-decay; one "
+        "all-gather per exchange; docs/streaming.md).",
+        choices=["none", "bf16", "int8", "fp4", "fp4-e2m1", "sparse"])
     diloco_quant_block: int = arg(128, "Elements per quantization scale.")
     diloco_error_feedback: bool = arg(
-        False, "Carry each rank's quantization error into its next send of the fragment.")
+        False, "Carry each rank's quantization error into its next send of the fragment "
+        "(always, as its decaying accumulator, with --diloco-quantize sparse).")
+    diloco_sparse_k: int = arg(
+        64, "--diloco-quantize sparse: entries sent per chunk (64 of 4,096: 1.6 %% density).")
+    diloco_sparse_chunk: int = arg(
+        4096, "--diloco-quantize sparse: elements per chunk (each chunk sends its k largest "
+        "magnitudes, their positions at ceil(log2 chunk) bits, and one fp32 scale).")
+    diloco_sparse_value_bits: int = arg(
+        2, "--diloco-quantize sparse: bits per value sent (a sign and a power of two below "
+        "the chunk's absmax: 2 bits send +-s/2, +-s).", choices=[1, 2, 3, 4])
+    diloco_sparse_decay: float = arg(
+        0.95, "--diloco-quantize sparse: decay of the per-worker accumulator of what was not "
+        "sent (SparseLoCo's beta, standing in for outer momentum; 1: plain error feedback).")
     diloco_offload_outer_state: bool = arg(
         False, "Keep the outer state (global copy, momentum, residual) in CPU memory.")
     diloco_backend: str = arg(

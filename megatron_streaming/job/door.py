@@ -148,7 +148,7 @@ def versions() -> Dict[str, str]:
 def source_digest() -> str:
     """The package's and its patches' Python sources: two clusters on different commits of
     this code differ here."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     h = hashlib.sha256()
     for pkg in ("megatron_streaming", "patches"):
         for dirpath, dirs, files in os.walk(os.path.join(root, pkg)):

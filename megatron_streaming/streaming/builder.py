@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from typing import Callable, Union
 
-from ..comm.codec import make_codec, warm_up
+from ..comm.codec import warm_up
 from ..config import Config
 from ..parallel.topology import Topology
 from ..worker.moe import expert_offset
 from ..worker.weights import global_name, local_spec_name
+from . import settings
 from .settings import enabled, fragment_plan, outer_optimizer, sync_schedule
 from .sync import NoSync, ShardGroup, StreamingSync
 
@@ -82,15 +83,20 @@ def build_sync(cfg: Config, topology: Topology, engine,
     # codes go to the wire's device.
     codec_device = "cpu" if s.diloco_offload_outer_state or not groups else \
         groups[0].read().device
-    codec = make_codec(s.diloco_quantize, s.diloco_quant_block)
-    if topology.layout.workers == 1:  # the mean over one worker: its own, no wire
+    codec = settings.codec(cfg)
+    if topology.layout.workers == 1 and s.diloco_quantize == "sparse":
+        from ..comm.sparse_transport import SparseTransport  # its own send, no wire
+
+        transport = SparseTransport(None, [topology.rank], topology.rank, codec,
+                                    s.diloco_timeout, codec_device=codec_device)
+    elif topology.layout.workers == 1:  # the mean over one worker: its own, no wire
         from .one_worker import OneWorkerExchange
 
         transport = OneWorkerExchange(topology.rank, codec, s.diloco_timeout, codec_device)
     else:
         transport = topology.cross.make_transport(codec, s.diloco_timeout, codec_device)
     args = (sync_schedule(cfg, topology.layout.dp), transport, outer_optimizer(cfg),
-            s.diloco_alpha, s.diloco_error_feedback, s.diloco_offload_outer_state,
+            s.diloco_alpha, settings.error_feedback(cfg), s.diloco_offload_outer_state,
             engine.push_to_model)
     if job is not None and not job.same_layout:
         from .canonical import CanonicalSync

@@ -309,9 +309,8 @@ class CanonicalSync(StreamingSync):
             route = self.routes[p]
             residuals = [f.residual for f in self.feedback]
             lane = route.to_lane(self._shard_vector(residuals, p))
-            fresh = ErrorFeedback(self.transport.codec,
-                                  self.transport.padded_numel(route.lane_numel),
-                                  self.transport.codec_device)
+            fresh = self.transport.codec.error_feedback(
+                self.transport.padded_numel(route.lane_numel), self.transport.codec_device)
             fresh.residual[:route.lane_numel] = lane.to(fresh.residual.device)
             self.lane_feedback[p] = fresh
         return self.lane_feedback[p]

@@ -41,6 +41,8 @@ MIN_OUTER_STEPS = 40
 # The most outer steps per fragment at which outer momentum was measured harmful (the quality
 # benchmark's H=5: 1200 / 5); past them the start-up says it is untested instead of warning.
 MEASURED_OUTER_STEPS = 240
+# The H of every published result (docs/RESULTS.md): the default where a run is long enough.
+DEFAULT_INNER_STEPS = 30
 # One worker (the papers' M=1), 0.7 / 0.9 at H=30 against data parallel, held-out loss, %.
 ONE_WORKER_HARM = 14.8
 ONE_WORKER_MEASURED = "1200 steps, 40 outer steps, 1.5M parameters, code"
@@ -94,6 +96,60 @@ def overlap_for(exchange_steps: float, interval: int):
     return 0, interval, True
 
 
+def inner_steps_for(train_iters: Optional[int], cap: int = DEFAULT_INNER_STEPS) -> int:
+    """H: ``cap``, lowered where the run would give a fragment fewer than ``MIN_OUTER_STEPS``
+    outer steps (fewer were not measured)."""
+    if train_iters and train_iters // cap < MIN_OUTER_STEPS:
+        return max(1, train_iters // MIN_OUTER_STEPS)
+    return cap
+
+
+def fragments_for(inner_steps: int, num_layers: int) -> int:
+    """P: 3 where it divides the layers and H and leaves a fragment more than one step, else 2,
+    else 1."""
+    return next(p for p in (3, 2, 1) if p == 1 or (
+        num_layers % p == 0 and inner_steps % p == 0 and inner_steps // p > 1))
+
+
+def choose_unset(cfg) -> Optional[str]:
+    """H, P and tau where their flags were not typed (None in the config), as ``advise``
+    chooses them for a link not described: H from ``inner_steps_for`` (kept a multiple of a
+    typed P, and long enough for a typed tau), P from ``fragments_for`` (1 for one worker: no
+    link to spread the exchange over), tau 1 where a fragment has more than one step between
+    sends and an exchange to hide (several workers, no eager updates), else 0. Returns the
+    start-up line naming what was chosen (None: everything was typed, or the sync is off)."""
+    s, layers, iters = cfg.streaming, cfg.model.num_layers, cfg.training.train_iters
+    unset = [flag for flag, value in (("--diloco-inner-steps", s.diloco_inner_steps),
+                                      ("--diloco-fragments", s.diloco_fragments),
+                                      ("--diloco-overlap-steps", s.diloco_overlap_steps))
+             if value is None]
+    if not unset:
+        return None
+    fl = s.diloco_fragment_layers
+    typed_p = layers // fl if fl and fl > 0 and layers % fl == 0 else s.diloco_fragments
+    if s.diloco_inner_steps is None:
+        h, p = inner_steps_for(iters), typed_p or 1
+        h = max(p * ((s.diloco_overlap_steps or 0) + 1), h - h % p)
+        s.diloco_inner_steps = h
+    if s.diloco_fragments is None:  # one worker: no link to spread, plain DiLoCo's one
+        s.diloco_fragments = typed_p or (fragments_for(s.diloco_inner_steps, layers)
+                                         if s.diloco_workers > 1 else 1)
+    if s.diloco_overlap_steps is None:
+        interval = s.diloco_inner_steps // max(1, typed_p or s.diloco_fragments)
+        s.diloco_overlap_steps = int(interval > 1 and s.diloco_workers > 1 and
+                                     not s.diloco_eager)
+    if not s.diloco_sync:
+        return None
+    chosen = {"--diloco-inner-steps": f"H={s.diloco_inner_steps}",
+              "--diloco-fragments": f"P={s.diloco_fragments}",
+              "--diloco-overlap-steps": f"tau={s.diloco_overlap_steps}"}
+    run = f"{iters} steps of {layers} layers" if iters else f"{layers} layers"
+    return (f"{', '.join(unset)} not given: {', '.join(chosen[f] for f in unset)} for {run} "
+            f"(docs/DESIGN.md, \"Choosing the sync settings\": H={DEFAULT_INNER_STEPS} where a "
+            f"fragment still gets {MIN_OUTER_STEPS} outer steps, else train-iters / "
+            f"{MIN_OUTER_STEPS}; P=3 where it divides the layers and H; tau=1 where H/P > 1)")
+
+
 def advise(train_iters: int, num_layers: int, max_inner_steps: Optional[int] = None,
            exchange_steps: Optional[float] = None) -> Advice:
     """The settings the benchmark supports for a run of ``train_iters`` steps.
@@ -101,20 +157,19 @@ def advise(train_iters: int, num_layers: int, max_inner_steps: Optional[int] = N
     ``max_inner_steps``: the H to use if the run is long enough: the smallest the link
     allows (the whole model's outer gradients cross once per H steps within the share of the
     link the sync may take; ``plan`` works it out), since loss grows with H at a fixed number
-    of steps; 100 when not given.
+    of steps; ``DEFAULT_INNER_STEPS`` when not given.
     ``exchange_steps``: inner steps one fragment's exchange takes on the link, round trips
     included (None: within one step); sets tau, the control lag and eager (``overlap_for``)."""
     reasons = []
-    h = max_inner_steps or 100
-    if train_iters // h < MIN_OUTER_STEPS:
-        h = max(1, train_iters // MIN_OUTER_STEPS)
+    h = inner_steps_for(train_iters, max_inner_steps or DEFAULT_INNER_STEPS)
+    if h < (max_inner_steps or DEFAULT_INNER_STEPS):
         reasons.append(f"H={h}: at least {MIN_OUTER_STEPS} outer steps per fragment over "
                        f"{train_iters} steps (fewer were not measured)")
     else:
         reasons.append(f"H={h}: as small as the link allows (smaller H, lower loss)"
-                       if max_inner_steps else f"H={h}: the default for a link not described")
-    fragments = next(p for p in (3, 2, 1)
-                     if p == 1 or (num_layers % p == 0 and h % p == 0 and h // p > 1))
+                       if max_inner_steps else f"H={h}: the H of every published result, for "
+                       "a link not described")
+    fragments = fragments_for(h, num_layers)
     interval = h // fragments
     lag, eager = 1, False
     if exchange_steps is None or exchange_steps <= 1:

@@ -40,7 +40,8 @@ def describe_one_worker(cfg: Config) -> str:
     as typed: made before validation, it computes nothing that a bad value would break)."""
     s = cfg.streaming
     mu, layers = s.diloco_outer_momentum, s.diloco_fragment_layers
-    parts = [f"every {s.diloco_inner_steps} steps", f"outer lr {s.diloco_outer_lr:g}, " + (
+    every = "every step" if s.diloco_inner_steps == 1 else f"every {s.diloco_inner_steps} steps"
+    parts = [every, f"outer lr {s.diloco_outer_lr:g}, " + (
         f"momentum {mu:g} ({'Nesterov' if s.diloco_nesterov else 'heavy ball'})" if mu > 0
         else "no momentum"),
         f"fragments of {layers} layers" if layers else
@@ -99,6 +100,27 @@ def sync_schedule(cfg: Config, dp: int = 1) -> SyncSchedule:
                                              schedule.interval, s.diloco_overlap_steps),
                                 s.diloco_eager)
     return schedule
+
+
+def codec(cfg: Config):
+    """The codec of ``--diloco-quantize`` (``sparse``: ``comm.sparse.SparseCodec`` of the
+    ``--diloco-sparse-*`` flags, its accumulator's decay with it)."""
+    s = cfg.streaming
+    if s.diloco_quantize == "sparse":
+        from ..comm.sparse import SparseCodec
+
+        return SparseCodec(s.diloco_sparse_chunk, s.diloco_sparse_k,
+                           s.diloco_sparse_value_bits, s.diloco_sparse_decay)
+    from ..comm.codec import make_codec
+
+    return make_codec(s.diloco_quantize, s.diloco_quant_block)
+
+
+def error_feedback(cfg: Config) -> bool:
+    """Whether each shard keeps an error-feedback state: asked for, or the sparse exchange's
+    accumulator, which is its method."""
+    s = cfg.streaming
+    return s.diloco_error_feedback or s.diloco_quantize == "sparse"
 
 
 def outer_optimizer(cfg: Config) -> OuterOptimizer:

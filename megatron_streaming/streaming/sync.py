@@ -132,7 +132,8 @@ class StreamingSync(OuterStateful, MembershipChanges, GlobalView):
         self.theta_g, self.momentum = _outer_state([g.read() for g in groups], offload)
         self.feedback: List[Optional[ErrorFeedback]] = [
             # Where the transport encodes (its codec device), whatever the outer state's.
-            ErrorFeedback(transport.codec, transport.padded_numel(g.numel), transport.codec_device)
+            transport.codec.error_feedback(transport.padded_numel(g.numel),
+                                           transport.codec_device)
             if error_feedback else None for g in groups]
         self.pending: Dict[int, Pending] = {}
         # Eager: this worker's outer gradient of each shard's latest send (applied at once, to
