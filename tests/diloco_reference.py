@@ -298,7 +298,9 @@ class Reference:
             if self.failing:  # the exchange fails: its merge is skipped
                 continue
             if self.cfg.streaming.diloco_quantize == "sparse":
-                self.pending[p] = self.sparse_mean(p, local)
+                self.pending[p] = self.sparse_mean(p, {w: {
+                    n: self.theta_g[n].detach() - local[w][n].detach() for n in self.names}
+                    for w in self.active})
                 continue
             self.pending[p] = {}
             for n in self.names:
@@ -320,15 +322,16 @@ class Reference:
                 self.merge(p)
 
 
-    def sparse_mean(self, p, local):
+    def sparse_mean(self, p, deltas, scaled=False):
         """``--diloco-quantize sparse``: per shard (fragment p's parameters of one inner param
         group, flat in the group's order, as ZeRO flattens them), each worker's outer gradient
-        (times its weight's share) into its accumulator e <- decay * e + delta, ``sparse_sent``
-        of it sent and taken out of it, the sent values summed in worker order over the
-        workers, then divided by their number."""
+        ``deltas[w]`` (times its weight's share, unless ``scaled``) into its accumulator
+        e <- decay * e + delta, ``sparse_sent`` of it sent and taken out of it, the sent values
+        summed in worker order over the workers, then divided by their number."""
         s, k = self.cfg.streaming, len(self.active)
         weights = [self.weights[w] for w in self.active]
-        share = [k * x / sum(weights) if len(set(weights)) > 1 else 1.0 for x in weights]
+        share = [k * x / sum(weights) if len(set(weights)) > 1 and not scaled else 1.0
+                 for x in weights]
         accumulators = self.__dict__.setdefault("accumulators", {})
         out = {}
         for g, group in enumerate(self.opts[0].param_groups):
@@ -338,8 +341,7 @@ class Reference:
                 continue
             total = None
             for w, x in zip(self.active, share):
-                delta = torch.cat([(self.theta_g[n].detach() - local[w][n].detach()).reshape(-1)
-                                   for n in names])
+                delta = torch.cat([deltas[w][n].reshape(-1) for n in names])
                 if x != 1.0:
                     delta = delta * x
                 e = accumulators.get((w, g, p), torch.zeros_like(delta))
@@ -388,7 +390,9 @@ class Reference:
                 for n in names:
                     local[w][n].mul_(alpha).add_(self.thetas[w][n], alpha=1 - alpha)
             self.own[w].update(fresh[w])
-        if sending:
+        if sending and self.cfg.streaming.diloco_quantize == "sparse":
+            self.pending[p] = self.sparse_mean(p, fresh, scaled=True)
+        elif sending:
             self.pending[p] = {n: sum(fresh[w][n] for w in range(M)) / M for n in names}
         self.theta_g = self.thetas[0]
 

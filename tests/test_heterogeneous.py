@@ -311,3 +311,33 @@ def test_workers_of_different_sizes_match_the_reference(tmp_path):
     assert got["cross_worker_bytes"] == lane_bytes(ref["global"], SHARED, lanes=1)
     meta = json.loads((tmp_path / "ckpt" / "iter_0000006" / "checkpoint.json").read_text())
     assert [p["fragment"] for p in meta["pending"]] == [1], meta["pending"]
+
+
+@pytest.mark.timeout(600)
+def test_sparse_workers_of_different_batches_match_the_reference_bit_for_bit(tmp_path):
+    """The sparse exchange weighs each worker's outer gradient by its tokens before its
+    accumulator (batches 4 and 2 on one rank each: shares 4/3 and 2/3), as the dense one does:
+    every parameter, local and global, of both workers equals the reference's, bit for bit
+    (SGD without clipping, as in test_streaming's sparse cases)."""
+    from test_streaming import SPARSE
+
+    per_worker = (["--micro-batch-size", "2", "--global-batch-size", "4", *SPARSE],
+                  ["--micro-batch-size", "2", "--global-batch-size", "2", *SPARSE])
+    launches, reference = [], None
+    try:
+        reference = start_reference(
+            [*SHARED, *per_worker[0]], tmp_path, "1,1",
+            {"REFERENCE_WORKER_ARGS": json.dumps([[*SHARED, *f] for f in per_worker])})
+        launches = _start_sized(tmp_path, per_worker, (1, 1))
+        for proc, log in launches:
+            assert proc.wait(timeout=400) == 0, log.read_text()[-5000:]
+        ref = reference_result(reference, tmp_path)
+    finally:
+        for proc in [p for p, _ in launches] + [reference]:
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+    got = [dumps(tmp_path, w) for w in range(2)]
+    for w in range(2):
+        for kind, expected in (("local", ref["local"][w]), ("global", ref["globals"][w])):
+            assert relative(got[w][kind], expected) == (0.0, 0.0), (w, kind)
+    assert got[0]["cross_worker_bytes"] > 0

@@ -113,6 +113,7 @@ def main(argv=None) -> int:
     from .memory import ModelShape, Training
     from .report import format_plan
     from .search import plan
+    from .wire import Wire
 
     argv = list(sys.argv[1:] if argv is None else argv)
     args, rest = _parser().parse_known_args(argv)
@@ -124,8 +125,9 @@ def main(argv=None) -> int:
         shape = ModelShape.from_config(cfg.model, vocab)
         precision = "bf16" if cfg.precision.bf16 else "fp16" if cfg.precision.fp16 else "fp32"
         s = cfg.streaming
+        wire = Wire.from_streaming(s)  # the run's --diloco-quantize sparse, else FP4
         training = Training(precision, cfg.training.global_batch_size, True,
-                            error_feedback=s.diloco_error_feedback,
+                            error_feedback=s.diloco_error_feedback or wire.sparse,
                             offload_outer_state=s.diloco_offload_outer_state,
                             attention=attention_kernel(cfg),
                             overlap_comm=cfg.parallel.overlap_grad_reduce,
@@ -134,7 +136,8 @@ def main(argv=None) -> int:
                             async_save=cfg.checkpoint.async_save)
         result = plan(shape, clusters, link, cfg.training.global_batch_size,
                       cfg.training.train_iters, training, args.memory_headroom,
-                      launcher_check(cfg, len(clusters)), args.link_share, args.max_workers)
+                      launcher_check(cfg, len(clusters)), args.link_share, args.max_workers,
+                      wire)
     except UsageError as e:
         for line in str(e).splitlines():
             print(f"plan: error: {line}", file=sys.stderr)

@@ -87,6 +87,7 @@ from dataclasses import dataclass, field
 from typing import Dict
 
 from ..config import shape
+from .wire import FP4_BITS  # re-exported: the dense default's bits per value
 
 GIB = 1024 ** 3
 STEP_COPIES = 4  # fp32 copies of the ZeRO partition the optimizer step holds at once (CPU)
@@ -100,7 +101,6 @@ RECOMPUTE = ("none", "selective", "full")  # the planner's order of preference a
 EXCHANGE_BYTES = 4 + 6 + 1 + 2
 REDUCE_BUCKET = 5e8  # DeepSpeed's default reduce_bucket_size (elements)
 ALLREDUCE_BUCKET = 5e8  # engine.allreduce_gradients' buffer (MEMORY_OPT_ALLREDUCE_SIZE)
-FP4_BITS = 4 + 32 / 128  # per value on the wire: the code and one fp32 scale per 128
 
 
 @dataclass(frozen=True)

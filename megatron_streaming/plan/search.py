@@ -33,13 +33,14 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Union
 
 from ..errors import first_line
 from .clusters import Cluster, Link
-from .memory import (FP4_BITS, GIB, RECOMPUTE, HostMemory, Layout, ModelShape, Training,
-                     estimate, host_estimate)
+from .memory import (GIB, RECOMPUTE, HostMemory, Layout, ModelShape, Training, estimate,
+                     host_estimate)
 from .step_time import step_time
+from .wire import DENSE_FP4, Wire, as_wire
 
 
 @dataclass
@@ -191,9 +192,11 @@ def sizes(clusters: Sequence[Cluster], max_workers: int) -> List[Option]:
 
 def plan(shape: ModelShape, clusters: Sequence[Cluster], link: Link, global_batch: int,
          train_iters: int, training: Training, headroom: float = 0.1, check=None,
-         link_share: float = 0.5, max_workers: int = 8) -> Plan:
+         link_share: float = 0.5, max_workers: int = 8, wire: Wire = DENSE_FP4) -> Plan:
     """``global_batch``: sequences per step over all workers together; ``check(layout,
-    batch)``: why the launcher would refuse a layout (None: it would not)."""
+    batch)``: why the launcher would refuse a layout (None: it would not); ``wire``: the
+    exchange's format whose bytes the sync settings are chosen for (``plan.wire``: the dense
+    FP4 the plan's flags ask for, or the sparse exchange where the run's flags say so)."""
     from ..errors import UsageError
     from ..streaming import rule
 
@@ -215,8 +218,9 @@ def plan(shape: ModelShape, clusters: Sequence[Cluster], link: Link, global_batc
     chosen = pick(usable)
     advice, exchange, util, peak, mean = _sync(shape, link, len(chosen.workers),
                                                chosen.step_seconds, train_iters, rule,
-                                               link_share, min(chosen.ranks))
-    fewer = advice.inner_steps * 16 / FP4_BITS
+                                               link_share, min(chosen.ranks), wire)
+    fewer = wire.fewer_than_data_parallel(advice.inner_steps, shape.parameters(),
+                                          len(chosen.workers), min(chosen.ranks))
     synced = dataclasses.replace(training, streaming=len(chosen.workers) > 1,
                                  fragments=advice.fragments,
                                  overlap_steps=advice.overlap_steps)
@@ -368,39 +372,44 @@ def restarted_window(window: float, idle_seconds: float, rto_seconds: float) -> 
     return max(window, floor)
 
 
-def exchange_seconds(parameters: float, bits: float, workers: int, fragments: int,
+def exchange_seconds(parameters: float, bits: Union[float, Wire], workers: int, fragments: int,
                      gbit_per_s: float, rtt_ms: float, connections: int = 1,
                      slow_start_after_idle: bool = True,
                      idle_seconds: float = math.inf) -> float:
-    """One fragment's exchange: its outer gradients at ``bits`` per value through the
-    reduce-scatter and all-gather (``2 (M-1) / M`` of the fragment each way) over the link,
-    and two round trips (one per collective). With ``slow_start_after_idle`` (Linux's
-    default, ``net.ipv4.tcp_slow_start_after_idle=1``) each of the ``connections`` (the lanes,
-    one per rank of the smaller worker, sharing the link) restarts its window after the
+    """One fragment's exchange: its outer gradients over the link and a round trip per
+    collective. ``bits``: a dense wire's bits per value (the reduce-scatter and the all-gather,
+    ``2 (M-1) / M`` of the fragment each way, two round trips), or a ``plan.wire.Wire`` (a
+    sparse one: one all-gather of ``(M-1)`` payloads, ``SparseCodec.wire_bytes`` per lane, one
+    round trip). With ``slow_start_after_idle`` (Linux's default,
+    ``net.ipv4.tcp_slow_start_after_idle=1``) each of the ``connections`` (the lanes, one per
+    rank of the smaller worker, sharing the link) restarts its window after the
     ``idle_seconds`` between exchanges (``restarted_window``; the timeout from the round trip
     and the queueing each direction's burst adds to it; an unknown gap: from the initial
-    window): the reduce-scatter pays a round trip per doubling until the window holds its
-    share, the all-gather goes on from the window the reduce-scatter left, and what those
-    rounds carry is sent within them (``slow_start``)."""
-    ring = 2 * (workers - 1) / workers
-    nbytes = parameters / fragments * bits * ring / 8
+    window): the first collective pays a round trip per doubling until the window holds its
+    share, the next goes on from the window the first left, and what those rounds carry is
+    sent within them (``slow_start``)."""
+    wire = as_wire(bits)
+    collectives = wire.collectives
+    nbytes = wire.bytes_sent(parameters / fragments, workers, connections)
     rate, rtt = gbit_per_s * 1e9 / 8, rtt_ms / 1e3
-    seconds = nbytes / rate + 2 * rtt
+    seconds = nbytes / rate + collectives * rtt
     if not (slow_start_after_idle and rtt > 0):
         return seconds
-    share, cap = nbytes / 2 / connections, rate * rtt / connections
+    share, cap = nbytes / collectives / connections, rate * rtt / connections
     # the smoothed RTT: the path's, plus half of a burst's time on the link in each direction
     # (the data queued going, the acknowledgements queued behind the other side's burst)
     rto = rtt + share / (rate / connections) + RTO_MIN_SECONDS
     window = INITIAL_WINDOW_BYTES
     for _ in range(64):  # the window an exchange starts with, exchange after exchange
-        first, sent_first, after = slow_start(share, cap, window)
-        second, sent_second, after = slow_start(share, cap, after)
+        trips, sent, after = 0, 0.0, window
+        for _ in range(collectives):
+            more, carried, after = slow_start(share, cap, after)
+            trips, sent = trips + more, sent + carried
         start = restarted_window(min(after, max(cap, INITIAL_WINDOW_BYTES)), idle_seconds, rto)
         if start == window:
             break
         window = start
-    return seconds + (first + second) * rtt - (sent_first + sent_second) * connections / rate
+    return seconds + trips * rtt - sent * connections / rate
 
 
 def steady_exchange_seconds(step: float, inner_steps: int, overlap_steps: int, eager: bool,
@@ -422,29 +431,35 @@ def steady_exchange_seconds(step: float, inner_steps: int, overlap_steps: int, e
 
 
 def _sync(shape: ModelShape, link: Link, workers: int, step: float, train_iters: int, rule,
-          link_share: float, connections: int = 1):
+          link_share: float, connections: int = 1, wire: Wire = DENSE_FP4):
     """H, P, tau and the wire format for the link (``rule.advise``: H as small as the link
-    allows, here: the FP4 outer gradients of the whole model, once per H steps, may use
-    ``link_share`` of its bandwidth on average); the predicted compute utilisation, the
-    link's peak rate (a fragment's exchange within one step) and its mean rate. The settings
-    are chosen for an exchange from TCP's initial window; the utilisation counts the window
-    that the gap between exchanges leaves (``steady_exchange_seconds``)."""
-    ring = 2 * (workers - 1) / workers
+    allows, here: the outer gradients of the whole model on ``wire`` (the dense FP4 unless the
+    run asks for the sparse exchange), once per H steps, may use ``link_share`` of its
+    bandwidth on average); the predicted compute utilisation, the link's peak rate (a
+    fragment's exchange within one step) and its mean rate. The settings are chosen for an
+    exchange from TCP's initial window; the utilisation counts the window that the gap
+    between exchanges leaves (``steady_exchange_seconds``)."""
     params = shape.parameters()
-    model_bits = params * FP4_BITS * ring
+    model_bits = 8 * wire.bytes_sent(params, workers, connections)
     smallest = max(2, math.ceil(model_bits / (link_share * link.bandwidth_gbit_per_s * 1e9
                                               * step)))
 
-    wire = dict(parameters=params, bits=FP4_BITS, workers=workers,
-                gbit_per_s=link.bandwidth_gbit_per_s, rtt_ms=link.rtt_ms,
-                connections=connections, slow_start_after_idle=link.slow_start_after_idle)
+    link_args = dict(parameters=params, bits=wire, workers=workers,
+                     gbit_per_s=link.bandwidth_gbit_per_s, rtt_ms=link.rtt_ms,
+                     connections=connections, slow_start_after_idle=link.slow_start_after_idle)
     h = 6 * math.ceil(smallest / 6)  # so that P = 3 or 2 fragments divide it
     advice = rule.advise(train_iters, shape.layers, h, None)
-    exchange = exchange_seconds(**wire, fragments=advice.fragments)
+    exchange = exchange_seconds(**link_args, fragments=advice.fragments)
     if exchange > step:
         advice = rule.advise(train_iters, shape.layers, h, exchange / step)
+    if wire.sparse:  # the rule speaks of its default, FP4: say what replaces it
+        ratio = model_bits / 8 / DENSE_FP4.bytes_sent(params, workers)
+        advice = dataclasses.replace(advice, quantize=wire.quantize, reasons=[
+            *advice.reasons, f"wire: {wire.describe()} in place of the FP4 above, as the "
+            f"run's flags ask: {model_bits / 8e6:,.1f} MB a worker sends per round of the "
+            f"whole model, {ratio:.3g}x the dense FP4's; H follows it"])
     exchange = steady_exchange_seconds(step, advice.inner_steps, advice.overlap_steps,
-                                       advice.eager, **wire, fragments=advice.fragments)
+                                       advice.eager, **link_args, fragments=advice.fragments)
     util = link_utilisation(step, exchange, advice.inner_steps, advice.fragments,
                             advice.overlap_steps, advice.eager)
     peak = model_bits / advice.fragments / step / 1e9
