@@ -600,3 +600,131 @@ def test_a_one_worker_plan_launches_plain_training_without_sync_flags(capsys):
     cfg = parse_args(args)
     validate(cfg, 8)
     assert not cfg.streaming.diloco_sync  # plain training: no outer state
+
+
+SPARSE = ["--diloco-quantize", "sparse"]
+
+
+def test_the_sparse_wires_bytes_are_the_codecs_and_the_transports_closed_form():
+    """``--diloco-quantize sparse`` at its defaults (k 64 of 4,096, 2-bit values): a chunk is
+    64 x 12 / 8 = 96 bytes of positions, 16 of values and a 4-byte scale, 116; a shard adds
+    its 4-byte flag, and the all-gather sends the row to each of the M-1 others. The dense
+    FP4 moves 2 (M-1)/M of 4.25 bits a value."""
+    import torch
+
+    from megatron_streaming.comm.sparse_transport import FLAG_BYTES
+    from megatron_streaming.plan.wire import DENSE_FP4, Wire
+
+    wire = Wire.from_streaming(parse_args([*MODEL, *SPARSE]).streaming)
+    assert (wire.sparse, wire.chunk, wire.k, wire.value_bits, wire.collectives) == \
+        (True, 4096, 64, 2, 1)
+    assert Wire.from_streaming(parse_args(MODEL).streaming) == DENSE_FP4
+    n = 100 * 4096 + 100  # 101 chunks, the last short
+    assert wire.bytes_sent(n, 2) == 101 * 116 + 4 == 11_720
+    assert wire.bytes_sent(n, 4) == 3 * 11_720  # grows with M-1, unlike the dense ring
+    assert wire.bytes_sent(n, 1) == 0
+    # two lanes of 204,850: 51 chunks each
+    assert wire.bytes_sent(n, 2, lanes=2) == 2 * (51 * 116 + 4) == 11_840
+    # what the codec really encodes: payload and scales, plus the transport's flag
+    encoded = wire.codec().encode(torch.randn(n, generator=torch.Generator().manual_seed(0)))
+    assert encoded.nbytes() + FLAG_BYTES == wire.bytes_sent(n, 2)
+    assert DENSE_FP4.bytes_sent(1e6, 2) == 1e6 * 4.25 / 8
+    assert DENSE_FP4.bytes_sent(1e6, 4) == pytest.approx(1e6 * 4.25 * 1.5 / 8)
+    wide = Wire("sparse", chunk=1024, k=32, value_bits=3)  # 40 + 12 + 4 bytes a chunk
+    assert wide.bytes_sent(4096, 3) == 2 * (4 * 56 + 4)
+
+
+def test_a_sparse_exchange_is_one_collective_of_its_bytes_on_the_link():
+    """1M parameters, P=4, 2 workers, 10 Gbit/s, 100 ms: a fragment of 250,000 elements is 62
+    chunks, 7,196 bytes with the flag; one all-gather, one round trip, and within TCP's
+    initial window (14,480 bytes) no slow-start round, where the dense FP4's two collectives
+    of 66,406 bytes take two round trips and three more (test above)."""
+    from megatron_streaming.plan.search import exchange_seconds
+    from megatron_streaming.plan.wire import Wire
+
+    link = dict(parameters=1e6, workers=2, fragments=4, gbit_per_s=10, rtt_ms=100)
+    sparse = exchange_seconds(bits=Wire("sparse"), **link)
+    assert sparse == pytest.approx(7_196 / 1.25e9 + 0.1)
+    assert exchange_seconds(bits=Wire("sparse"), **link, slow_start_after_idle=False) == sparse
+    assert exchange_seconds(bits=4.25, **link) == pytest.approx(
+        1e6 / 4 * 4.25 / 10e9 + 0.2 + 0.3 - 101_360 / 1.25e9)
+    # 400 MB fragments over 4 workers at 1 ms: 3 x 100,000 chunks of 116 bytes (+ 4) in one
+    # collective, from a window past the cap
+    big = dict(link, parameters=4 * 409_600_000, workers=4, rtt_ms=1)
+    nbytes = 3 * (100_000 * 116 + 4)
+    assert exchange_seconds(bits=Wire("sparse"), **big, slow_start_after_idle=False) == \
+        pytest.approx(nbytes / 1.25e9 + 0.001)
+
+
+def test_a_sparse_wire_lets_the_link_take_a_smaller_h():
+    """409.6M parameters, 2 workers, 10 ms steps, 1 Gbit/s of which half for the sync (5e6
+    bits a step): the dense FP4's 1.7408e9 bits a round need H >= 348.16, so 349, rounded up
+    to a multiple of 6, 354; the sparse wire's 100,000 x 116 + 4 bytes (92,800,032 bits)
+    need 18.56: 19, so 24. Before the rounding H drops by 4.25 x 4,096 / 928 = 18.76, the
+    bits per value of FP4 over the sparse one's."""
+    import types
+
+    from megatron_streaming.plan.clusters import Link
+    from megatron_streaming.plan.search import _sync
+    from megatron_streaming.plan.wire import DENSE_FP4, Wire
+    from megatron_streaming.streaming import rule
+
+    params = 409_600_000
+    shape = types.SimpleNamespace(parameters=lambda: params, layers=24)
+    link = Link(1.0, 10.0, slow_start_after_idle=False)
+    dense = _sync(shape, link, 2, 0.01, 10 ** 6, rule, 0.5)
+    sparse = _sync(shape, link, 2, 0.01, 10 ** 6, rule, 0.5, wire=Wire("sparse"))
+    assert dense[0].inner_steps == 354 and sparse[0].inner_steps == 24
+    assert (dense[0].quantize, sparse[0].quantize) == ("fp4-e2m1", "sparse")
+    assert sparse[0].flags()[sparse[0].flags().index("--diloco-quantize") + 1] == "sparse"
+    dense_bits = 8 * DENSE_FP4.bytes_sent(params, 2)
+    sparse_bits = 8 * Wire("sparse").bytes_sent(params, 2)
+    assert (dense_bits, sparse_bits) == (params * 4.25, 92_800_032)
+    assert dense_bits / sparse_bits == pytest.approx(4.25 * 4096 / 928)
+    # mean link rates: a round's bits over H steps
+    assert dense[4] == pytest.approx(dense_bits / (354 * 0.01) / 1e9)
+    assert sparse[4] == pytest.approx(sparse_bits / (24 * 0.01) / 1e9)  # 0.387 Gbit/s
+    assert sparse[4] == pytest.approx(0.38667, rel=1e-4)
+    # the wire is a default: no wire given is the dense FP4
+    assert _sync(shape, link, 2, 0.01, 10 ** 6, rule, 0.5, wire=DENSE_FP4)[:1] == dense[:1]
+
+
+def test_a_sparse_plan_keeps_its_flag_and_counts_its_bytes(capsys):
+    """The example clusters with ``--diloco-quantize sparse``: the plan keeps the flag (which
+    it otherwise sets to fp4-e2m1), passes ``--diloco-sparse-*`` through, and its ratio to
+    data parallel is H x the bf16 gradients over the sparse bytes of the whole model over the
+    32 lanes of the smaller worker."""
+    from megatron_streaming.plan.wire import Wire
+
+    assert main([*CLUSTERS, *MODEL, *SPARSE, "--diloco-sparse-k", "32"]) == 0
+    out = capsys.readouterr().out
+    sync = next(line for line in out.splitlines() if line.startswith("Sync over the link"))
+    assert "--diloco-quantize sparse" in sync and "--diloco-inner-steps 6" in sync
+    params = ModelShape.from_config(parse_args(MODEL).model, 32000).parameters()
+    wire = Wire("sparse", k=32)  # a chunk: 48 + 8 + 4 bytes
+    assert wire.bytes_sent(4096, 2) == 64
+    fewer = 6 * params * 16 / 8 / wire.bytes_sent(params, 2, lanes=32)
+    assert f"; {fewer:.0f}x fewer bytes than data parallel" in out
+    assert "exchange payloads" in out and "exchange codes" not in out
+    for line in (shlex.split(line) for line in out.splitlines() if line.startswith("sbatch ")):
+        cfg = parse_args(line[line.index("launch/slurm.sh") + 1:])
+        assert (cfg.streaming.diloco_quantize, cfg.streaming.diloco_sparse_k) == ("sparse", 32)
+
+
+def test_host_memory_of_the_sparse_exchange_by_hand():
+    """The 2-layer GPT of the test above at DP=2, two fragments: a fragment's shard of 33,728
+    elements is 9 chunks, a row of 9 x 116 + 4 = 1,048 bytes, pinned at 2,048 (torch's power
+    of two) once to send and once per worker gathered: 3 x 2,048 with two workers, 5 x with
+    four."""
+    from megatron_streaming.plan.memory import host_estimate
+    from megatron_streaming.plan.wire import Wire
+
+    cfg = parse_args(["--mock-data", "--num-layers", "2", "--hidden-size", "64",
+                      "--num-attention-heads", "4", "--seq-length", "32", "--bf16"])
+    shape = ModelShape.from_config(cfg.model, 512)
+    t = Training("bf16", 8, fragments=2, overlap_steps=1, wire=Wire("sparse"))
+    assert Wire("sparse").bytes_sent(134_912 / 4, 2) == 1_048
+    host = host_estimate(shape, Layout(dp=2, zero_stage=1), t)
+    assert host.parts == {"exchange payloads": 3 * 2048} and host.pinned == 3 * 2048
+    four = host_estimate(shape, Layout(dp=2, zero_stage=1), dataclasses.replace(t, workers=4))
+    assert four.parts == {"exchange payloads": 5 * 2048}

@@ -184,3 +184,52 @@ def test_kaplan_step_time():
     args = sim.parse_args(["--layers", "24", "--params", "1e9", "--tokens-per-step", "1e6",
                            "--flops", "1e16"])
     assert sim.model_from_args(args).step_time == pytest.approx(1.0)
+
+
+SPARSE = sim.Wire("sparse")  # --diloco-quantize sparse's defaults: 116 bytes a 4,096 chunk
+
+
+def test_sparse_all_gather_volume():
+    """A layer of 409,600 values is 100 chunks: 100 x 116 + 4 bytes to each of the n-1 other
+    workers (the transport's all-gather), 92,832 bits at two workers, three times that at
+    four, where the FP4 ring sends 2(n-1)/n of 4.25 bits a value."""
+    assert sim.Link(1, 2).seconds(409_600, 4, SPARSE) == pytest.approx(92_832e-9)
+    assert sim.Link(1, 4).seconds(409_600, 4, SPARSE) == pytest.approx(3 * 92_832e-9)
+    assert sim.Link(1, 1).seconds(409_600, 4, SPARSE) == 0
+    assert sim.Link(0, 2).seconds(409_600, 4, SPARSE) == math.inf
+    assert sim.Link(1, 2).seconds(409_600, 4, sim.Wire()) == sim.Link(1, 2).seconds(409_600, 4)
+
+
+def test_sparse_row_is_the_fp4_schedule_on_fewer_bytes():
+    """The sparse row runs the FP4 row's schedule; only a reduction's time changes, so at
+    bandwidth B it is exactly a 1-bit dense row at B x (values / sparse bits): 1B's layer
+    of 35.08M values is 8,566 chunks, 7,949,280 bits to the other worker."""
+    model = sim.PAPER_MODELS["1B"]
+    rows = sim.paper_methods(sparse=SPARSE)
+    assert [m.name for m in rows[:5]] == [m.name for m in sim.paper_methods()]
+    fp4, sparse = rows[4], rows[5]
+    assert (sparse.name, sparse.wire, sparse.inner_steps, sparse.fragment_layers,
+            sparse.overlap_steps) == ("+ overlap sparse", SPARSE, 100, 3, 1)
+    values = model.params / model.layers
+    bits = 8 * SPARSE.bytes_sent(values, 2)
+    assert bits == 8 * (8566 * 116 + 4) == 7_949_280
+    one_bit = sim.Method("1 bit", 100, 3, 1, 1)
+    for gbps in (0.01, 0.05, 0.2):
+        assert sim.utilisation(model, sparse, gbps) == pytest.approx(
+            sim.utilisation(model, one_bit, gbps * values / bits))
+    # the bandwidth for 99 %: the FP4 row's over the bits a value of each, within a grid step
+    ratio = sim.bandwidth_for(0.99, model, fp4) / sim.bandwidth_for(0.99, model, sparse)
+    assert 4 * values / bits / 1.21 <= ratio <= 4 * values / bits * 1.21
+
+
+def test_cli_sparse_row(capsys, tmp_path):
+    out = tmp_path / "s.json"
+    assert sim.main(["--layers", "24", "--params", "0.842e9", "--step-time", "0.1",
+                     "--sparse", "--sparse-k", "32", "--bandwidth-gbps", "1",
+                     "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["methods"][-1]["wire"] == {"quantize": "sparse", "bits": 4.25,
+                                             "chunk": 4096, "k": 32, "value_bits": 2}
+    at = result["utilisation_at"]
+    assert at["+ overlap sparse"] >= at["+ overlap FP4"]
+    assert "+ overlap sparse" in capsys.readouterr().out

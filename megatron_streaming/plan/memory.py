@@ -87,7 +87,7 @@ from dataclasses import dataclass, field
 from typing import Dict
 
 from ..config import shape
-from .wire import FP4_BITS  # re-exported: the dense default's bits per value
+from .wire import DENSE_FP4, FP4_BITS, Wire  # FP4_BITS re-exported: the dense default's
 
 GIB = 1024 ** 3
 STEP_COPIES = 4  # fp32 copies of the ZeRO partition the optimizer step holds at once (CPU)
@@ -258,6 +258,10 @@ class Training:
     # Checkpoints: saved at all (--save), and beside training (--async-save).
     save: bool = False
     async_save: bool = False
+    # The exchange's format (``plan.wire``) and the workers it crosses: what the transport's
+    # pinned buffers hold.
+    wire: Wire = DENSE_FP4
+    workers: int = 2
 
     @property
     def weight_bytes(self) -> int:
@@ -460,6 +464,11 @@ def host_stage(shape: ModelShape, layout: Layout, training: Training,
             shard_copy = power_of_two(4 * partition / training.fragments)
             parts["outer state"] += shard_copy
             pinned += 8 * partition + shard_copy
+    elif training.streaming and gpu and training.wire.sparse:
+        # the row sent (one peer's share of the all-gather) and the M rows gathered
+        row = training.wire.bytes_sent(partition / training.fragments, 2)
+        parts["exchange payloads"] = (1 + training.workers) * power_of_two(row)
+        pinned += parts["exchange payloads"]
     elif training.streaming and gpu:
         codes = partition / training.fragments * FP4_BITS / 8
         parts["exchange codes"] = 2 * power_of_two(codes) + 3 * power_of_two(codes / 2)

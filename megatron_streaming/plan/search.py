@@ -223,7 +223,8 @@ def plan(shape: ModelShape, clusters: Sequence[Cluster], link: Link, global_batc
                                           len(chosen.workers), min(chosen.ranks))
     synced = dataclasses.replace(training, streaming=len(chosen.workers) > 1,
                                  fragments=advice.fragments,
-                                 overlap_steps=advice.overlap_steps)
+                                 overlap_steps=advice.overlap_steps, wire=wire,
+                                 workers=len(chosen.workers))
     for w in chosen.workers:
         w.host = host_estimate(shape, w.best.layout, synced)
     ordered = [chosen, *[o for o in options if o is not chosen]]

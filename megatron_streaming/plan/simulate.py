@@ -3,11 +3,13 @@
 Reproduces the simulation behind Table 4 of Streaming DiLoCo (Douillard et al., arXiv
 2501.18512): how many Gbit/s between workers each method needs to keep the accelerators busy
 50/80/90/95/99 % of the time. It is a planning tool beside the package, not part of a rank's
-data flow: stdlib only, no torch.
+data flow: stdlib only, no torch (but for a ``--sparse`` row, whose bytes are the codec's).
 
     python -m megatron_streaming.plan.simulate                  # 1B and 10B tables beside the paper's
     python -m megatron_streaming.plan.simulate --layers 32 --params 3e9 --step-time 0.3 \\
         --bandwidth-gbps 10 --json out.json                # any other model
+    python -m megatron_streaming.plan.simulate --layers 32 --params 3e9 --step-time 0.3 \\
+        --sparse                                           # and a sparse row beside FP4
 
 The schedule, one worker, per inner step (all workers are alike, so one stands for all):
 
@@ -16,7 +18,10 @@ The schedule, one worker, per inner step (all workers are alike, so one stands f
 * a layer's reduction (its gradient for data parallel, its outer gradient for the DiLoCo
   methods) is ready when that layer's backward ends, so reductions overlap the rest of the
   backward pass; they cross one link first come, first served, each taking
-  ``values * bits * 2(n-1)/n / bandwidth`` seconds (ring all-reduce over n workers);
+  ``values * bits * 2(n-1)/n / bandwidth`` seconds (ring all-reduce over n workers), or for
+  the sparse exchange (``--sparse``: SparseLoCo's top-k per chunk, one all-gather) its
+  payload to each of the n-1 others, ``8 (n-1) (SparseCodec.wire_bytes(values) + 4) /
+  bandwidth`` (``plan.wire``);
 * the forward of a layer waits for the reduction it depends on: data parallel and the blocking
   methods, the reduction issued at the previous step; overlapped Streaming DiLoCo, the one
   issued ``tau`` steps earlier (it rides along ``tau`` whole steps of compute);
@@ -44,6 +49,8 @@ import math
 import sys
 from dataclasses import asdict, dataclass
 from typing import Dict, List, Optional, Sequence
+
+from .wire import Wire
 
 TARGETS = (0.5, 0.8, 0.9, 0.95, 0.99)
 TOLERANCE = 0.15  # largest relative error accepted against a Table 4 cell
@@ -84,6 +91,8 @@ class Method:
     """tau: whole steps of compute a reduction may overlap before it is waited for."""
     bits: int = 16
     """Bits per exchanged value."""
+    wire: Optional[Wire] = None
+    """A sparse exchange's format (``plan.wire``): its bytes in place of ``bits``."""
 
     def __post_init__(self):
         if self.inner_steps < 1 or self.bits < 1 or self.overlap_steps < 0:
@@ -107,9 +116,13 @@ class Link:
             raise ValueError(f"bandwidth_gbps ({self.bandwidth_gbps}) must be >= 0 and "
                              f"workers ({self.workers}) >= 1")
 
-    def seconds(self, values: float, bits: int) -> float:
-        """Time of a ring all-reduce of ``values`` values: each worker sends 2(n-1)/n of them."""
-        volume = values * bits * 2 * (self.workers - 1) / self.workers
+    def seconds(self, values: float, bits: int, wire: Optional[Wire] = None) -> float:
+        """Time of a ring all-reduce of ``values`` values: each worker sends 2(n-1)/n of them;
+        with a sparse ``wire``, of its all-gather: a payload to each of the n-1 others."""
+        if wire is not None and wire.sparse:
+            volume = 8 * wire.bytes_sent(values, self.workers)
+        else:
+            volume = values * bits * 2 * (self.workers - 1) / self.workers
         if volume == 0:
             return 0.0
         if self.bandwidth_gbps == 0:
@@ -118,15 +131,19 @@ class Link:
 
 
 def paper_methods(inner_steps: int = 100, fragment_layers: int = 3, overlap_steps: int = 1,
-                  full_bits: int = 16, quantized_bits: int = 4) -> List[Method]:
-    """Table 4's five rows. Gradients and unquantised outer gradients travel in bf16."""
+                  full_bits: int = 16, quantized_bits: int = 4,
+                  sparse: Optional[Wire] = None) -> List[Method]:
+    """Table 4's five rows (gradients and unquantised outer gradients travel in bf16), and
+    with ``sparse`` a sixth: the FP4 row's schedule on that sparse wire."""
     H, k, tau = inner_steps, fragment_layers, overlap_steps
+    extra = [Method("+ overlap sparse", H, k, tau, quantized_bits, sparse)] if sparse else []
     return [
         Method("Data-parallel", 1, None, 0, full_bits),
         Method("DiLoCo", H, None, 0, full_bits),
         Method("Streaming", H, k, 0, full_bits),
         Method("+ overlap", H, k, tau, full_bits),
         Method("+ overlap FP4", H, k, tau, quantized_bits),
+        *extra,
     ]
 
 
@@ -227,7 +244,7 @@ def simulate(model: ModelSpec, method: Method, link: Link, warmup_periods: int =
     warmup_periods += math.ceil((method.overlap_steps + 1) / period)
     forward = model.step_time * model.forward_fraction / model.layers
     backward = model.step_time * (1 - model.forward_fraction) / model.layers
-    per_layer = link.seconds(model.params / model.layers, method.bits)
+    per_layer = link.seconds(model.params / model.layers, method.bits, method.wire)
     if math.isinf(per_layer):
         return Period(period * model.step_time, math.inf)
     fifo, due, t = _FifoLink(), {}, 0.0
@@ -387,6 +404,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     method.add_argument("--bits", type=int, default=4, help="bits per value, quantised row")
     method.add_argument("--full-bits", type=int, default=16,
                         help="bits per value of gradients and unquantised outer gradients")
+    method.add_argument("--sparse", action="store_true",
+                        help="add a row: the FP4 row's schedule on the sparse exchange "
+                        "(--diloco-quantize sparse; also to the 100B prediction)")
+    method.add_argument("--sparse-k", type=int, default=64, help="entries sent per chunk")
+    method.add_argument("--sparse-chunk", type=int, default=4096, help="elements per chunk")
+    method.add_argument("--sparse-value-bits", type=int, default=2,
+                        help="bits per value sent")
     link = p.add_argument_group("link")
     link.add_argument("--workers", type=int, default=2, help="workers in the ring all-reduce")
     link.add_argument("--bandwidth-gbps", type=float, help="also print utilisation at this")
@@ -394,10 +418,18 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def sparse_wire(args: argparse.Namespace) -> Optional[Wire]:
+    """The sparse wire the flags ask for (None without ``--sparse``)."""
+    if not args.sparse:
+        return None
+    return Wire("sparse", chunk=args.sparse_chunk, k=args.sparse_k,
+                value_bits=args.sparse_value_bits)
+
+
 def _custom(args: argparse.Namespace) -> dict:
     model = model_from_args(args)
     methods = paper_methods(args.inner_steps, args.fragment_layers, args.overlap_steps,
-                            args.full_bits, args.bits)
+                            args.full_bits, args.bits, sparse_wire(args))
     table = bandwidth_table(model, methods, args.workers)
     at = None
     if args.bandwidth_gbps is not None:
@@ -427,7 +459,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         total = sum(len(row["ours"]) for rows in comparison.values() for row in rows.values())
         print(f"\n{total - len(off)}/{total} cells within {TOLERANCE:.0%} of the paper"
               + (f"; off: {', '.join(off)}" if off else ""))
-        big = bandwidth_table(PAPER_MODELS["100B"], paper_methods(), args.workers)
+        big = bandwidth_table(PAPER_MODELS["100B"], paper_methods(sparse=sparse_wire(args)),
+                              args.workers)
         print("\n100B (108 layers, 4.9 s/step; no paper values): Gbit/s to reach compute "
               "utilisation\n" + format_table(big))
         result = {"targets": list(TARGETS), "tolerance": TOLERANCE, "table4": comparison,
