@@ -69,6 +69,14 @@ def codec_throughput(numel: int, reps: int, device: str = "cpu") -> dict:
         ops[f"{name} encode"] = (lambda c: lambda: c.encode(x))(codec)
         # Into a preallocated buffer, as the transport decodes into its receive buffers.
         ops[f"{name} decode"] = (lambda c, e: lambda: c.decode(e, out=dst))(codec, encoded)
+    # The sparse exchange's codec (64 of every 4,096 at 2 bits): the top-k, packing and the
+    # scatter of the decode, on the same tensor (issue 58's device check: its encode and
+    # decode against a device copy).
+    from megatron_streaming.comm.sparse import SparseCodec
+
+    sparse = SparseCodec()
+    ops["sparse encode"] = lambda: sparse.encode(x)
+    ops["sparse decode"] = (lambda e: lambda: sparse.decode(e, out=dst))(sparse.encode(x))
     # For reference: into a fresh tensor on every call (for large tensors, the allocator maps
     # new pages each time and faulting them in costs several copies).
     fp4 = make_codec("fp4", 128)
