@@ -25,11 +25,14 @@ on decode):
 * each entry as ``value_bits`` bits: the top bit the sign (1 negative), the rest a magnitude
   index m in [0, L), L = 2^(value_bits - 1), for the magnitude ``s * 2^(m - L + 1)``. With
   2 bits: codes 0, 1, 2, 3 are +s/2, +s, -s/2, -s. Rounding is to the nearest magnitude in
-  linear space, ties to the larger; every threshold ``0.75 * s * 2^(j - L + 1)`` is exact in
-  fp32 (s >= 2^-120), so the decisions are exact comparisons. Relative error <= 1/3 from
-  the smallest magnitude up; there is no zero, so an entry below it is sent as it (error
-  <= s * 2^(1 - L); an exact zero only where a chunk has fewer than k nonzero entries), and
-  what was not sent exactly stays in the accumulator. An all-zero chunk decodes to zeros.
+  linear space, ties to the larger, at the thresholds ``s * (0.75 * 2^(j - L + 1))`` computed
+  in fp32 (``0.75 s`` rounds for most s, by half an ulp at most: an entry that close to a
+  midpoint may take either neighbour, the same one on every device, since the comparison is
+  the same fp32 arithmetic). Relative error <= 1/3 from the smallest magnitude up; there is
+  no zero, so an entry below it is sent as it (error <= s * 2^(1 - L)), zeros included: a
+  chunk with fewer than k nonzero entries sends some of its zeros as +s/2, which the
+  accumulator then takes back (-s/2 kept there); what was not sent exactly stays in the
+  accumulator. An all-zero chunk decodes to zeros.
 
 Bytes are packed least significant bit first: code i of a chunk occupies bits
 [i * bits, (i + 1) * bits) of that chunk's byte run, rounded up to whole bytes per chunk.
