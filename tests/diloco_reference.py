@@ -334,8 +334,9 @@ class Reference:
                  for x in weights]
         accumulators = self.__dict__.setdefault("accumulators", {})
         out = {}
+        name_of = {id(q): n for n, q in self.models[0].named_parameters()}
         for g, group in enumerate(self.opts[0].param_groups):
-            names = [self._name_of_local(param) for param in group["params"]]
+            names = [name_of[id(param)] for param in group["params"]]
             names = [n for n in names if self.fragment[n] == p]
             if not names:
                 continue
@@ -359,9 +360,6 @@ class Reference:
                 out[n] = mean[offset:offset + size].view_as(self.theta_g[n])
                 offset += size
         return out
-
-    def _name_of_local(self, param):
-        return next(n for n, q in self.models[0].named_parameters() if q is param)
 
     def eager_step(self, step, last, local):
         for p in self.schedule.sends_after(step):

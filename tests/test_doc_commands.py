@@ -78,7 +78,7 @@ def test_each_doc_command_parses_and_syncs(argv, complete, line):
 
 def test_the_docs_show_the_commands_this_file_runs():
     lines = [line for path in DOCS for line in bash_blocks(path)]
-    assert len([x for x in doc_commands()]) >= 14
+    assert len(doc_commands()) >= 14
     for expected in RUN:
         assert any(all(part in line for part in expected) for line in lines), expected
 

@@ -27,6 +27,7 @@ nothing to it.
 """
 
 import json
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -276,28 +277,46 @@ def _start_sized(out, per_worker, ranks, extra=()):
             for w, (flags, n) in enumerate(zip(per_worker, ranks))]
 
 
+@contextmanager
+def _reaped():
+    """A list to put started processes in; whichever still runs at the end is killed."""
+    started = []
+    try:
+        yield started
+    finally:
+        for proc in started:
+            if proc.poll() is None:
+                proc.kill()
+
+
+def _sized_reference(out, per_worker, world: str, started: list):
+    """The reference of workers with their own flags, started in the background."""
+    reference = start_reference(
+        [*SHARED, *per_worker[0]], out, world,
+        {"REFERENCE_WORKER_ARGS": json.dumps([[*SHARED, *f] for f in per_worker])})
+    started.append(reference)
+    return reference
+
+
+def _wait(launches, started: list) -> None:
+    """Every launch of ``launches`` (from ``_start_sized``) ends with status 0."""
+    started += [proc for proc, _ in launches]
+    for proc, log in launches:
+        assert proc.wait(timeout=400) == 0, log.read_text()[-5000:]
+
+
 @pytest.mark.timeout(600)
 def test_workers_of_different_sizes_match_the_reference(tmp_path):
-    launches, reference = [], None
     resumed = tmp_path / "resumed"
     resumed.mkdir()
-    try:
-        reference = start_reference(
-            [*SHARED, *SIZED[0]], tmp_path, "2,1",
-            {"REFERENCE_WORKER_ARGS": json.dumps([[*SHARED, *f] for f in SIZED])})
-        launches = _start_sized(tmp_path, SIZED, (2, 1),
-                                ["--save", str(tmp_path / "ckpt"), "--save-interval", "6"])
-        for proc, log in launches:
-            assert proc.wait(timeout=400) == 0, log.read_text()[-5000:]
+    with _reaped() as started:
+        reference = _sized_reference(tmp_path, SIZED, "2,1", started)
+        _wait(_start_sized(tmp_path, SIZED, (2, 1),
+                           ["--save", str(tmp_path / "ckpt"), "--save-interval", "6"]), started)
         (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").write_text("6\n")
-        launches = _start_sized(resumed, RESIZED, (1, 2), ["--load", str(tmp_path / "ckpt")])
-        for proc, log in launches:
-            assert proc.wait(timeout=400) == 0, log.read_text()[-5000:]
+        _wait(_start_sized(resumed, RESIZED, (1, 2), ["--load", str(tmp_path / "ckpt")]),
+              started)
         ref = reference_result(reference, tmp_path)
-    finally:
-        for proc in [p for p, _ in launches] + [reference]:
-            if proc is not None and proc.poll() is None:
-                proc.kill()
     assert "by 1 layout-free lane(s) per fragment" in (tmp_path / "w0.log").read_text()
     for out in (tmp_path, resumed):
         got = [dumps(out, w) for w in range(2)]
@@ -323,19 +342,10 @@ def test_sparse_workers_of_different_batches_match_the_reference_bit_for_bit(tmp
 
     per_worker = (["--micro-batch-size", "2", "--global-batch-size", "4", *SPARSE],
                   ["--micro-batch-size", "2", "--global-batch-size", "2", *SPARSE])
-    launches, reference = [], None
-    try:
-        reference = start_reference(
-            [*SHARED, *per_worker[0]], tmp_path, "1,1",
-            {"REFERENCE_WORKER_ARGS": json.dumps([[*SHARED, *f] for f in per_worker])})
-        launches = _start_sized(tmp_path, per_worker, (1, 1))
-        for proc, log in launches:
-            assert proc.wait(timeout=400) == 0, log.read_text()[-5000:]
+    with _reaped() as started:
+        reference = _sized_reference(tmp_path, per_worker, "1,1", started)
+        _wait(_start_sized(tmp_path, per_worker, (1, 1)), started)
         ref = reference_result(reference, tmp_path)
-    finally:
-        for proc in [p for p, _ in launches] + [reference]:
-            if proc is not None and proc.poll() is None:
-                proc.kill()
     got = [dumps(tmp_path, w) for w in range(2)]
     for w in range(2):
         for kind, expected in (("local", ref["local"][w]), ("global", ref["globals"][w])):
