@@ -374,8 +374,9 @@ def _validate_moe(cfg: Config, layout) -> None:
     # (DeepSpeed reduces each group's gradient norm over the pipeline stages together).
     _require(ep == 1 or not empty,
              f"--moe-layer-freq {m.moe_layer_freq} leaves pipeline stage "
-             f"{empty[0] if empty else 0} without an MoE layer, which --expert-model-parallel-size {ep} needs on every "
-             "stage; change the frequency or the pipeline size")
+             f"{empty[0] if empty else 0} without an MoE layer, which "
+             f"--expert-model-parallel-size {ep} needs on every stage; change the frequency or "
+             "the pipeline size")
     _require(etp is None or etp == p.tensor_model_parallel_size,
              f"--expert-tensor-parallel-size {etp}: only the tensor-parallel size "
              f"({p.tensor_model_parallel_size}, the default) is supported")
