@@ -33,8 +33,9 @@ Phases (each chooses from the records of the ones before it, so ``--phases`` may
 * ``ladder``: data parallel and M=2 and 4, plain and Nesterov, at the lower rungs, seed 1.
 * ``m1``: one worker's outer optimizer (refused until the library runs it): its outer-lr sweep,
   then the top rung with every seed, then the lower rungs.
-* ``sparse``: M=2 and 4 under plain averaging at the tuning rung, seed 1, with the dense FP4
-  exchange and the sparse one at two densities (``SPARSE``): held-out loss and bytes.
+* ``sparse``: M=2 and 4 under plain averaging at the tuning rung (``--sparse-rung``), seed 1,
+  with the dense FP4 exchange and the sparse one at two densities (``--sparse`` picks others
+  of ``SPARSE``: its decay, outer lr, H): held-out loss and bytes.
 * ``ablate``: M=2 under plain averaging at the tuning rung, seed 1, with one change at a time
   (``ABLATIONS``: fp32 outer gradients, tau 0, one fragment, H=15, the inner lr doubled, outer
   lr 1.4, each worker data parallel's batch): which carries the gap.
@@ -218,7 +219,19 @@ SPARSE = {
                  {"--diloco-quantize": "sparse", "--diloco-sparse-k": "64"}, 1),
     "sparse32": ("sparse: 32 of every 4,096 (0.8 %), 2-bit values, decay 0.95",
                  {"--diloco-quantize": "sparse", "--diloco-sparse-k": "32"}, 1),
+    # Which setting holds the sparse exchange back (``--sparse`` picks these, M=2): what the
+    # accumulator keeps, how far each round moves, and the same bytes spent on more rounds.
+    "sparse64-decay1": ("sparse 64 of 4,096, accumulator decay 1 (nothing unsent is lost)",
+                        {"--diloco-quantize": "sparse", "--diloco-sparse-k": "64",
+                         "--diloco-sparse-decay": "1"}, 1),
+    "sparse64-olr2": ("sparse 64 of 4,096, outer lr 2",
+                      {"--diloco-quantize": "sparse", "--diloco-sparse-k": "64",
+                       "--diloco-outer-lr": "2"}, 1),
+    "sparse32-h15": ("sparse 32 of 4,096 at H=15 (the bytes of 64 at H=30, twice the rounds)",
+                     {"--diloco-quantize": "sparse", "--diloco-sparse-k": "32",
+                      "--diloco-inner-steps": "15"}, 1),
 }
+SPARSE_DEFAULT = ["sparse64", "sparse32"]
 CHANGES = {**ABLATIONS, **SPARSE}
 
 
@@ -364,8 +377,9 @@ def phase_jobs(phase: str, opts, rows):
         return [job(rung, 2, None, dp[0], dp[1] * factor, 1, change)
                 for change, (_, _, factor) in ABLATIONS.items()], True
     if phase == "sparse":  # with the dense exchange's run beside each (phase outer has it)
-        return [job(rung, m, None, *dp, 1, change) for m in opts.workers if m > 1
-                for change in (None, *SPARSE)], True
+        at = opts.sparse_rung or rung
+        return [job(at, m, None, *dp, 1, change) for m in opts.workers if m > 1
+                for change in (None, *opts.sparse)], True
     if phase in ("outer", "m1-outer"):
         ms = [1] if phase == "m1-outer" else [m for m in opts.workers if m > 1]
         return [job(rung, m, olr, *dp, 1) for m in ms for olr in (None, *opts.outer_lrs)], True
@@ -494,6 +508,10 @@ def main():
     ap.add_argument("--lock", help="a file every run holds an exclusive flock on while it "
                     "trains (e.g. /tmp/cpu.lock: one run at a time on the machine, others' "
                     "work between runs)")
+    ap.add_argument("--sparse", nargs="+", default=SPARSE_DEFAULT, choices=list(SPARSE),
+                    help="phase sparse: which settings of the sparse exchange (SPARSE)")
+    ap.add_argument("--sparse-rung", type=float,
+                    help="phase sparse: its tokens per parameter (default: the tuning rung)")
     ap.add_argument("--plan", action="store_true", help="run nothing: list each phase's runs")
     ap.add_argument("--report", action="store_true", help="run nothing: tabulate the records")
     opts = ap.parse_args()
