@@ -87,6 +87,7 @@ def _run_rank(rank: int, nproc: int, port: int, script: str, args: list) -> None
             pass
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})
     if quiet._FILTER is not None:  # expected warnings: once per job, on rank 0 (quiet.py)
         quiet._FILTER.rank = quiet.launch_rank()
     if script == "-m":  # ``python -m MODULE ARGS``: the working directory first on the path
@@ -114,11 +115,6 @@ def launch(nproc: int, script: str, args: list, client=None) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     children = {}
-    for rank in range(nproc):
-        pid = os.fork()
-        if pid == 0:
-            _run_rank(rank, nproc, port, script, args)
-        children[pid] = rank
 
     def stop(sig, _frame=None):
         for pid in list(children):
@@ -127,8 +123,23 @@ def launch(nproc: int, script: str, args: list, client=None) -> int:
             except ProcessLookupError:
                 pass
 
+    # A signal that comes while the ranks are being forked waits until every one is known
+    # (a rank may be running its script, seen by the test, before the last fork returns):
+    # blocked here, the handlers in place, then let through. A rank unblocks its own once
+    # its handlers are the defaults again, and does not hold the client's socket, so that a
+    # launch that dies is seen by its client.
+    forwarded = {signal.SIGTERM, signal.SIGINT}
+    signal.pthread_sigmask(signal.SIG_BLOCK, forwarded)
     signal.signal(signal.SIGTERM, lambda s, f: stop(signal.SIGTERM))
     signal.signal(signal.SIGINT, lambda s, f: stop(signal.SIGINT))
+    for rank in range(nproc):
+        pid = os.fork()
+        if pid == 0:
+            if client is not None:
+                client.close()
+            _run_rank(rank, nproc, port, script, args)
+        children[pid] = rank
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, forwarded)
     failed, deadline, code = False, None, 0
     while children:
         if deadline is not None and time.monotonic() > deadline:

@@ -185,12 +185,16 @@ def _connect(path: str, seconds: float = 300.0) -> socket.socket:
 
 
 def client(path: str, nproc: int, script: str, args: list) -> int:
+    # A signal that comes before the launch's pid is known waits for it (blocked), then goes
+    # on to the launch as every later one does.
+    signal.pthread_sigmask(signal.SIG_BLOCK, set(FORWARDED))
     sock = _connect(path)
     _send(sock, {"nproc": nproc, "script": script, "args": args, "cwd": os.getcwd(),
                  "env": dict(os.environ)}, STREAMS)
     launch = _receive(sock)[0]["pid"]
     for sig in FORWARDED:
         signal.signal(sig, lambda s, f: os.kill(launch, s))
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, set(FORWARDED))
     try:
         code = _receive(sock)[0]["code"]
     except EOFError:
