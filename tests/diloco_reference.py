@@ -196,6 +196,7 @@ class Reference:
         self.micro_batches_of = [self.micro_batches] * self.M
         self.weights = [1] * self.M  # of the outer mean (relative: each worker's batch)
         self.blocks = None  # the world size, when workers of different batches read blocks
+        self.lanes = 0  # workers of different layouts: the lanes the sparse exchange cuts
         self.plan, self.schedule = fragment_plan(cfg), sync_schedule(cfg)
         self.fragment = {n: self.plan.fragment_of(n) for n in self.names}
         old = getattr(self, "outer", {})
@@ -218,6 +219,8 @@ class Reference:
         self.micro_batches_of = [num_microbatches(c, s.dp) for c, s in zip(cfgs, job.workers)]
         if self.cfg.streaming.diloco_weighting == "tokens":  # each worker's batch
             self.weights = [s.global_batch_size for s in job.workers]
+        if not job.same_layout:  # the smallest worker's ranks hold the lanes
+            self.lanes = min(s.ranks for s in job.workers)
 
     def _outer_optimizers(self, theta):
         s = self.cfg.streaming
@@ -267,6 +270,9 @@ class Reference:
             for n, p in model.named_parameters():
                 p.copy_(self.theta_g[n])
         self.opts[w] = inner_optimizer(self.cfg, model)
+        accumulators = self.__dict__.get("accumulators", {})  # (sparse) it starts empty
+        for key in [key for key in accumulators if key[0] == w]:
+            del accumulators[key]
         if self.blocks is not None:  # workers of different batches
             self.iterators[w] = block_iterators(self.cfgs, self.tokenizer, self.blocks, step)[w]
         else:
@@ -324,35 +330,38 @@ class Reference:
 
     def sparse_mean(self, p, deltas, scaled=False):
         """``--diloco-quantize sparse``: per shard (fragment p's parameters of one inner param
-        group, flat in the group's order, as ZeRO flattens them), each worker's outer gradient
-        ``deltas[w]`` (times its weight's share, unless ``scaled``) into its accumulator
-        e <- decay * e + delta, ``sparse_sent`` of it sent and taken out of it, the sent values
-        summed in worker order over the workers, then divided by their number."""
+        group, flat in the group's order, as ZeRO flattens them; with ``lanes``, workers of
+        different layouts: the canonical vector, its parameters by their local-spec names,
+        cut in that many lanes), each worker's outer gradient ``deltas[w]`` (times its
+        weight's share, unless ``scaled``) into its accumulator e <- decay * e + delta,
+        ``sparse_sent`` of it sent and taken out of it, the sent values summed in worker
+        order over the workers, then divided by their number."""
         s, k = self.cfg.streaming, len(self.active)
         weights = [self.weights[w] for w in self.active]
         share = [k * x / sum(weights) if len(set(weights)) > 1 and not scaled else 1.0
                  for x in weights]
         accumulators = self.__dict__.setdefault("accumulators", {})
         out = {}
-        name_of = {id(q): n for n, q in self.models[0].named_parameters()}
-        for g, group in enumerate(self.opts[0].param_groups):
-            names = [name_of[id(param)] for param in group["params"]]
-            names = [n for n in names if self.fragment[n] == p]
-            if not names:
-                continue
+        for g, names in enumerate(self._sparse_units(p)):
+            numel = sum(self.theta_g[n].numel() for n in names)
+            cuts = self.lanes or 1
+            bounds = [lane * numel // cuts for lane in range(cuts + 1)]
             total = None
             for w, x in zip(self.active, share):
                 delta = torch.cat([deltas[w][n].reshape(-1) for n in names])
                 if x != 1.0:
                     delta = delta * x
-                e = accumulators.get((w, g, p), torch.zeros_like(delta))
-                target = e * s.diloco_sparse_decay + delta
-                # A short last chunk is padded with zeros for the choice only.
-                padded = torch.nn.functional.pad(
-                    target, (0, -target.numel() % s.diloco_sparse_chunk))
-                sent = sparse_sent(padded, s.diloco_sparse_chunk, s.diloco_sparse_k,
-                                   s.diloco_sparse_value_bits)[:target.numel()]
-                accumulators[(w, g, p)] = target - sent
+                sent = []
+                for lane, (a, b) in enumerate(zip(bounds, bounds[1:])):
+                    e = accumulators.get((w, g, lane, p), torch.zeros(b - a))
+                    target = e * s.diloco_sparse_decay + delta[a:b]
+                    # A short last chunk is padded with zeros for the choice only.
+                    padded = torch.nn.functional.pad(
+                        target, (0, -target.numel() % s.diloco_sparse_chunk))
+                    sent.append(sparse_sent(padded, s.diloco_sparse_chunk, s.diloco_sparse_k,
+                                            s.diloco_sparse_value_bits)[:target.numel()])
+                    accumulators[(w, g, lane, p)] = target - sent[-1]
+                sent = torch.cat(sent)
                 total = sent.clone() if total is None else total + sent
             mean, offset = total / k, 0
             for n in names:
@@ -360,6 +369,19 @@ class Reference:
                 out[n] = mean[offset:offset + size].view_as(self.theta_g[n])
                 offset += size
         return out
+
+    def _sparse_units(self, p) -> list:
+        """The name lists of fragment p that the sparse exchange chunks on its own: one per
+        inner param group (the shards), or, with ``lanes``, the canonical vector's."""
+        if self.lanes:
+            return [sorted((n for n in self.names if self.fragment[n] == p),
+                           key=weights.local_spec_name)]
+        name_of = {id(q): n for n, q in self.models[0].named_parameters()}
+        units = []
+        for group in self.opts[0].param_groups:
+            names = [name_of[id(param)] for param in group["params"]]
+            units.append([n for n in names if self.fragment[n] == p])
+        return [names for names in units if names]
 
     def eager_step(self, step, last, local):
         for p in self.schedule.sends_after(step):
