@@ -677,6 +677,7 @@ def test_a_sparse_wire_lets_the_link_take_a_smaller_h():
     assert dense[0].inner_steps == 354 and sparse[0].inner_steps == 24
     assert (dense[0].quantize, sparse[0].quantize) == ("fp4-e2m1", "sparse")
     assert sparse[0].flags()[sparse[0].flags().index("--diloco-quantize") + 1] == "sparse"
+    assert (dense[0].outer_lr, sparse[0].outer_lr) == (1.0, rule.SPARSE_OUTER_LR)
     dense_bits = 8 * DENSE_FP4.bytes_sent(params, 2)
     sparse_bits = 8 * Wire("sparse").bytes_sent(params, 2)
     assert (dense_bits, sparse_bits) == (params * 4.25, 92_800_032)

@@ -50,6 +50,24 @@ def test_the_papers_momentum_warns_up_to_the_outer_steps_where_harm_was_measured
     assert "241 outer steps per fragment" in one.notes[-1]
 
 
+def test_the_sparse_exchange_takes_outer_lr_2_where_none_is_typed_and_is_not_warned():
+    sparse = ["--diloco-quantize", "sparse"]
+    cfg = parse_args([*RUN, *sparse])
+    assert (cfg.streaming.diloco_outer_lr, cfg.streaming.diloco_outer_momentum) == (2.0, 0.0)
+    assert cfg.notes[-1].startswith("--diloco-quantize sparse without --diloco-outer-lr: "
+                                    "outer lr 2, no momentum")
+    assert _warnings(*sparse) == []
+    # Typed, the outer step is the user's (and warned above 2, as the dense one above 1.5).
+    assert parse_args([*RUN, *sparse, "--diloco-outer-lr", "1"]).streaming.diloco_outer_lr == 1
+    typed = parse_args([*RUN, *sparse, "--diloco-outer-momentum", "0.5"]).streaming
+    assert (typed.diloco_outer_lr, typed.diloco_outer_momentum) == (1.0, 0.5)
+    assert len(_warnings(*sparse, "--diloco-outer-lr", "3")) == 1
+    assert len(_warnings("--diloco-outer-lr", "2")) == 1  # the dense exchange's harm
+    # One worker: no exchange, the outer lr as without it.
+    one = parse_args(["--mock-data", "--diloco-workers", "1", *sparse]).streaming
+    assert one.diloco_outer_lr == 1.0
+
+
 def test_alpha_above_zero_warns():
     (line,) = _warnings("--diloco-alpha", "0.5")
     assert line.startswith("--diloco-alpha 0.5:")

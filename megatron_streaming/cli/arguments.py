@@ -108,6 +108,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> Config:
     chosen = rule.choose_unset(cfg)  # before the one-worker line, which names H and P
     _apply_one_worker(cfg, given, parser)
     cfg.notes += [chosen] if chosen and cfg.streaming.diloco_sync else []
+    sparse = rule.choose_sparse_outer_lr(cfg, given)
+    cfg.notes += [sparse] if sparse else []
     past = rule.past_measured(cfg.streaming, cfg.training.train_iters)
     cfg.notes += [past] if past else []  # where validate's warning on outer momentum is not
     return cfg

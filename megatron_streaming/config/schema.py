@@ -349,7 +349,8 @@ class StreamingConfig:
         "equal), or all alike (uniform).", choices=["tokens", "uniform"])
     diloco_outer_lr: float = arg(
         1.0, "Outer SGD learning rate (1 with no momentum: the global parameters become the "
-        "workers' mean; the papers' 0.7 / 0.9 needs hundreds of outer steps, docs/RESULTS.md).")
+        "workers' mean; the papers' 0.7 / 0.9 needs hundreds of outer steps, docs/RESULTS.md; "
+        "untyped with --diloco-quantize sparse between workers: 2, measured best there).")
     diloco_outer_momentum: float = arg(0.0, "Outer SGD momentum.")
     diloco_nesterov: bool = arg(True, "Nesterov outer momentum.")
     diloco_quantize: str = arg(

@@ -455,10 +455,12 @@ def _sync(shape: ModelShape, link: Link, workers: int, step: float, train_iters:
         advice = rule.advise(train_iters, shape.layers, h, exchange / step)
     if wire.sparse:  # the rule speaks of its default, FP4: say what replaces it
         ratio = model_bits / 8 / DENSE_FP4.bytes_sent(params, workers)
-        advice = dataclasses.replace(advice, quantize=wire.quantize, reasons=[
-            *advice.reasons, f"wire: {wire.describe()} in place of the FP4 above, as the "
-            f"run's flags ask: {model_bits / 8e6:,.1f} MB a worker sends per round of the "
-            f"whole model, {ratio:.3g}x the dense FP4's; H follows it"])
+        advice = dataclasses.replace(
+            advice, quantize=wire.quantize, outer_lr=rule.SPARSE_OUTER_LR, reasons=[
+                *advice.reasons, f"wire: {wire.describe()} in place of the FP4 above, as the "
+                f"run's flags ask: {model_bits / 8e6:,.1f} MB a worker sends per round of the "
+                f"whole model, {ratio:.3g}x the dense FP4's; H follows it; outer lr "
+                f"{rule.SPARSE_OUTER_LR:g} (the sparse exchange's, measured best)"])
     exchange = steady_exchange_seconds(step, advice.inner_steps, advice.overlap_steps,
                                        advice.eager, **link_args, fragments=advice.fragments)
     util = link_utilisation(step, exchange, advice.inner_steps, advice.fragments,

@@ -43,6 +43,11 @@ MIN_OUTER_STEPS = 40
 MEASURED_OUTER_STEPS = 240
 # The H of every published result (docs/RESULTS.md): the default where a run is long enough.
 DEFAULT_INNER_STEPS = 30
+# The sparse exchange's outer lr where --diloco-outer-lr is not typed (no momentum): each round
+# applies a few percent of the outer gradient, and a step of twice it was the best of 1, 2 and
+# 3 in the protocol benchmark (1.09M parameters, H=30, 64 of 4,096, held-out loss at 5 tokens
+# per parameter: M=2 4.458 / 4.296 / 4.343, M=4 4.712 / 4.564 at 1 and 2; docs/RESULTS.md).
+SPARSE_OUTER_LR = 2.0
 # One worker (the papers' M=1), 0.7 / 0.9 at H=30 against data parallel, held-out loss, %.
 ONE_WORKER_HARM = 14.8
 ONE_WORKER_MEASURED = "1200 steps, 40 outer steps, 1.5M parameters, code"
@@ -150,6 +155,27 @@ def choose_unset(cfg) -> Optional[str]:
             f"{MIN_OUTER_STEPS}; P=3 where it divides the layers and H; tau=1 where H/P > 1)")
 
 
+def choose_sparse_outer_lr(cfg, given) -> Optional[str]:
+    """The sparse exchange between workers with --diloco-outer-lr and --diloco-outer-momentum
+    not typed (``given``: the flags typed): outer lr ``SPARSE_OUTER_LR``. Returns the start-up
+    line saying so (None: not the case)."""
+    s = cfg.streaming
+    if s.diloco_quantize != "sparse" or s.diloco_workers < 2 or not s.diloco_sync or \
+            given & {"--diloco-outer-lr", "--diloco-outer-momentum"}:
+        return None
+    s.diloco_outer_lr = SPARSE_OUTER_LR
+    return (f"--diloco-quantize sparse without --diloco-outer-lr: outer lr "
+            f"{SPARSE_OUTER_LR:g}, no momentum (the best of 1, 2 and 3 for the sparse exchange "
+            "at M=2 and 4 in the protocol benchmark; docs/RESULTS.md, \"The sparse exchange\")")
+
+
+def sparse_outer_step(s) -> bool:
+    """The sparse exchange's plain outer step up to ``SPARSE_OUTER_LR``: measured better than
+    outer lr 1 there, so the dense exchange's warning on a larger step does not apply."""
+    return s.diloco_quantize == "sparse" and s.diloco_outer_momentum == 0 and \
+        s.diloco_outer_lr <= SPARSE_OUTER_LR
+
+
 def advise(train_iters: int, num_layers: int, max_inner_steps: Optional[int] = None,
            exchange_steps: Optional[float] = None) -> Advice:
     """The settings the benchmark supports for a run of ``train_iters`` steps.
@@ -231,7 +257,7 @@ def warnings(s, inner_lr: float, train_iters: Optional[int] = None) -> List[str]
     past = past_measured(s, train_iters) is not None
     if s.diloco_workers == 1:
         return one_worker_warnings(s, momentum=not past)
-    out = [] if past else _outer_step_warning(
+    out = [] if past or sparse_outer_step(s) else _outer_step_warning(
         s, "moves the global parameters up to {eff:.1f}x the workers' mean change, as if the "
         f"inner --lr {inner_lr:g} were {{eff_lr}} along their common direction; the quality "
         "benchmark found such settings worse than not syncing at all, at H=5 and H=30 and with "
