@@ -381,8 +381,8 @@ def phase_jobs(phase: str, opts, rows):
                 for change, (_, _, factor) in ABLATIONS.items()], True
     if phase == "sparse":  # with the dense exchange's run beside each (phase outer has it)
         at = opts.sparse_rung or rung
-        return [job(at, m, None, *dp, 1, change) for m in opts.workers if m > 1
-                for change in (None, *opts.sparse)], True
+        return [job(at, m, None, *dp, seed, change) for seed in opts.sparse_seeds
+                for m in opts.workers if m > 1 for change in (None, *opts.sparse)], True
     if phase in ("outer", "m1-outer"):
         ms = [1] if phase == "m1-outer" else [m for m in opts.workers if m > 1]
         return [job(rung, m, olr, *dp, 1) for m in ms for olr in (None, *opts.outer_lrs)], True
@@ -513,6 +513,8 @@ def main():
                     "work between runs)")
     ap.add_argument("--sparse", nargs="+", default=SPARSE_DEFAULT, choices=list(SPARSE),
                     help="phase sparse: which settings of the sparse exchange (SPARSE)")
+    ap.add_argument("--sparse-seeds", nargs="+", type=int, default=[1],
+                    help="phase sparse: its seeds")
     ap.add_argument("--sparse-rung", type=float,
                     help="phase sparse: its tokens per parameter (default: the tuning rung)")
     ap.add_argument("--plan", action="store_true", help="run nothing: list each phase's runs")
