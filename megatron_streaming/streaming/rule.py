@@ -46,7 +46,8 @@ DEFAULT_INNER_STEPS = 30
 # The sparse exchange's outer lr where --diloco-outer-lr is not typed (no momentum): each round
 # applies a few percent of the outer gradient, and a step of twice it was the best of 1, 2 and
 # 3 in the protocol benchmark (1.09M parameters, H=30, 64 of 4,096, held-out loss at 5 tokens
-# per parameter: M=2 4.458 / 4.296 / 4.343, M=4 4.712 / 4.564 at 1 and 2; docs/RESULTS.md).
+# per parameter: M=2 4.458 / 4.296 / 4.343, M=4 4.712 / 4.564 at 1 and 2, M=2 seed 2 4.501 /
+# 4.368 at 1 and 2; docs/RESULTS.md).
 SPARSE_OUTER_LR = 2.0
 # One worker (the papers' M=1), 0.7 / 0.9 at H=30 against data parallel, held-out loss, %.
 ONE_WORKER_HARM = 14.8
