@@ -214,25 +214,23 @@ ABLATIONS = {
 # chunk of 4,096, 2-bit values and accumulator decay 0.95 (the flags' defaults). 64 of 4,096
 # is 4,200x fewer bytes than data parallel at H=30 with M=2, 2,100x with M=4 (every payload
 # goes to every peer); 32 of 4,096 twice that.
+def _sparse(what: str, k: int, extra=None) -> tuple:
+    """A ``SPARSE`` entry: k of every 4,096, then ``extra`` flags (in this order: a record's
+    key is its command)."""
+    return what, {"--diloco-quantize": "sparse", "--diloco-sparse-k": str(k), **(extra or {})}, 1
+
+
 SPARSE = {
-    "sparse64": ("sparse: 64 of every 4,096 (1.6 %), 2-bit values, decay 0.95",
-                 {"--diloco-quantize": "sparse", "--diloco-sparse-k": "64"}, 1),
-    "sparse32": ("sparse: 32 of every 4,096 (0.8 %), 2-bit values, decay 0.95",
-                 {"--diloco-quantize": "sparse", "--diloco-sparse-k": "32"}, 1),
+    "sparse64": _sparse("sparse: 64 of every 4,096 (1.6 %), 2-bit values, decay 0.95", 64),
+    "sparse32": _sparse("sparse: 32 of every 4,096 (0.8 %), 2-bit values, decay 0.95", 32),
     # Which setting holds the sparse exchange back (``--sparse`` picks these, M=2): what the
     # accumulator keeps, how far each round moves, and the same bytes spent on more rounds.
-    "sparse64-decay1": ("sparse 64 of 4,096, accumulator decay 1 (nothing unsent is lost)",
-                        {"--diloco-quantize": "sparse", "--diloco-sparse-k": "64",
-                         "--diloco-sparse-decay": "1"}, 1),
-    "sparse64-olr2": ("sparse 64 of 4,096, outer lr 2",
-                      {"--diloco-quantize": "sparse", "--diloco-sparse-k": "64",
-                       "--diloco-outer-lr": "2"}, 1),
-    "sparse64-olr3": ("sparse 64 of 4,096, outer lr 3",
-                      {"--diloco-quantize": "sparse", "--diloco-sparse-k": "64",
-                       "--diloco-outer-lr": "3"}, 1),
-    "sparse32-h15": ("sparse 32 of 4,096 at H=15 (the bytes of 64 at H=30, twice the rounds)",
-                     {"--diloco-quantize": "sparse", "--diloco-sparse-k": "32",
-                      "--diloco-inner-steps": "15"}, 1),
+    "sparse64-decay1": _sparse("sparse 64 of 4,096, accumulator decay 1 (nothing unsent is "
+                               "lost)", 64, {"--diloco-sparse-decay": "1"}),
+    "sparse64-olr2": _sparse("sparse 64 of 4,096, outer lr 2", 64, {"--diloco-outer-lr": "2"}),
+    "sparse64-olr3": _sparse("sparse 64 of 4,096, outer lr 3", 64, {"--diloco-outer-lr": "3"}),
+    "sparse32-h15": _sparse("sparse 32 of 4,096 at H=15 (the bytes of 64 at H=30, twice the "
+                            "rounds)", 32, {"--diloco-inner-steps": "15"}),
 }
 SPARSE_DEFAULT = ["sparse64", "sparse32"]
 CHANGES = {**ABLATIONS, **SPARSE}
