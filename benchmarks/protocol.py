@@ -36,6 +36,9 @@ Phases (each chooses from the records of the ones before it, so ``--phases`` may
 * ``sparse``: M=2 and 4 under plain averaging at the tuning rung (``--sparse-rung``), seed 1,
   with the dense FP4 exchange and the sparse one at two densities (``--sparse`` picks others
   of ``SPARSE``: its decay, outer lr, H): held-out loss and bytes.
+* ``size``: data parallel and M = 2 and 4 under plain averaging at the tuning rung with the
+  model scaled down and up (``SIZES``, ``--sizes``; ``--size-sparse`` adds sparse settings):
+  whether the gap falls with the model's size, as the paper's scaling law has it.
 * ``ablate``: M=2 under plain averaging at the tuning rung, seed 1, with one change at a time
   (``ABLATIONS``: fp32 outer gradients, tau 0, one fragment, H=15, the inner lr doubled, outer
   lr 1.4, each worker data parallel's batch): which carries the gap.
@@ -91,11 +94,13 @@ SHARDS, HELD_OUT, VALIDATION = 50, 0, 1  # crc32(path) % SHARDS
 TOKENIZER_LINES = 2_000_000  # sentencepiece's own cap (input_sentence_size)
 
 
-def parameters(vocab: int = VOCAB) -> int:
+def parameters(vocab: int = VOCAB, change=None) -> int:
     """All parameters, as the paper counts them: per layer QKV, projection and a 4x MLP with
     biases and two layer norms (12 d^2 + 13 d), the word embedding (shared with the output
-    layer), the learned positions and the final norm."""
-    return LAYERS * (12 * HIDDEN ** 2 + 13 * HIDDEN) + vocab * HIDDEN + SEQ * HIDDEN + 2 * HIDDEN
+    layer), the learned positions and the final norm; of the model ``change`` names (a size of
+    ``SIZES``), else the protocol's."""
+    layers, d, _ = model_of(change)
+    return layers * (12 * d ** 2 + 13 * d) + vocab * d + SEQ * d + 2 * d
 
 
 # ---- corpus ---------------------------------------------------------------------------------
@@ -233,16 +238,36 @@ SPARSE = {
                             "rounds)", 32, {"--diloco-inner-steps": "15"}),
 }
 SPARSE_DEFAULT = ["sparse64", "sparse32"]
-CHANGES = {**ABLATIONS, **SPARSE}
+# The model scaled down and up at the tuning rung (phase ``size``): data parallel and M
+# workers at each size, the same lr, batch and tokens per parameter, so the gap can be read
+# against the model's size as the paper's scaling law reads it (its gap falls with N).
+# name -> (layers, hidden, heads): heads of 32 as the protocol's model.
+SIZES = {"l4d64": (4, 64, 2), "l8d128": (8, 128, 4)}
+CHANGES = {**ABLATIONS, **SPARSE, **{
+    name: (f"{layers} layers, d {d}, {heads} heads", {
+        "--num-layers": str(layers), "--hidden-size": str(d), "--num-attention-heads": str(heads)},
+        1) for name, (layers, d, heads) in SIZES.items()}}
+
+
+def changes_of(change) -> list[str]:
+    """The names a job's change joins with ``+`` (a size, then an ablation or a sparse
+    setting: ``l4d64+sparse64-olr2``)."""
+    return change.split("+") if change else []
+
+
+def model_of(change=None) -> tuple[int, int, int]:
+    """(layers, hidden, heads) of a job's model: a size its change names, else the
+    protocol's."""
+    sizes = [SIZES[c] for c in changes_of(change) if c in SIZES]
+    return sizes[0] if sizes else (LAYERS, HIDDEN, HEADS)
 
 
 def method_name(workers: int, outer_lr, change=None) -> str:
     """``dp``; ``m2-plain`` (outer lr 1, no momentum); ``m2-nesterov0.6``; ``m2-plain+fp32``
-    (an ablation)."""
-    if workers == 0:
-        return "dp"
-    return f"m{workers}-" + ("plain" if outer_lr is None else f"nesterov{outer_lr:g}") + (
-        f"+{change}" if change else "")
+    (an ablation); ``dp+l4d64`` (another model size)."""
+    base = "dp" if workers == 0 else f"m{workers}-" + (
+        "plain" if outer_lr is None else f"nesterov{outer_lr:g}")
+    return base + (f"+{change}" if change else "")
 
 
 def job(rung, workers, outer_lr, lr, batch, seed, change=None) -> dict:
@@ -260,9 +285,9 @@ def label(j: dict) -> str:
 
 def parse_label(text: str) -> dict:
     rung, method, lr, batch, seed = text.split("/")
-    workers, outer_lr, change = 0, None, None
+    workers, outer_lr = 0, None
+    method, _, change = method.partition("+")
     if method != "dp":
-        method, _, change = method.partition("+")
         m, outer = method.split("-")
         workers = int(m.removeprefix("m"))
         outer_lr = None if outer == "plain" else float(outer.removeprefix("nesterov"))
@@ -271,9 +296,10 @@ def parse_label(text: str) -> dict:
                int(seed.removeprefix("seed")), change or None)
 
 
-def steps_of(rung: float, batch: int) -> int:
-    """Steps of a rung: its tokens over the global batch, a whole number of rounds of H."""
-    return max(1, round(rung * parameters() / (batch * SEQ) / H)) * H
+def steps_of(rung: float, batch: int, change=None) -> int:
+    """Steps of a rung: its tokens over the global batch, a whole number of rounds of H (of
+    the model ``change`` names, else the protocol's)."""
+    return max(1, round(rung * parameters(change=change) / (batch * SEQ) / H)) * H
 
 
 def eval_interval(steps: int) -> int:
@@ -285,7 +311,7 @@ def eval_interval(steps: int) -> int:
 
 def run_args(j: dict, data: list[str], eval_samples: int) -> tuple[list[str], int]:
     """The command line of a run and its ranks."""
-    B, M, steps = j["batch"], j["workers"], steps_of(j["rung"], j["batch"])
+    B, M, steps = j["batch"], j["workers"], steps_of(j["rung"], j["batch"], j.get("change"))
     if M <= 1:  # data parallel's worker of 2 ranks (M=1: its outer optimizer on top)
         flags = ["--diloco-workers", "1", "--global-batch-size", str(B), "--micro-batch-size",
                  str(B // 2)]
@@ -307,13 +333,14 @@ def run_args(j: dict, data: list[str], eval_samples: int) -> tuple[list[str], in
               str(max(1, steps // 20)), "--train-iters", str(steps), "--eval-interval",
               str(eval_interval(steps)), "--eval-iters", str(eval_samples // per_eval_iter),
               "--seed", str(j["seed"])]
-    if j.get("change"):
-        for flag, value in CHANGES[j["change"]][1].items():
+    flags = [*COMMON, *data, *flags]
+    for name in changes_of(j.get("change")):
+        for flag, value in CHANGES[name][1].items():
             if flag in flags:
                 flags[flags.index(flag) + 1] = value
             else:
                 flags += [flag, value]
-    return [*COMMON, *data, *flags], ranks
+    return flags, ranks
 
 
 # ---- choices --------------------------------------------------------------------------------
@@ -381,6 +408,12 @@ def phase_jobs(phase: str, opts, rows):
         at = opts.sparse_rung or rung
         return [job(at, m, None, *dp, seed, change) for seed in opts.sparse_seeds
                 for m in opts.workers if m > 1 for change in (None, *opts.sparse)], True
+    if phase == "size":  # the protocol's own model is the rows without a size
+        ms = [m for m in opts.workers if m > 1]
+        return [job(rung, m, None, *dp, seed, "+".join([size, *extra]))
+                for seed in opts.size_seeds for size in opts.sizes
+                for m, extra in [(0, []), *[(m, []) for m in ms],
+                                 *[(m, [x]) for m in ms for x in opts.size_sparse]]], True
     if phase in ("outer", "m1-outer"):
         ms = [1] if phase == "m1-outer" else [m for m in opts.workers if m > 1]
         return [job(rung, m, olr, *dp, 1) for m in ms for olr in (None, *opts.outer_lrs)], True
@@ -399,7 +432,7 @@ def phase_jobs(phase: str, opts, rows):
     raise SystemExit(f"--phases: unknown phase {phase!r}")
 
 
-PHASES = ["tune", "dp", "outer", "top", "ladder", "m1", "ablate", "sparse"]
+PHASES = ["tune", "dp", "outer", "top", "ladder", "m1", "ablate", "sparse", "size"]
 M1_PHASES = ["m1-outer", "m1-top", "m1-ladder"]
 
 
@@ -479,7 +512,7 @@ def plan_text(opts, results: Path, data: list[str]) -> str:
             args, ranks = run_args(j, data, opts.eval_samples)
             done = (results / "records" / f"{run_key(args)}.json").exists()
             lines.append(f"  {'done' if done else 'to run'}  {label(j)}  ({ranks} ranks, "
-                         f"{steps_of(j['rung'], j['batch'])} steps)")
+                         f"{steps_of(j['rung'], j['batch'], j['change'])} steps)")
     return "\n".join(lines)
 
 
@@ -515,6 +548,12 @@ def main():
                     help="phase sparse: its seeds")
     ap.add_argument("--sparse-rung", type=float,
                     help="phase sparse: its tokens per parameter (default: the tuning rung)")
+    ap.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES),
+                    help="phase size: the model sizes beside the protocol's (SIZES)")
+    ap.add_argument("--size-seeds", nargs="+", type=int, default=[1],
+                    help="phase size: its seeds")
+    ap.add_argument("--size-sparse", nargs="+", default=[], choices=list(SPARSE),
+                    help="phase size: sparse settings run at each size beside the dense one")
     ap.add_argument("--plan", action="store_true", help="run nothing: list each phase's runs")
     ap.add_argument("--report", action="store_true", help="run nothing: tabulate the records")
     opts = ap.parse_args()

@@ -202,3 +202,27 @@ def test_protocol_ablations_change_one_flag_of_m2_plain_and_keep_their_labels():
         differ = {plain[i - 1]: a for i, a in enumerate(args) if a != plain[i]}
         assert differ == flags, change
         parse_args(args)
+
+
+def test_protocol_sizes_scale_the_model_and_its_steps_and_compose_with_other_changes():
+    from megatron_streaming.cli.arguments import parse_args
+
+    assert protocol.parameters(change="l4d64") == 478_592
+    assert protocol.parameters(change="l8d128+sparse64-olr2") == 2_143_488
+    for change in ["l4d64", "l8d128+sparse64-olr2", "l4d64+lr2x"]:
+        for workers in (0, 2):
+            j = protocol.job(5, workers, None, 4e-3, 16, 1, change)
+            assert protocol.parse_label(protocol.label(j)) == j
+            cfg = parse_args(protocol.run_args(j, ["--mock-data"], 256)[0])
+            layers, d, heads = protocol.model_of(change)
+            m = cfg.model
+            assert (m.num_layers, m.hidden_size, m.num_attention_heads) == (layers, d, heads)
+            tokens = cfg.training.train_iters * 16 * 256
+            assert abs(tokens / protocol.parameters(change=change) - 5) < 0.2
+            if "sparse" in change and workers:
+                assert cfg.streaming.diloco_quantize == "sparse"
+                assert cfg.streaming.diloco_outer_lr == 2
+            if "lr2x" in change:
+                assert cfg.optimizer.lr == 0.008
+    assert protocol.label(protocol.job(5, 0, None, 4e-3, 16, 1, "l4d64")) == \
+        "tpp5/dp+l4d64/lr0.004/b16/seed1"
