@@ -236,6 +236,12 @@ SPARSE = {
     "sparse64-olr3": _sparse("sparse 64 of 4,096, outer lr 3", 64, {"--diloco-outer-lr": "3"}),
     "sparse32-h15": _sparse("sparse 32 of 4,096 at H=15 (the bytes of 64 at H=30, twice the "
                             "rounds)", 32, {"--diloco-inner-steps": "15"}),
+    # Decay 1 was worse than 0.95: does an accumulator that forgets faster do better still
+    # (what it keeps acts as outer momentum, which costs in this regime)?
+    **{f"sparse64-olr2-decay{d}": _sparse(f"sparse 64 of 4,096, outer lr 2, accumulator decay "
+                                          f"{d}", 64, {"--diloco-outer-lr": "2",
+                                                       "--diloco-sparse-decay": d})
+       for d in ("0.8", "0.5")},
 }
 SPARSE_DEFAULT = ["sparse64", "sparse32"]
 # The model scaled down and up at the tuning rung (phase ``size``): data parallel and M

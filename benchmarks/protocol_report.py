@@ -75,11 +75,12 @@ def _gap_along(mine: list[dict], dps: list[dict]) -> list:
 
 
 def tables(rows: list[dict], opts) -> str:
-    from benchmarks.protocol import SPARSE
+    from benchmarks.protocol import SIZES, SPARSE, changes_of
 
-    ablated = [r for r in rows if r["change"] and r["change"] not in SPARSE]
+    sized = [r for r in rows if any(c in SIZES for c in changes_of(r["change"]))]
+    ablated = [r for r in rows if r["change"] and r not in sized and r["change"] not in SPARSE]
     sparse = [r for r in rows if r["change"] in SPARSE]
-    rows = [r for r in rows if not r["change"]]
+    every, rows = rows, [r for r in rows if not r["change"]]
     rung, top = opts.tune_rung, max(opts.rungs)
     dp = best_dp(rows, rung)
     if dp is None:
@@ -143,7 +144,8 @@ def tables(rows: list[dict], opts) -> str:
             g = dict(c["gap_along"])
             lines.append(f"| {c['workers']} | {c['outer']} | " + " | ".join(
                 f"{g[f]:+.1f} %" if f in g else "-" for f in fractions) + " |")
-    return "\n".join(lines + ablation_table(ablated, rows, dp) + sparse_table(sparse, rows))
+    return "\n".join(lines + ablation_table(ablated, rows, dp) + sparse_table(sparse, rows)
+                     + size_table(sized, every, rung, dp))
 
 
 def ablation_table(ablated: list[dict], rows: list[dict], dp) -> list[str]:
@@ -201,6 +203,47 @@ def sparse_table(sparse: list[dict], rows: list[dict]) -> list[str]:
                 SPARSE[r["change"]][0]
             out.append(f"| {rung:g} | {m} | {what} | {_loss(_held_out(r))} | {gap} | "
                        f"{sent / 1e6:.2f} MB | {dp_bytes / sent:,.0f}x |")
+    return out
+
+
+def size_table(sized: list[dict], rows: list[dict], rung: float, dp) -> list[str]:
+    """Phase ``size``: data parallel and M workers with the model scaled down and up, beside
+    the protocol's own model at the same rung, seeds, lr and batch; each run's gap against
+    data parallel of its size (and of its other changes but the exchange)."""
+    if not sized:
+        return []
+    from benchmarks.protocol import CHANGES, SPARSE, changes_of, parameters
+
+    seeds = {r["seed"] for r in sized}
+    own = [r for r in rows if r["rung"] == rung and r["seed"] in seeds and (r["lr"], r["batch"])
+           == dp and r["outer_lr"] is None and (r["change"] is None or r["change"] in SPARSE)]
+    out = ["", f"The model's size (phase size; {rung:g} tokens per parameter, plain averaging, "
+           "held lr and batch; gap against data parallel of the same size and seed):", "",
+           "| model | parameters | steps | seed | M | exchange | held-out loss | gap to data "
+           "parallel |", "|---|---|---|---|---|---|---|---|"]
+
+    def model(r):
+        sizes = [c for c in changes_of(r["change"]) if c in CHANGES and c not in SPARSE and
+                 CHANGES[c][1].get("--hidden-size")]
+        return sizes[0] if sizes else ""
+
+    def dense(r):  # its change without the exchange's settings
+        return "+".join(c for c in changes_of(r["change"]) if c not in SPARSE)
+
+    def order(r):
+        return parameters(change=r["change"]), dense(r), r["seed"], r["workers"], r["change"] or ""
+    for r in sorted([*own, *sized], key=order):
+        ref = next((x for x in [*own, *sized] if x["workers"] == 0 and x["seed"] == r["seed"]
+                    and (x["change"] or "") == dense(r)), None)
+        gap = "" if r["workers"] == 0 or ref is None else \
+            f"{100 * (_held_out(r) / _held_out(ref) - 1):+.2f} %"
+        what = ", ".join(CHANGES[c][0] for c in changes_of(r["change"]) if c != model(r))
+        exchange = "-" if r["workers"] == 0 else (what or "dense FP4")
+        name = CHANGES[model(r)][0] if model(r) else "the protocol's (6 layers, d 96, 3 heads)"
+        out.append(f"| {name} | {parameters(change=r['change']):,} | "
+                   f"{steps_of(r['rung'], r['batch'], r['change'])} | {r['seed']} | "
+                   f"{r['workers'] or 'data parallel'} | {exchange} | {_loss(_held_out(r))} | "
+                   f"{gap} |")
     return out
 
 

@@ -226,3 +226,24 @@ def test_protocol_sizes_scale_the_model_and_its_steps_and_compose_with_other_cha
                 assert cfg.optimizer.lr == 0.008
     assert protocol.label(protocol.job(5, 0, None, 4e-3, 16, 1, "l4d64")) == \
         "tpp5/dp+l4d64/lr0.004/b16/seed1"
+
+
+def test_protocol_size_table_reads_each_run_against_data_parallel_of_its_size():
+    def row(workers, change, held_out, seed=1):
+        j = protocol.job(5, workers, None, 4e-3, 16, seed, change)
+        return {**j, "summary": {"test_loss": held_out, "valid_loss": held_out},
+                "held_out": [(10, held_out)]}
+    rows = [row(0, None, 3.0), row(2, None, 3.3), row(0, "l4d64", 4.0), row(2, "l4d64", 4.6),
+            row(2, "l4d64+sparse64-olr2", 5.0), row(0, "l4d64+lr2x", 3.5),
+            row(2, "l4d64+lr2x", 3.85), row(2, "l8d128", 9.9, seed=2)]
+    sized = [r for r in rows if r["change"] and "l" in r["change"][:1]]
+    lines = protocol_report.size_table(sized, rows, 5, (4e-3, 16))
+    text = "\n".join(lines)
+    # Each against data parallel of its own size and inner lr; the exchange is not a size.
+    assert "| 2 | dense FP4 | 3.300 | +10.00 % |" in text
+    assert "| 2 | dense FP4 | 4.600 | +15.00 % |" in text
+    assert "| 2 | sparse 64 of 4,096, outer lr 2 | 5.000 | +25.00 % |" in text
+    assert "| 2 | inner lr doubled (0.008, min 0.0008) | 3.850 | +10.00 % |" in text
+    assert "| 478,592 | 570 | 1 | data parallel | - | 4.000 |  |" in text
+    assert len([x for x in lines if x.startswith("| ") and "---" not in x]) == 1 + 8
+    assert "| 9.900 |  |" in text  # seed 2's lone run has no data parallel: no gap
