@@ -212,20 +212,19 @@ def size_table(sized: list[dict], rows: list[dict], rung: float, dp) -> list[str
     data parallel of its size (and of its other changes but the exchange)."""
     if not sized:
         return []
-    from benchmarks.protocol import CHANGES, SPARSE, changes_of, parameters
+    from benchmarks.protocol import CHANGES, SIZES, SPARSE, changes_of, parameters
 
     seeds = {r["seed"] for r in sized}
+    exchanges = {None, *(c for r in sized for c in changes_of(r["change"]) if c in SPARSE)}
     own = [r for r in rows if r["rung"] == rung and r["seed"] in seeds and (r["lr"], r["batch"])
-           == dp and r["outer_lr"] is None and (r["change"] is None or r["change"] in SPARSE)]
+           == dp and r["outer_lr"] is None and r["change"] in exchanges and r["workers"] != 1]
     out = ["", f"The model's size (phase size; {rung:g} tokens per parameter, plain averaging, "
            "held lr and batch; gap against data parallel of the same size and seed):", "",
            "| model | parameters | steps | seed | M | exchange | held-out loss | gap to data "
            "parallel |", "|---|---|---|---|---|---|---|---|"]
 
     def model(r):
-        sizes = [c for c in changes_of(r["change"]) if c in CHANGES and c not in SPARSE and
-                 CHANGES[c][1].get("--hidden-size")]
-        return sizes[0] if sizes else ""
+        return next((c for c in changes_of(r["change"]) if c in SIZES), "")
 
     def dense(r):  # its change without the exchange's settings
         return "+".join(c for c in changes_of(r["change"]) if c not in SPARSE)
