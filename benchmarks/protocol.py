@@ -416,7 +416,7 @@ def phase_jobs(phase: str, opts, rows):
                 for m in opts.workers if m > 1 for change in (None, *opts.sparse)], True
     if phase == "size":  # the protocol's own model is the rows without a size
         ms = [m for m in opts.workers if m > 1]
-        return [job(rung, m, None, *dp, seed, "+".join([size, *extra]))
+        return [job(opts.size_rung or rung, m, None, *dp, seed, "+".join([size, *extra]))
                 for seed in opts.size_seeds for size in opts.sizes
                 for m, extra in [(0, []), *[(m, []) for m in ms],
                                  *[(m, [x]) for m in ms for x in opts.size_sparse]]], True
@@ -558,6 +558,8 @@ def main():
                     help="phase size: the model sizes beside the protocol's (SIZES)")
     ap.add_argument("--size-seeds", nargs="+", type=int, default=[1],
                     help="phase size: its seeds")
+    ap.add_argument("--size-rung", type=float,
+                    help="phase size: its tokens per parameter (default: the tuning rung)")
     ap.add_argument("--size-sparse", nargs="+", default=[], choices=list(SPARSE),
                     help="phase size: sparse settings run at each size beside the dense one")
     ap.add_argument("--plan", action="store_true", help="run nothing: list each phase's runs")

@@ -145,7 +145,8 @@ def tables(rows: list[dict], opts) -> str:
             lines.append(f"| {c['workers']} | {c['outer']} | " + " | ".join(
                 f"{g[f]:+.1f} %" if f in g else "-" for f in fractions) + " |")
     return "\n".join(lines + ablation_table(ablated, rows, dp) + sparse_table(sparse, rows)
-                     + size_table(sized, every, rung, dp))
+                     + [x for at in sorted({r["rung"] for r in sized})
+                        for x in size_table([r for r in sized if r["rung"] == at], every, at, dp)])
 
 
 def ablation_table(ablated: list[dict], rows: list[dict], dp) -> list[str]:

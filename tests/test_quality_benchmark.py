@@ -247,3 +247,18 @@ def test_protocol_size_table_reads_each_run_against_data_parallel_of_its_size():
     assert "| 478,592 | 570 | 1 | data parallel | - | 4.000 |  |" in text
     assert len([x for x in lines if x.startswith("| ") and "---" not in x]) == 1 + 8
     assert "| 9.900 |  |" in text  # seed 2's lone run has no data parallel: no gap
+
+
+def test_protocol_size_phase_runs_each_size_at_its_rung_beside_data_parallel():
+    class Opts:
+        tune_rung, rungs, workers, size_seeds = 5, [5, 20], [2, 4], [1]
+        sizes, size_sparse, size_rung = ["l4d64"], ["sparse64-olr2"], 20
+
+    rows = [_row(5, 0, None, 4e-3, 16, 1, 3.0, 3.0)]
+    jobs, final = protocol.phase_jobs("size", Opts, rows)
+    assert final and [protocol.label(j) for j in jobs] == [
+        f"tpp20/{m}/lr0.004/b16/seed1" for m in (
+            "dp+l4d64", "m2-plain+l4d64", "m4-plain+l4d64", "m2-plain+l4d64+sparse64-olr2",
+            "m4-plain+l4d64+sparse64-olr2")]
+    Opts.size_rung = None
+    assert {j["rung"] for j in protocol.phase_jobs("size", Opts, rows)[0]} == {5}
