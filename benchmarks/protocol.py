@@ -36,9 +36,10 @@ Phases (each chooses from the records of the ones before it, so ``--phases`` may
 * ``sparse``: M=2 and 4 under plain averaging at the tuning rung (``--sparse-rung``), seed 1,
   with the dense FP4 exchange and the sparse one at two densities (``--sparse`` picks others
   of ``SPARSE``: its decay, outer lr, H): held-out loss and bytes.
-* ``size``: data parallel and M = 2 and 4 under plain averaging at the tuning rung with the
-  model scaled down and up (``SIZES``, ``--sizes``; ``--size-sparse`` adds sparse settings):
-  whether the gap falls with the model's size, as the paper's scaling law has it.
+* ``size``: data parallel and M = 2 and 4 under plain averaging at the tuning rung (or
+  ``--size-rung``) with the model scaled down and up (``SIZES``, ``--sizes``;
+  ``--size-sparse`` adds sparse settings): whether the gap falls with the model's size, as
+  the paper's scaling law has it.
 * ``ablate``: M=2 under plain averaging at the tuning rung, seed 1, with one change at a time
   (``ABLATIONS``: fp32 outer gradients, tau 0, one fragment, H=15, the inner lr doubled, outer
   lr 1.4, each worker data parallel's batch): which carries the gap.
@@ -236,8 +237,8 @@ SPARSE = {
     "sparse64-olr3": _sparse("sparse 64 of 4,096, outer lr 3", 64, {"--diloco-outer-lr": "3"}),
     "sparse32-h15": _sparse("sparse 32 of 4,096 at H=15 (the bytes of 64 at H=30, twice the "
                             "rounds)", 32, {"--diloco-inner-steps": "15"}),
-    # Decay 1 was worse than 0.95: does an accumulator that forgets faster do better still
-    # (what it keeps acts as outer momentum, which costs in this regime)?
+    # Decay 1 was worse than 0.95: does an accumulator that forgets faster do better (what it
+    # keeps acts as outer momentum, which costs in this regime)? No: both were worse.
     **{f"sparse64-olr2-decay{d}": _sparse(f"sparse 64 of 4,096, outer lr 2, accumulator decay "
                                           f"{d}", 64, {"--diloco-outer-lr": "2",
                                                        "--diloco-sparse-decay": d})
