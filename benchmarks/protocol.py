@@ -262,11 +262,15 @@ def changes_of(change) -> list[str]:
     return change.split("+") if change else []
 
 
+def size_of(change) -> str:
+    """The size of ``SIZES`` a job's change names ("" for the protocol's model)."""
+    return next((c for c in changes_of(change) if c in SIZES), "")
+
+
 def model_of(change=None) -> tuple[int, int, int]:
     """(layers, hidden, heads) of a job's model: a size its change names, else the
     protocol's."""
-    sizes = [SIZES[c] for c in changes_of(change) if c in SIZES]
-    return sizes[0] if sizes else (LAYERS, HIDDEN, HEADS)
+    return SIZES.get(size_of(change), (LAYERS, HIDDEN, HEADS))
 
 
 def method_name(workers: int, outer_lr, change=None) -> str:

@@ -75,10 +75,11 @@ def _gap_along(mine: list[dict], dps: list[dict]) -> list:
 
 
 def tables(rows: list[dict], opts) -> str:
-    from benchmarks.protocol import SIZES, SPARSE, changes_of
+    from benchmarks.protocol import SPARSE, size_of
 
-    sized = [r for r in rows if any(c in SIZES for c in changes_of(r["change"]))]
-    ablated = [r for r in rows if r["change"] and r not in sized and r["change"] not in SPARSE]
+    sized = [r for r in rows if size_of(r["change"])]
+    ablated = [r for r in rows if r["change"] and not size_of(r["change"]) and
+               r["change"] not in SPARSE]
     sparse = [r for r in rows if r["change"] in SPARSE]
     every, rows = rows, [r for r in rows if not r["change"]]
     rung, top = opts.tune_rung, max(opts.rungs)
@@ -213,7 +214,7 @@ def size_table(sized: list[dict], rows: list[dict], rung: float, dp) -> list[str
     data parallel of its size (and of its other changes but the exchange)."""
     if not sized:
         return []
-    from benchmarks.protocol import CHANGES, SIZES, SPARSE, changes_of, parameters
+    from benchmarks.protocol import CHANGES, SPARSE, changes_of, parameters, size_of
 
     seeds = {r["seed"] for r in sized}
     exchanges = {None, *(c for r in sized for c in changes_of(r["change"]) if c in SPARSE)}
@@ -223,9 +224,6 @@ def size_table(sized: list[dict], rows: list[dict], rung: float, dp) -> list[str
            "held lr and batch; gap against data parallel of the same size and seed):", "",
            "| model | parameters | steps | seed | M | exchange | held-out loss | gap to data "
            "parallel |", "|---|---|---|---|---|---|---|---|"]
-
-    def model(r):
-        return next((c for c in changes_of(r["change"]) if c in SIZES), "")
 
     def dense(r):  # its change without the exchange's settings
         return "+".join(c for c in changes_of(r["change"]) if c not in SPARSE)
@@ -237,9 +235,10 @@ def size_table(sized: list[dict], rows: list[dict], rung: float, dp) -> list[str
                     and (x["change"] or "") == dense(r)), None)
         gap = "" if r["workers"] == 0 or ref is None else \
             f"{100 * (_held_out(r) / _held_out(ref) - 1):+.2f} %"
-        what = ", ".join(CHANGES[c][0] for c in changes_of(r["change"]) if c != model(r))
+        size = size_of(r["change"])
+        what = ", ".join(CHANGES[c][0] for c in changes_of(r["change"]) if c != size)
         exchange = "-" if r["workers"] == 0 else (what or "dense FP4")
-        name = CHANGES[model(r)][0] if model(r) else "the protocol's (6 layers, d 96, 3 heads)"
+        name = CHANGES[size][0] if size else "the protocol's (6 layers, d 96, 3 heads)"
         out.append(f"| {name} | {parameters(change=r['change']):,} | "
                    f"{steps_of(r['rung'], r['batch'], r['change'])} | {r['seed']} | "
                    f"{r['workers'] or 'data parallel'} | {exchange} | {_loss(_held_out(r))} | "
